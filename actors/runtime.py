@@ -1,0 +1,210 @@
+"""The small runtime every actor process shares: options, endpoint discovery, logging, run loop.
+
+An actor module (``actors.validator.actor``, ``actors.scheduler.actor``, ``actors.worker.actor``,
+``gateway.actor``) exposes ``add_arguments(parser)`` and ``async def main(args)``. The CLI
+(``actorserve actor KIND ...``) adds :func:`common_arguments`, resolves the endpoints with
+:func:`resolve_endpoints` and hands ``main`` to :func:`run_actor_main`, which
+
+* sets up logging (level from ``--log-level``, else ``ACTORSERVE_LOG_LEVEL``, else INFO; every line
+  names the actor kind and the pid);
+* runs ``main(args)`` as one task under ``asyncio.run``;
+* turns SIGTERM / SIGINT into a cancellation of that task. The actor's ``main`` catches
+  ``CancelledError`` and drains (bounded, shielded cleanup). A second signal while draining
+  exits at once with status 130 (SIGINT) / 143 (SIGTERM);
+* exits 0 after a clean drain (``main`` returned, or ended with the CancelledError the signal
+  caused), 1 if ``main`` raised.
+
+This module imports neither torch nor nats, so it is cheap to import from the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("actorserve.runtime")
+
+DEFAULT_STATE_DIR = ".actorserve"
+ENV_NATS = "ACTORSERVE_NATS"
+ENV_ETCD = "ACTORSERVE_ETCD"
+ENV_LOG_LEVEL = "ACTORSERVE_LOG_LEVEL"
+ENV_STATE_DIR = "ACTORSERVE_STATE_DIR"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def log_level_type(value: str) -> str:
+    """argparse type for ``--log-level``: a level name (case-insensitive, WARN accepted), upper-cased."""
+    v = value.strip().upper()
+    if v == "WARN":
+        v = "WARNING"
+    if v not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid log level {value!r} (choose from {', '.join(LOG_LEVELS)})")
+    return v
+
+
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options every actor (and every CLI verb that talks to the stack) accepts.
+
+    ``--nats URL`` and ``--etcd URL`` default to None: :func:`resolve_endpoints` then takes them
+    from ``ACTORSERVE_NATS`` / ``ACTORSERVE_ETCD``, else from ``<state-dir>/endpoints.json``.
+    ``--state-dir DIR`` defaults to ``ACTORSERVE_STATE_DIR`` or ``.actorserve``. ``--log-level``
+    defaults to ``ACTORSERVE_LOG_LEVEL`` or INFO (resolved at run time).
+    """
+    g = parser.add_argument_group("stack endpoints")
+    g.add_argument("--nats", metavar="URL", default=None,
+                   help=f"NATS server URL (default: ${ENV_NATS}, else <state-dir>/{ENDPOINTS_FILE})")
+    g.add_argument("--etcd", metavar="URL", default=None,
+                   help=f"etcd client URL (default: ${ENV_ETCD}, else <state-dir>/{ENDPOINTS_FILE})")
+    g.add_argument("--state-dir", metavar="DIR", default=None,
+                   help=f"state directory written by `actorserve up` (default: ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})")
+    g.add_argument("--log-level", type=log_level_type, default=None, metavar="LEVEL",
+                   help=f"log level: {', '.join(LOG_LEVELS)} (default: ${ENV_LOG_LEVEL} or INFO)")
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    """The state directory named by ``args.state_dir``, else ``ACTORSERVE_STATE_DIR``, else ``.actorserve``."""
+    value = getattr(args, "state_dir", None) or os.environ.get(ENV_STATE_DIR) or DEFAULT_STATE_DIR
+    return Path(value)
+
+
+def _read_endpoints_file(state_dir: Path) -> dict[str, Any] | None:
+    path = state_dir / ENDPOINTS_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"actorserve: cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"actorserve: {path} must hold a JSON object")
+    return data
+
+
+def resolve_endpoints(args: argparse.Namespace, *, need_nats: bool = True, need_etcd: bool = True) -> tuple[str | None, str | None]:
+    """Return ``(nats_url, etcd_url)`` for ``args``.
+
+    Each URL comes from its option (``--nats`` / ``--etcd``), else from the environment
+    (``ACTORSERVE_NATS`` / ``ACTORSERVE_ETCD``), else from ``<state-dir>/endpoints.json``.
+    Raises SystemExit with a message naming all three sources if a needed URL is found nowhere;
+    a URL that is not needed (``need_nats=False`` / ``need_etcd=False``) may come back None.
+    """
+    nats_url = getattr(args, "nats", None) or os.environ.get(ENV_NATS) or None
+    etcd_url = getattr(args, "etcd", None) or os.environ.get(ENV_ETCD) or None
+    if nats_url is None or etcd_url is None:
+        state_dir = state_dir_of(args)
+        data = _read_endpoints_file(state_dir) or {}
+        nats_url = nats_url or data.get("nats_url") or None
+        etcd_url = etcd_url or data.get("etcd_url") or None
+    missing = [
+        (opt, env)
+        for opt, env, val, needed in (
+            ("--nats", ENV_NATS, nats_url, need_nats),
+            ("--etcd", ENV_ETCD, etcd_url, need_etcd),
+        )
+        if needed and not val
+    ]
+    if missing:
+        what = " and ".join(f"{opt} (or ${env})" for opt, env in missing)
+        raise SystemExit(
+            f"actorserve: no {'/'.join(o.lstrip('-') for o, _ in missing)} endpoint: pass {what}, "
+            f"or start the stack with `actorserve up` so that {state_dir_of(args) / ENDPOINTS_FILE} exists"
+        )
+    return nats_url, etcd_url
+
+
+def log_level_of(args: argparse.Namespace | None) -> str:
+    """Effective log level name: ``args.log_level``, else ``ACTORSERVE_LOG_LEVEL``, else INFO."""
+    level = getattr(args, "log_level", None) if args is not None else None
+    if not level:
+        env = os.environ.get(ENV_LOG_LEVEL, "")
+        try:
+            level = log_level_type(env) if env else "INFO"
+        except argparse.ArgumentTypeError:
+            level = "INFO"
+    return level
+
+
+def setup_logging(kind: str, level: str = "INFO") -> None:
+    """Configure the root logger: one line per record on stderr, naming ``kind`` and the pid.
+
+    Format: ``2025-01-01 12:00:00,000 INFO worker[1234] module: message``. Replaces existing
+    handlers so that it may be called again (e.g. in tests).
+    """
+    fmt = f"%(asctime)s %(levelname)s {kind}[%(process)d] %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), format=fmt, stream=sys.stderr, force=True)
+    # Third-party chatter stays at WARNING unless we are debugging.
+    if level != "DEBUG":
+        for noisy in ("aetcd", "grpc", "nats", "asyncio", "aiohttp.access"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+async def _run_main(main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]], args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(main_coro_fn(args))
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not received:
+            received.append(signum)
+            log.info("received %s: draining", signal.Signals(signum).name)
+            task.cancel()
+        else:
+            # A second signal while draining: give up on the drain.
+            log.warning("received %s again while draining: exiting now", signal.Signals(signum).name)
+            os._exit(128 + signum)
+
+    installed: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+            installed.append(signum)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread / platform
+            pass
+    try:
+        await task
+    except asyncio.CancelledError:
+        if received:
+            log.info("drained; exiting")
+            return 0
+        raise
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+    if received:
+        log.info("drained; exiting")
+    return 0
+
+
+def run_actor_main(
+    main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]],
+    args: argparse.Namespace,
+    *,
+    kind: str | None = None,
+) -> int:
+    """Run an actor's ``main(args)`` to completion in a fresh event loop and return its exit status.
+
+    Sets up logging (see :func:`setup_logging`; ``kind`` defaults to ``args.actor_kind`` or the
+    program name), installs SIGTERM/SIGINT handlers that cancel the main task so the actor drains,
+    and returns 0 after a clean drain or normal return, 1 if ``main`` raised (the traceback is
+    logged). The CLI passes the result to ``sys.exit``.
+    """
+    kind = kind or getattr(args, "actor_kind", None) or Path(sys.argv[0]).name or "actor"
+    setup_logging(kind, log_level_of(args))
+    try:
+        return asyncio.run(_run_main(main_coro_fn, args))
+    except KeyboardInterrupt:  # a SIGINT before the handler was installed
+        return 130
+    except SystemExit:
+        raise
+    except BaseException:
+        log.exception("%s failed", kind)
+        return 1

@@ -1,0 +1,154 @@
+"""Scheduler policy for one model version: bounded FCFS queue, credit-based worker choice, in-flight table.
+
+Pure module (no torch, no nats, no clock reads): the actor feeds it events (submit, credits, lease
+gone, dispatch result, first token, done) with explicit times and carries out its decisions.
+FCFS for now; fair queueing and priority classes replace ``FcfsQueue`` in a later issue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass
+class WorkerView:
+    """What the scheduler believes about one worker (from its lease and credit heartbeats)."""
+
+    worker_id: str
+    free_blocks: int = 0  # free KV blocks at last heartbeat, minus blocks dispatched since
+    free_slots: int = 0  # free sequence slots at last heartbeat, minus dispatches since
+    block_size: int = 16  # tokens per block
+    draining: bool = False
+    leased: bool = False  # etcd lease key present
+    last_credit_ts: float = 0.0  # when the last heartbeat arrived (s, scheduler clock)
+    inflight: dict[str, bool] = field(default_factory=dict)  # request id -> has streamed a token
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks needed to hold ``num_tokens`` tokens."""
+        return max(1, math.ceil(num_tokens / max(1, self.block_size)))
+
+    def can_take(self, num_prompt_tokens: int, now: float, stale_after: float) -> bool:
+        """Live, fresh credits, a free slot and blocks for the prompt plus one token."""
+        fresh = now - self.last_credit_ts <= stale_after
+        return (self.leased and fresh and not self.draining and self.free_slots > 0
+                and self.free_blocks >= self.blocks_for(num_prompt_tokens + 1))
+
+    def take(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Charge one dispatch against this worker's credits and record it in flight."""
+        self.free_slots -= 1
+        self.free_blocks -= self.blocks_for(num_prompt_tokens + 1)
+        self.inflight[request_id] = False
+
+
+class FcfsQueue(Generic[R]):
+    """Bounded first-come-first-served queue. ``push`` returns False when full (caller refuses 503)."""
+
+    def __init__(self, max_len: int) -> None:
+        if max_len < 1:
+            raise ValueError("max_len must be >= 1")
+        self.max_len = max_len
+        self._q: deque[tuple[str, int, float, R]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def can_push(self) -> bool:
+        """Room for one more request."""
+        return len(self._q) < self.max_len
+
+    def push(self, request_id: str, num_tokens: int, deadline: float, item: R) -> bool:
+        """Append at the tail; False if full."""
+        if not self.can_push():
+            return False
+        self._q.append((request_id, num_tokens, deadline, item))
+        return True
+
+    def push_front(self, request_id: str, num_tokens: int, deadline: float, item: R) -> None:
+        """Put back at the head (re-dispatch after a refusal or a lost worker); may exceed max_len by design."""
+        self._q.appendleft((request_id, num_tokens, deadline, item))
+
+    def peek(self) -> tuple[str, int, float, R] | None:
+        """Head of the queue or None."""
+        return self._q[0] if self._q else None
+
+    def pop(self) -> tuple[str, int, float, R]:
+        """Remove and return the head (IndexError if empty)."""
+        return self._q.popleft()
+
+    def remove(self, request_id: str) -> R | None:
+        """Remove a queued request by id (cancel); returns its item or None."""
+        for entry in self._q:
+            if entry[0] == request_id:
+                self._q.remove(entry)
+                return entry[3]
+        return None
+
+    def pop_expired(self, now: float) -> list[R]:
+        """Remove and return every queued item whose deadline (epoch s) has passed."""
+        expired = [e for e in self._q if e[2] and e[2] < now]
+        for e in expired:
+            self._q.remove(e)
+        return [e[3] for e in expired]
+
+
+class WorkerTable:
+    """Workers of one version: leases, credits, in-flight requests; picks where to dispatch."""
+
+    def __init__(self, stale_after_s: float = 2.0) -> None:
+        self.workers: dict[str, WorkerView] = {}
+        self.stale_after_s = stale_after_s  # credits older than this are not trusted (s)
+
+    def get(self, worker_id: str) -> WorkerView:
+        """The view of ``worker_id``, created empty on first mention."""
+        return self.workers.setdefault(worker_id, WorkerView(worker_id))
+
+    def on_lease(self, worker_id: str, present: bool) -> dict[str, bool]:
+        """Lease put/delete. On delete returns the worker's in-flight table (id -> started) and forgets it."""
+        if present:
+            self.get(worker_id).leased = True
+            return {}
+        view = self.workers.pop(worker_id, None)
+        return dict(view.inflight) if view else {}
+
+    def on_credits(self, worker_id: str, free_blocks: int, free_slots: int, block_size: int,
+                   draining: bool, now: float) -> None:
+        """Heartbeat: replace the credit view (the worker's own count already includes our dispatches)."""
+        if worker_id not in self.workers:
+            return  # no lease (yet, or any more): ignore
+        v = self.workers[worker_id]
+        v.free_blocks, v.free_slots, v.block_size, v.draining, v.last_credit_ts = (
+            free_blocks, free_slots, block_size, draining, now)
+
+    def pick(self, num_prompt_tokens: int, now: float) -> WorkerView | None:
+        """Least-loaded worker (most free slots, then blocks) that can take the request; None = no room."""
+        able = [w for w in self.workers.values() if w.can_take(num_prompt_tokens, now, self.stale_after_s)]
+        if not able:
+            return None
+        return max(able, key=lambda w: (w.free_slots, w.free_blocks))
+
+    def on_first_token(self, request_id: str) -> None:
+        """Mark a request as having streamed a token (no re-dispatch after a worker loss)."""
+        for w in self.workers.values():
+            if request_id in w.inflight:
+                w.inflight[request_id] = True
+
+    def on_done(self, request_id: str) -> None:
+        """Forget a finished request."""
+        for w in self.workers.values():
+            w.inflight.pop(request_id, None)
+
+    def on_refused(self, worker_id: str, request_id: str) -> None:
+        """A dispatch was refused or unanswered: undo it and distrust the worker until its next heartbeat."""
+        w = self.workers.get(worker_id)
+        if w:
+            w.inflight.pop(request_id, None)
+            w.free_slots = 0
+
+    def num_inflight(self) -> int:
+        """Requests dispatched and not yet done, all workers."""
+        return sum(len(w.inflight) for w in self.workers.values())

@@ -1,0 +1,200 @@
+"""Scheduler service for one model version: thin shell around ``actors.scheduler.policy``.
+
+Inbound: submits (request-reply from validators; the ack says accepted or why not), worker credits,
+worker lease events (etcd), first-token events, completion records, cancels. Outbound: dispatches
+(request-reply to one worker) and final error chunks for requests it must end (queue full, deadline,
+cancel while queued, worker lost after streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import orjson
+
+from actors.scheduler.policy import FcfsQueue, WorkerTable
+from bus import subjects
+from bus.base import Bus, BusError, Msg
+from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, error_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one scheduler. ValueError on bad values."""
+
+    name: str
+    version: str
+    scheduler_id: str = "sched"
+    max_queue_len: int = 1024  # queued requests before 503
+    dispatch_timeout_s: float = 2.0  # wait for a worker's dispatch ack
+    retry_after_s: float = 1.0  # Retry-After on 503 (s)
+    max_attempts: int = 3  # dispatch attempts per request (worker losses before the first token)
+    credit_stale_s: float = 2.0  # credits older than this are not trusted
+
+    def __post_init__(self) -> None:
+        subjects.sched_submit(self.name, self.version)
+        if self.max_queue_len < 1 or self.dispatch_timeout_s <= 0 or self.max_attempts < 1:
+            raise ValueError("max_queue_len, dispatch_timeout_s and max_attempts must be positive")
+
+
+class SchedulerService:
+    """Runs the FCFS policy for one model version over a Bus."""
+
+    def __init__(self, bus: Bus, config: SchedulerConfig) -> None:
+        self.bus, self.cfg = bus, config
+        self.queue: FcfsQueue[GenerateRequest] = FcfsQueue(config.max_queue_len)
+        self.table = WorkerTable(config.credit_stale_s)
+        self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
+        self._kick = asyncio.Event()
+        self._subs: list = []
+        self._tasks: list[asyncio.Task] = []
+        self.num_dispatched = 0
+
+    async def start(self) -> None:
+        """Subscribe to the version's subjects and start the dispatch loop."""
+        n, v = self.cfg.name, self.cfg.version
+        self._subs += [
+            await self.bus.subscribe(subjects.sched_submit(n, v), self._on_submit, queue=subjects.SCHEDULERS_QUEUE),
+            await self.bus.subscribe(subjects.credits_of_version(n, v), self._on_credits),
+            await self.bus.subscribe(subjects.sched_events(n, v), self._on_event),
+            await self.bus.subscribe(subjects.done(n, v), self._on_done),
+            await self.bus.subscribe(subjects.cancel_all(), self._on_cancel)]
+        self._tasks.append(asyncio.create_task(self._dispatch_loop()))
+
+    async def stop(self) -> None:
+        """Stop taking submits; end queued requests with a retryable 503; stop loops."""
+        for sub in self._subs:
+            await sub.unsubscribe()
+        while len(self.queue):
+            await self._fail(self.queue.pop()[3], 503, "scheduler is shutting down", "unavailable")
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- events ------------------------------------------------------------------------------
+    def on_worker_lease(self, worker_id: str, present: bool) -> list[GenerateRequest]:
+        """Lease put/delete from etcd. Returns requests to re-dispatch; fails the ones already streaming."""
+        lost = self.table.on_lease(worker_id, present)
+        redo = []
+        for rid, started in lost.items():
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if started or req.attempt + 1 >= self.cfg.max_attempts:
+                asyncio.create_task(self._fail(req, 503, f"worker {worker_id} was lost while serving the request",
+                                               "worker_lost"))
+            else:
+                redo.append(replace(req, attempt=req.attempt + 1))
+        for req in reversed(redo):
+            self.queue.push_front(req.request_id, len(req.prompt_token_ids), req.deadline, req)
+        if redo or present:
+            self._kick.set()
+        return redo
+
+    async def _on_submit(self, msg: Msg) -> None:
+        try:
+            req = GenerateRequest.decode(msg.data)
+        except ValueError as exc:
+            return await self._ack(msg, False, error_dict(400, str(exc)))
+        if not self.queue.push(req.request_id, len(req.prompt_token_ids), req.deadline,
+                               replace(req, marks={**req.marks, "sched_in": time.time()})):
+            return await self._ack(msg, False, error_dict(
+                503, "the model's queue is full; retry later", type_="overloaded", code="queue_full",
+                retryable=True, retry_after=self.cfg.retry_after_s))
+        await self._ack(msg, True)
+        self._kick.set()
+
+    async def _ack(self, msg: Msg, ok: bool, error: dict | None = None) -> None:
+        if msg.reply:
+            await msg.respond(orjson.dumps({"accepted": ok, "error": error}))
+
+    async def _on_credits(self, msg: Msg) -> None:
+        try:
+            c = Credits.decode(msg.data)
+        except ValueError:
+            return
+        self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, time.monotonic())
+        if c.free_slots > 0:
+            self._kick.set()
+
+    async def _on_event(self, msg: Msg) -> None:
+        ev = orjson.loads(msg.data)
+        if ev.get("event") == "first_token":
+            self.table.on_first_token(ev.get("request_id", ""))
+
+    async def _on_done(self, msg: Msg) -> None:
+        try:
+            rec = CompletionRecord.decode(msg.data)
+        except ValueError:
+            return
+        self.table.on_done(rec.request_id)
+        self.requests.pop(rec.request_id, None)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        req = self.queue.remove(rid)
+        if req is not None:
+            await self._fail(req, 499, "request cancelled while queued", "cancelled", retryable=False)
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        while True:
+            for req in self.queue.pop_expired(time.time()):
+                await self._fail(req, 503, "the request's deadline passed while it was queued", "deadline_exceeded")
+            if not await self._dispatch_head():
+                self._kick.clear()
+                try:
+                    await asyncio.wait_for(self._kick.wait(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _dispatch_head(self) -> bool:
+        """Dispatch the head request if a worker can take it; False when nothing was done."""
+        head = self.queue.peek()
+        if head is None:
+            return False
+        worker = self.table.pick(head[1], time.monotonic())
+        if worker is None:
+            return False
+        req = self.queue.pop()[3]
+        worker.take(req.request_id, len(req.prompt_token_ids))
+        if not await self._send(worker.worker_id, req):
+            self.table.on_refused(worker.worker_id, req.request_id)
+            self.queue.push_front(req.request_id, len(req.prompt_token_ids), req.deadline, req)
+        return True
+
+    async def _send(self, worker_id: str, req: GenerateRequest) -> bool:
+        req = replace(req, marks={**req.marks, "dispatch": time.time()})
+        self.requests[req.request_id] = req
+        data = Dispatch(req, self.cfg.scheduler_id).encode()
+        try:
+            reply = await self.bus.request(subjects.work(worker_id), data, self.cfg.dispatch_timeout_s)
+            ok = DispatchAck.decode(reply.data).accepted
+        except (BusError, ValueError) as exc:
+            log.warning("dispatch of %s to %s failed: %s", req.request_id, worker_id, exc)
+            ok = False
+        if ok:
+            self.num_dispatched += 1
+        else:
+            self.requests.pop(req.request_id, None)
+        return ok
+
+    async def _fail(self, req: GenerateRequest, status: int, message: str, code: str,
+                    retryable: bool = True) -> None:
+        """End ``req`` with a final error chunk and a completion record."""
+        err = error_dict(status, message, type_="unavailable" if status >= 500 else "cancelled", code=code,
+                         retryable=retryable, retry_after=self.cfg.retry_after_s if retryable else None)
+        chunk = Chunk(req.request_id, 0, final=True, finish_reason="abort", error=err, model=req.model_ref)
+        rec = CompletionRecord(req.request_id, req.tenant, req.name, req.version,
+                               "cancelled" if status == 499 else "error", "abort", len(req.prompt_token_ids), 0,
+                               {}, req.priority, code, "", time.time())
+        try:
+            await self.bus.publish(req.reply, chunk.encode())
+            await self.bus.publish(subjects.done(req.name, req.version), rec.encode())
+        except BusError as exc:
+            log.warning("could not end %s: %s", req.request_id, exc)

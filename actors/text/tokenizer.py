@@ -1,0 +1,335 @@
+"""Byte-level BPE tokenizer built from the vocabulary stored in a GGUF file.
+
+A GGUF carries no `tokenizer.json`; it stores llama.cpp-named metadata (`tokenizer.ggml.tokens`,
+`.merges`, `.token_type`, special token ids, `tokenizer.chat_template`). We build a Hugging Face
+`tokenizers.Tokenizer` from those so that our ids equal the ids Hugging Face transformers produces
+when it loads the same GGUF (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), which is what the
+tests check. The construction rules (see docs/decisions/0003-tokenizer.md):
+
+* model: BPE over the file's vocabulary and merges; no dropout, no subword prefix/suffix, no unk
+  fusing. Tokens that are not spelled in the GPT-2 byte-to-unicode alphabet are re-spelled from their
+  UTF-8 bytes (this only matters for mislabelled files).
+* pre-tokenizer: byte-level with the GPT-2 split regex and no prefix space. transformers only swaps
+  in a different split regex for pre-tokenizer names it knows (llama3, qwen2, ...); `smollm` is not
+  among them, so it keeps GPT-2's. llama.cpp's `smollm` additionally isolates every digit, which gives
+  identical ids for this vocabulary because it holds no multi-character token containing a digit.
+* decoder: byte-level.
+* added tokens: `token_type == 3` (control) as special tokens, `== 4` (user defined) as plain added
+  tokens; both unnormalized, matched whole in the input.
+
+Only `tokenizers` is needed at run time (transformers is a test-only dependency).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from .gguf_meta import metadata_from_reader, read_gguf_metadata
+
+__all__ = ["GGUFTokenizer", "TokenizerError", "bytes_to_unicode"]
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_eos_token",
+    "tokenizer.chat_template",
+)
+_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+class TokenizerError(ValueError):
+    """The GGUF does not describe a tokenizer this module can build."""
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (Radford et al., 2019, `encoder.py`).
+
+    Printable Latin-1 bytes map to themselves; the remaining 68 bytes map to code points from 256
+    upward, in byte order. Byte-level BPE vocabularies are spelled in this alphabet (space is "Ġ").
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table: dict[int, str] = {}
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+class GGUFTokenizer:
+    """Tokenizer for a GGUF whose `tokenizer.ggml.model` is `gpt2` (byte-level BPE).
+
+    Build it with :meth:`from_gguf`. Ids are ints in `[0, vocab_size)`.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        token_types: Sequence[int] | None,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        unk_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+        pre_tokenizer: str | None = None,
+    ) -> None:
+        """Build from raw GGUF tokenizer fields (see :meth:`from_gguf` for the usual entry point).
+
+        Raises TokenizerError when a special token id lies outside the vocabulary.
+        """
+        n = len(tokens)
+        for name, tid in (("bos", bos_token_id), ("eos", eos_token_id), ("unk", unk_token_id), ("pad", pad_token_id)):
+            if tid is not None and not 0 <= tid < n:
+                raise TokenizerError(f"GGUF {name}_token_id {tid} is outside the vocabulary of {n} tokens")
+        spelling = bytes_to_unicode()
+        alphabet = set(spelling.values())
+        spelled: list[str] = [
+            t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens
+        ]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bpe = models.BPE(
+            vocab=vocab,
+            merges=merge_pairs,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+
+        types = list(token_types) if token_types is not None else [1] * n
+        control = [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, types)
+            if ty == _TOKEN_TYPE_CONTROL and set(t) <= alphabet
+        ]
+        if control:
+            tok.add_special_tokens(control)
+        user_defined = [
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types)
+            if ty == _TOKEN_TYPE_USER_DEFINED and t in vocab
+        ]
+        if user_defined:
+            tok.add_tokens(user_defined)
+
+        self._tok = tok
+        self._tokens = list(tokens)
+        self._spelled = spelled
+        self._vocab_size = n
+        self._bos = bos_token_id
+        self._eos = eos_token_id
+        self._unk = unk_token_id
+        self._pad = pad_token_id
+        self._add_bos = bool(add_bos_token)
+        self._add_eos = bool(add_eos_token)
+        self._chat_template = chat_template
+        self._pre = pre_tokenizer
+        self._special = {a.content: vocab[a.content] for a in control}
+        self._special_ids = frozenset(self._special.values())
+        self._added_ids = frozenset(vocab[a.content] for a in user_defined)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gguf(cls, source: str | os.PathLike[str] | Any) -> GGUFTokenizer:
+        """Build the tokenizer from a GGUF file path or an already-open `gguf.GGUFReader`.
+
+        With a path only the metadata section is parsed (tens of ms), not the tensors.
+        Raises TokenizerError when the file has no vocabulary or an unsupported tokenizer model
+        (only `gpt2`, byte-level BPE, is supported), ValueError for a malformed file, OSError when
+        the file cannot be read.
+        """
+        if isinstance(source, (str, os.PathLike)):
+            meta = read_gguf_metadata(os.fspath(source), full_arrays=_ARRAYS)
+        else:
+            meta = metadata_from_reader(source, _KEYS)
+        return cls.from_metadata(meta)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> GGUFTokenizer:
+        """Build from a `{gguf key: value}` mapping (keys as in the GGUF, e.g. `tokenizer.ggml.tokens`).
+
+        Raises TokenizerError as :meth:`from_gguf`.
+        """
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise TokenizerError(
+                f"unsupported GGUF tokenizer model {model!r}: only 'gpt2' (byte-level BPE) is supported"
+            )
+        tokens = meta.get("tokenizer.ggml.tokens")
+        merges = meta.get("tokenizer.ggml.merges")
+        if not isinstance(tokens, list) or not tokens:
+            raise TokenizerError("GGUF has no tokenizer.ggml.tokens")
+        if not isinstance(merges, list):
+            raise TokenizerError("GGUF has no tokenizer.ggml.merges (needed for BPE)")
+        return cls(
+            tokens,
+            merges,
+            meta.get("tokenizer.ggml.token_type") if isinstance(meta.get("tokenizer.ggml.token_type"), list) else None,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+            pre_tokenizer=meta.get("tokenizer.ggml.pre"),
+        )
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in the text (e.g. "<|im_start|>") become their
+        single id. With `add_special_tokens`, BOS/EOS are added only where the GGUF asks for them
+        (`tokenizer.ggml.add_bos_token` / `add_eos_token`; both false for SmolLM2).
+        """
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self._add_bos and self._bos is not None:
+                ids.insert(0, self._bos)
+            if self._add_eos and self._eos is not None:
+                ids.append(self._eos)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` for many texts at once (parallel inside the `tokenizers` library)."""
+        out = [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        if add_special_tokens:
+            out = [self.encode(t, True) for t in texts] if (self._add_bos or self._add_eos) else out
+        return out
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; invalid UTF-8 sequences (a split multi-byte character) become U+FFFD.
+
+        Raises ValueError for an id outside `[0, vocab_size)`.
+        """
+        ids = list(ids)
+        for i in ids:
+            if not 0 <= i < self._vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary of {self._vocab_size} tokens")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes token `token_id` stands for (for incremental detokenization).
+
+        A byte-level token maps back through GPT-2's byte/unicode table; special tokens give the
+        UTF-8 of their text (e.g. b"<|im_end|>"). Raises ValueError for an id outside the vocabulary.
+        """
+        if not 0 <= token_id < self._vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary of {self._vocab_size} tokens")
+        inv = _unicode_to_bytes()
+        s = self._spelled[token_id]
+        try:
+            return bytes(inv[c] for c in s)
+        except KeyError:  # pragma: no cover - every spelled token is in the alphabet
+            return s.encode("utf-8")
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary string of `token_id` as stored in the GGUF (byte-level spelling)."""
+        return self._tokens[token_id]
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary string (byte-level spelling, or a special token's text), or None."""
+        return self._tok.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control tokens (skipped by `decode(..., skip_special_tokens=True)`)."""
+        return token_id in self._special_ids
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def bos_token_id(self) -> int | None:
+        """Id of the beginning-of-sequence token from the GGUF (1 for SmolLM2)."""
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """Id of the end-of-sequence token from the GGUF (2, "<|im_end|>", for SmolLM2)."""
+        return self._eos
+
+    @property
+    def unk_token_id(self) -> int | None:
+        """Id of the unknown token, if the GGUF names one."""
+        return self._unk
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """Id of the padding token, if the GGUF names one."""
+        return self._pad
+
+    @property
+    def bos_token(self) -> str | None:
+        """Text of the BOS token (for chat templates), or None."""
+        return self._tokens[self._bos] if self._bos is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        """Text of the EOS token (for chat templates), or None."""
+        return self._tokens[self._eos] if self._eos is not None else None
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether `encode(..., add_special_tokens=True)` prepends BOS (from the GGUF)."""
+        return self._add_bos
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens in the GGUF vocabulary (49152 for SmolLM2)."""
+        return self._vocab_size
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template stored in the GGUF (`tokenizer.chat_template`), or None."""
+        return self._chat_template
+
+    @property
+    def pre_tokenizer_name(self) -> str | None:
+        """`tokenizer.ggml.pre` as stored in the GGUF (informational)."""
+        return self._pre
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Control tokens (GGUF token_type 3) as `{text: id}`; a copy."""
+        return dict(self._special)
+
+    @property
+    def backend(self) -> Tokenizer:
+        """The underlying `tokenizers.Tokenizer` (do not mutate)."""
+        return self._tok
+
+    def __len__(self) -> int:
+        return self._vocab_size
+
+    def __repr__(self) -> str:
+        return f"GGUFTokenizer(vocab_size={self._vocab_size}, pre={self._pre!r}, specials={len(self._special)})"

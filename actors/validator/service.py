@@ -1,0 +1,166 @@
+"""Validator service: validate, template, tokenize, then hand to the version's scheduler.
+
+Listens on ``as.int.validate`` (queue group "validators"). Each ApiRequest is acked at once (so the
+gateway knows a validator took it), then processed off the event loop (CPU work in threads, bounded
+concurrency). Bad input ends here with a final error Chunk on the request's reply subject naming the
+field; a missing or full scheduler ends it with a retryable 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import orjson
+
+from actors.validator.errors import RequestError
+from actors.validator.validation import (default_stop_token_ids, prepare_prompt, sampling_fields,
+                                         validate_request)
+from bus import subjects
+from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
+from bus.messages import ApiRequest, Chunk, GenerateRequest, error_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelAssets:
+    """What validation needs of one model version (loaded once per version)."""
+
+    tokenizer: object  # actors.text.tokenizer.GGUFTokenizer
+    chat_template: str | None
+    max_model_len: int  # context length (tokens)
+    stop_token_ids: tuple[int, ...]  # EOS + end-of-turn
+
+
+def load_assets(manifest: dict) -> ModelAssets:
+    """Build tokenizer and template from a manifest (blocking: run in a thread). ValueError if unsupported."""
+    from actors.text.tokenizer import GGUFTokenizer
+    if manifest.get("format", "gguf") != "gguf":
+        raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
+    tok = GGUFTokenizer.from_gguf(manifest["artifact"])
+    template = manifest.get("chat_template")
+    template = tok.chat_template if template in (None, "gguf") else template
+    ctx = int(manifest.get("context_length") or getattr(tok, "context_length", None) or 2048)
+    return ModelAssets(tok, template, ctx, default_stop_token_ids(tok, template))
+
+
+@dataclass
+class ValidatorConfig:
+    """Limits of one validator (ValueError on bad values)."""
+
+    max_tokens_cap: int = 4096  # server-side cap on generated tokens per request
+    max_concurrency: int = 64  # requests processed at once
+    scheduler_ack_s: float = 2.0  # wait for the scheduler to take a request (s)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_cap < 1 or self.max_concurrency < 1 or self.scheduler_ack_s <= 0:
+            raise ValueError("validator limits must be positive")
+
+
+class ValidatorService:
+    """Processes ApiRequests from the validators queue group."""
+
+    def __init__(self, bus: Bus, registry, cfg: ValidatorConfig | None = None) -> None:
+        self.bus, self.registry, self.cfg = bus, registry, cfg or ValidatorConfig()
+        self._assets: dict[tuple[str, str], asyncio.Future] = {}
+        self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
+        self._tasks: set[asyncio.Task] = set()
+        self._sub = None
+
+    async def start(self) -> None:
+        """Join the validators queue group."""
+        self._sub = await self.bus.subscribe(subjects.VALIDATE, self._on_msg, queue=subjects.VALIDATORS_QUEUE)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Leave the queue group and finish requests already taken (bounded)."""
+        if self._sub:
+            await self._sub.unsubscribe()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if msg.data == b'{"ping":true}':
+            return await msg.respond(b'{"pong":true}') if msg.reply else None
+        try:
+            req = ApiRequest.decode(msg.data)
+        except ValueError as exc:
+            log.warning("undecodable ApiRequest: %s", exc)
+            return await msg.respond(orjson.dumps({"accepted": False})) if msg.reply else None
+        if msg.reply:
+            await msg.respond(b'{"accepted":true}')
+        task = asyncio.create_task(self._process(replace(req, marks={**req.marks, "validate_in": time.time()})))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def assets(self, name: str, version: str) -> ModelAssets:
+        """Assets of a version, loaded once (concurrent callers share the load). RequestError 404/503."""
+        key = (name, version)
+        if key not in self._assets:
+            self._assets[key] = asyncio.ensure_future(self._load(name, version))
+        try:
+            return await asyncio.shield(self._assets[key])
+        except RequestError:
+            self._assets.pop(key, None)
+            raise
+
+    async def _load(self, name: str, version: str) -> ModelAssets:
+        manifest = await self.registry.get_model_version(name, version)
+        if manifest is None:
+            raise RequestError(404, f"The model `{name}@{version}` does not exist or you do not have access to it.",
+                               param="model", code="model_not_found")
+        try:
+            return await asyncio.to_thread(load_assets, manifest)
+        except (OSError, ValueError) as exc:
+            raise RequestError(503, f"model {name}@{version} cannot be loaded: {exc}", code="model_unavailable",
+                               type="unavailable") from exc
+
+    async def _process(self, req: ApiRequest) -> None:
+        async with self._sem:
+            try:
+                gen = await self._prepare(req)
+                await self._submit(gen)
+            except RequestError as err:
+                await self._fail(req, error_dict(err.status, err.message, type_=err.type, param=err.param,
+                                                 code=err.code, retryable=err.status >= 500,
+                                                 retry_after=1.0 if err.status >= 500 else None))
+
+    async def _prepare(self, req: ApiRequest) -> GenerateRequest:
+        """Validate and tokenize (in a thread). Raises RequestError."""
+        if req.deadline and time.time() > req.deadline:
+            raise RequestError(503, "the request's deadline passed before validation", code="deadline_exceeded",
+                               type="timeout")
+        assets = await self.assets(req.name, req.version)
+        return await asyncio.to_thread(self._prepare_sync, req, assets)
+
+    def _prepare_sync(self, req: ApiRequest, assets: ModelAssets) -> GenerateRequest:
+        validated = validate_request(req.endpoint, req.body)
+        ids, max_tokens = prepare_prompt(validated, assets.tokenizer, assets.chat_template, assets.max_model_len,
+                                         None, self.cfg.max_tokens_cap)
+        sampling = sampling_fields(validated, max_tokens, assets.stop_token_ids)
+        return GenerateRequest(req.request_id, req.tenant, req.name, req.version, req.reply, tuple(ids), sampling,
+                               req.priority, req.deadline, {**req.marks, "validate_out": time.time()})
+
+    async def _submit(self, gen: GenerateRequest) -> None:
+        """Hand to the active scheduler; RequestError 503 if none answers or it refuses."""
+        try:
+            reply = await self.bus.request(subjects.sched_submit(gen.name, gen.version), gen.encode(),
+                                           self.cfg.scheduler_ack_s)
+            ack = orjson.loads(reply.data)
+        except (NoResponders, BusTimeout, BusDisconnected, BusError, ValueError) as exc:
+            raise RequestError(503, f"no scheduler is available for {gen.model_ref}; retry later",
+                               code="scheduler_unavailable", type="unavailable") from exc
+        if not ack.get("accepted"):
+            err = ack.get("error") or {}
+            raise RequestError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
+                               err.get("param"), err.get("code"), err.get("type") or "unavailable")
+
+    async def _fail(self, req: ApiRequest, err: dict) -> None:
+        chunk = Chunk(req.request_id, 0, final=True, finish_reason="abort", error=err,
+                      model=f"{req.name}@{req.version}")
+        try:
+            await self.bus.publish(req.reply, chunk.encode())
+        except BusError as exc:
+            log.warning("could not report error for %s: %s", req.request_id, exc)

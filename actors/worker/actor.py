@@ -1,0 +1,93 @@
+"""``actorserve actor worker --model NAME@VERSION``: one engine on one device slot.
+
+Start-up: read the version's manifest from etcd, load the GGUF (progress bar), size the KV cache
+from the byte budget, start the service (dispatch, cancel, credits, stats), then take an etcd lease
+on ``/actorserve/workers/{name}/{version}/{id}`` (TTL 3 s) so schedulers see it. On SIGTERM: drop
+the lease first (no new dispatches), drain running requests, exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import uuid
+
+from actors.worker.service import WorkerConfig, WorkerService
+
+log = logging.getLogger("actorserve.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Worker options (common --nats/--etcd/--state-dir are added by actors.runtime)."""
+    parser.add_argument("--model", required=True, help="NAME@VERSION served by this worker")
+    parser.add_argument("--worker-id", default=None, help="unique id (default: host-pid-random)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024, help="KV cache budget (bytes)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequence slots in the running batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    parser.add_argument("--lease-ttl", type=int, default=3, help="etcd lease TTL in seconds (<= 5)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the model loading progress bar")
+
+
+def default_worker_id() -> str:
+    """``<host>-<pid>-<4 hex>``, safe as a subject token."""
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:24]
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:4]}".lower()
+
+
+def build_engine(manifest: dict, args: argparse.Namespace):
+    """Load the engine for ``manifest`` (blocking; run in a thread). ValueError on unsupported formats."""
+    from actors.worker.engine.engine import EngineConfig, LLMEngine
+    if manifest.get("format", "gguf") != "gguf":
+        raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
+    cfg = EngineConfig(model_path=manifest["artifact"], dtype=args.dtype, device=args.device,
+                       kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=manifest.get("context_length") or None, progress=not args.no_progress)
+    return LLMEngine(cfg)
+
+
+async def main(args: argparse.Namespace) -> None:
+    """Run the worker until cancelled, then drain."""
+    from actors.runtime import resolve_endpoints
+    from bus.nats_bus import NatsBus
+    from control.names import parse_model_ref
+    from control.registry import Registry
+
+    ref = parse_model_ref(args.model)
+    if not ref.version:
+        raise SystemExit("--model must be NAME@VERSION")
+    nats_url, etcd_url = resolve_endpoints(args)
+    worker_id = args.worker_id or default_worker_id()
+    async with Registry.connect(etcd_url) as reg:
+        manifest = await reg.get_model_version(ref.name, ref.version)
+        if manifest is None:
+            raise SystemExit(f"model version {ref.name}@{ref.version} is not registered")
+        engine = await asyncio.to_thread(build_engine, manifest, args)
+        log.info("worker %s loaded %s@%s; KV cache: %s", worker_id, ref.name, ref.version,
+                 getattr(engine, "kv_cache_summary", lambda: "?")())
+        bus = await NatsBus.connect(nats_url, name=f"worker-{worker_id}")
+        svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version))
+        await svc.start()
+        info = {"worker_id": worker_id, "pid": os.getpid(), "device": args.device, "dtype": args.dtype,
+                "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
+        lease = await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.shield(_shutdown(lease, svc, bus))
+
+
+async def _shutdown(lease, svc: WorkerService, bus) -> None:
+    """Bounded graceful stop: revoke lease, drain, close."""
+    try:
+        await asyncio.wait_for(lease.revoke(), 3.0)
+    except Exception as exc:  # lease may already be gone (etcd down); drain anyway
+        log.warning("lease revoke failed: %s", exc)
+    await svc.drain(timeout=10.0)
+    await svc.stop()
+    await bus.close()

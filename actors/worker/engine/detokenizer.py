@@ -1,0 +1,133 @@
+"""Incremental detokenization for GPT-2 style byte-level BPE vocabularies, and stop strings.
+
+* ``token_bytes_table``: the raw bytes of every token.  GPT-2 byte-level BPE stores each byte as
+  one printable unicode char (``bytes_to_unicode`` from OpenAI's GPT-2 ``encoder.py``); we map the
+  chars back.  Control tokens (GGUF token_type 3) decode to b"" when special tokens are skipped.
+* ``IncrementalDetokenizer``: accumulates bytes and emits the longest complete UTF-8 prefix, so a
+  character split across tokens (emoji, CJK) is never emitted broken.
+* ``StopStringMatcher``: holds back text that may be the start of a stop string; truncates before
+  a completed stop string.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_BYTE = 6
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode char table (256 entries)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    """Inverse of ``bytes_to_unicode``."""
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_to_bytes(token: str, token_type: int, skip_special: bool = True) -> bytes:
+    """Raw bytes of one vocabulary entry (see module docstring)."""
+    if token_type == TOKEN_TYPE_CONTROL:
+        return b"" if skip_special else token.encode("utf-8")
+    if token_type == TOKEN_TYPE_BYTE and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:-1], 16)])
+    u2b = unicode_to_bytes()
+    if all(c in u2b for c in token):
+        return bytes(u2b[c] for c in token)
+    return token.encode("utf-8")  # added tokens stored as plain text
+
+
+def token_bytes_table(tokens: list[str], token_types: list[int] | None, skip_special: bool = True) -> list[bytes]:
+    """Bytes of every token id; ``token_types`` None means all normal."""
+    types = token_types or [1] * len(tokens)
+    return [token_to_bytes(t, tt, skip_special) for t, tt in zip(tokens, types)]
+
+
+def load_token_bytes(gguf_path: str, skip_special: bool = True) -> list[bytes]:
+    """Read ``tokenizer.ggml.tokens``/``token_type`` from a GGUF file and build the bytes table."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    return token_bytes_table(tokens, types.contents() if types else None, skip_special)
+
+
+def complete_utf8_prefix_len(buf: bytes) -> int:
+    """Length of ``buf`` without a trailing incomplete (but still possibly valid) UTF-8 sequence."""
+    for k in range(1, min(3, len(buf)) + 1):
+        b = buf[-k]
+        if b & 0xC0 == 0x80:  # continuation byte: look further back for the lead byte
+            continue
+        need = 2 if 0xC0 <= b < 0xE0 else 3 if 0xE0 <= b < 0xF0 else 4 if 0xF0 <= b < 0xF8 else 1
+        return len(buf) - k if need > k else len(buf)
+    return len(buf)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of valid text deltas."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self.token_bytes = token_bytes
+        self._pending = b""
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append tokens; return newly complete text (invalid bytes become U+FFFD)."""
+        self._pending += b"".join(self.token_bytes[t] for t in token_ids if 0 <= t < len(self.token_bytes))
+        cut = complete_utf8_prefix_len(self._pending)
+        text, self._pending = self._pending[:cut].decode("utf-8", errors="replace"), self._pending[cut:]
+        return text
+
+    def flush(self) -> str:
+        """Return whatever bytes remain (replacing an incomplete tail with U+FFFD)."""
+        text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
+        return text
+
+
+class StopStringMatcher:
+    """Filters a text stream: truncates at the first stop string, holds back possible prefixes."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        """Add ``delta``; return text safe to emit.  Sets ``stopped`` when a stop string completes."""
+        if self.stopped:
+            return ""
+        text = self._held + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return text[: min(hits)]
+        keep = self._partial_len(text)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """Release held text at the end of a stream (no stop string completed)."""
+        text, self._held = ("" if self.stopped else self._held), ""
+        return text
+
+    def _partial_len(self, text: str) -> int:
+        """Longest suffix of ``text`` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

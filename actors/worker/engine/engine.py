@@ -1,0 +1,253 @@
+"""``LLMEngine``: continuous-batching Llama inference over a paged KV cache (CPU or CUDA).
+
+One ``step()`` = plan (``IterationScheduler``), one packed forward over every scheduled token
+(``LlamaModel``), sampling (``sampler``), stop checks and incremental detokenization.
+
+Output conventions:
+* At most one ``StepOutput`` per request per step.  Prefill chunks that do not reach the end of the
+  prompt produce no output (nothing to say yet).
+* EOS / ``stop_token_ids`` finish with reason "stop"; the token is in ``new_token_ids`` but its text
+  is not emitted.  A stop string finishes with "stop" and the text is cut before it.
+  ``max_tokens`` or reaching ``max_model_len`` finishes with "length".
+* ``abort_request`` frees the request's blocks at once; the next ``step()`` returns one
+  ``StepOutput(finished=True, finish_reason="abort", new_token_ids=())`` for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes
+from .gguf_loader import load_gguf
+from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
+from .kv_cache import KVCache
+from .model import BatchMetadata, LlamaModel
+from .sampler import make_generator, sample_batch
+from .types import EngineRequest, EngineStats, StepOutput
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings; ``__post_init__`` raises ValueError on bad values."""
+
+    model_path: str
+    dtype: str = "float32"  # "float32" | "bfloat16" (weights, activations, KV cache)
+    device: str = "cpu"  # torch device string, e.g. "cpu", "cuda", "cuda:1"
+    kv_cache_bytes: int = 256 * 2**20  # KV cache budget (bytes)
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 32  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one forward pass
+    max_model_len: int | None = None  # prompt + output cap (tokens); None = GGUF context_length
+    progress: bool = False  # tqdm bar while loading
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is required")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+        for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+
+@dataclass
+class _Request:
+    """Engine-side state of one request."""
+
+    req: EngineRequest
+    token_ids: list[int]  # prompt + generated
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    stop: StopStringMatcher
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.req.prompt_token_ids)
+
+
+class LLMEngine:
+    """See module docstring.  Not thread-safe: call from one thread (the worker's engine loop)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        dtype = _DTYPES[config.dtype]
+        self.model_config, weights = load_gguf(config.model_path, dtype, config.device, config.progress)
+        self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
+        log.info(self.kv.describe())
+        self.max_model_len = self._resolve_max_model_len()
+        self.model = LlamaModel(self.model_config, weights, self.max_model_len)
+        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size)
+        self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.token_bytes = load_token_bytes(config.model_path)
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = self._eos_ids()
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[StepOutput] = []
+        self._stats = EngineStats(num_total_blocks=self.kv.num_blocks)
+
+    def _resolve_max_model_len(self) -> int:
+        """min(configured or GGUF context length, KV capacity) so one sequence always fits alone."""
+        limit = self.config.max_model_len or self.model_config.context_length
+        return min(limit, self.kv.capacity_tokens)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        """EOS (and end-of-turn, if distinct) token ids from GGUF metadata."""
+        ids = [self.model_config.eos_token_id, self.model_config.eot_token_id]
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue ``req``; ValueError if its prompt is empty, too long, has bad ids, or the id is taken."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt_token_ids is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt of {n} tokens does not fit max_model_len={self.max_model_len}")
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
+            raise ValueError("prompt token id out of vocabulary range")
+        if req.request_id in self._requests:
+            raise ValueError(f"duplicate request_id {req.request_id!r}")
+        self._requests[req.request_id] = _Request(
+            req, list(req.prompt_token_ids), make_generator(req.params.seed),
+            IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
+        )
+        self.scheduler.add(req.request_id, n)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its blocks; next ``step()`` reports it finished ("abort")."""
+        r = self._requests.pop(request_id, None)
+        if r is None:
+            return
+        self.scheduler.remove(request_id)
+        self._aborted.append(StepOutput(request_id, (), "", True, "abort", r.num_prompt, len(r.output_ids)))
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits, runs, or has an abort still to report."""
+        return bool(self._requests) or bool(self._aborted)
+
+    # ----------------------------------------------------------------- step
+
+    def step(self) -> list[StepOutput]:
+        """Run one iteration; returns outputs (at most one per request)."""
+        outputs, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty():
+            return outputs
+        logits = self._forward(plan)
+        self.scheduler.commit(plan)
+        sampling = [s for s in plan.seqs if s.samples]
+        reqs = [self._requests[s.seq_id] for s in sampling]
+        tokens = sample_batch(logits, [r.req.params for r in reqs], [r.generator for r in reqs])
+        self._update_stats(plan, len(tokens))
+        outputs += [self._on_token(r, t) for r, t in zip(reqs, tokens)]
+        return outputs
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """Build the packed batch for ``plan`` and run the model; logits [num sampling seqs, V]."""
+        ids, positions, slots, ctx_slots, logits_idx = [], [], [], [], []
+        for item in plan.seqs:
+            r, table = self._requests[item.seq_id], self.block_manager.block_table(item.seq_id)
+            end = item.start + item.num_new_tokens
+            ids += r.token_ids[item.start : end]
+            positions += range(item.start, end)
+            slots += self._slots(table, item.start, end)
+            ctx_slots += self._slots(table, 0, end)
+            if item.samples:
+                logits_idx.append(len(ids) - 1)
+        meta = self._metadata(plan.seqs, positions, slots, ctx_slots, logits_idx)
+        return self.model.forward(self._tensor(ids), meta, self.kv.tensor)
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        """Flat KV slots of positions ``start .. end-1`` given a block table."""
+        bs = self.config.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.config.device)
+
+    def _metadata(self, items: list[ScheduledSeq], positions, slots, ctx_slots, logits_idx) -> BatchMetadata:
+        return BatchMetadata(
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            context_slots=self._tensor(ctx_slots),
+            query_lens=[s.num_new_tokens for s in items],
+            context_lens=[s.start + s.num_new_tokens for s in items],
+            logits_indices=self._tensor(logits_idx),
+        )
+
+    # ----------------------------------------------------------------- stopping
+
+    def _on_token(self, r: _Request, token: int) -> StepOutput:
+        """Record ``token`` for ``r``, apply stop rules, return its StepOutput (finishing it if done)."""
+        r.output_ids.append(token)
+        r.token_ids.append(token)
+        self.scheduler.append_token(r.req.request_id)
+        reason = self._stop_token_reason(r, token)
+        text = "" if reason else r.stop.feed(r.detok.add_tokens([token]))
+        reason = reason or ("stop" if r.stop.stopped else self._length_reason(r))
+        if reason and not r.stop.stopped:
+            text += r.stop.feed(r.detok.flush())
+            text += r.stop.flush()
+            reason = "stop" if r.stop.stopped else reason
+        if reason:
+            self._finish(r)
+        return StepOutput(
+            r.req.request_id, (token,), text, reason is not None, reason, r.num_prompt, len(r.output_ids)
+        )
+
+    def _stop_token_reason(self, r: _Request, token: int) -> str | None:
+        """"stop" for EOS (unless ignore_eos) or a stop_token_id, else None."""
+        p = r.req.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        return None
+
+    def _length_reason(self, r: _Request) -> str | None:
+        """"length" when max_tokens or max_model_len is reached, else None."""
+        if len(r.output_ids) >= r.req.params.max_tokens or len(r.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, r: _Request) -> None:
+        self.scheduler.remove(r.req.request_id)
+        del self._requests[r.req.request_id]
+
+    # ----------------------------------------------------------------- reporting
+
+    def _update_stats(self, plan: StepPlan, num_sampled: int) -> None:
+        s = self._stats
+        s.num_steps += 1
+        s.num_generated_tokens += num_sampled
+        s.num_prompt_tokens += sum(
+            max(0, min(i.start + i.num_new_tokens, self._prompt_len(i.seq_id)) - i.start) for i in plan.seqs
+        )
+        s.max_batch_size_seen = max(s.max_batch_size_seen, len(plan.seqs))
+        s.extra["num_preemptions"] = self.scheduler.num_preemptions
+
+    def _prompt_len(self, seq_id: str) -> int:
+        r = self._requests.get(seq_id)
+        return r.num_prompt if r else 0
+
+    def stats(self) -> EngineStats:
+        """Snapshot of counters (a copy)."""
+        s = self._stats
+        s.num_running, s.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        s.num_free_blocks = self.block_manager.num_free_blocks
+        return EngineStats(**{**s.__dict__, "extra": dict(s.extra)})
+
+    def credits(self) -> tuple[int, int]:
+        """(free KV blocks, free sequence slots = max_num_seqs - running - waiting, >= 0)."""
+        used = self.scheduler.num_running + self.scheduler.num_waiting
+        return self.block_manager.num_free_blocks, max(0, self.config.max_num_seqs - used)

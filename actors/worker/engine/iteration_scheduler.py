@@ -1,0 +1,171 @@
+"""Iteration-level continuous batching scheduler (pure: no torch, no nats).
+
+Orca-style iteration scheduling (Yu et al. 2022) with vLLM-style recompute preemption
+(Kwon et al. 2023).  Every sequence is just two counters: ``num_tokens`` (prompt + generated)
+and ``num_computed_tokens`` (tokens whose K/V is in the cache).  Each step gives each scheduled
+sequence ``num_tokens - num_computed_tokens`` new tokens to compute (1 for a decode, the rest of
+the prompt for a prefill), cut to the step's token budget (chunked prefill).
+
+Policy per ``schedule()``:
+1. Running sequences, oldest first, get their tokens.  When blocks run out, the newest running
+   sequence is preempted (blocks freed, ``num_computed_tokens = 0``, put back at the head of the
+   waiting queue; it is recomputed later).
+2. If nothing was preempted, waiting sequences are admitted FCFS while ``max_num_seqs``,
+   ``max_num_batched_tokens`` and free blocks allow (no skipping: the queue head blocks the rest).
+Sequences join and leave the running set only between steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+
+
+@dataclass
+class SchedSeq:
+    """Scheduler view of one sequence."""
+
+    seq_id: str
+    num_tokens: int  # prompt + generated tokens (tokens)
+    num_computed_tokens: int = 0  # tokens whose K/V is cached (tokens)
+    num_preemptions: int = 0
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to compute (tokens)."""
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's part of a step: compute tokens ``start .. start + num_new_tokens - 1``."""
+
+    seq_id: str
+    start: int  # first position computed this step (= num_computed_tokens before the step)
+    num_new_tokens: int  # tokens computed this step
+    samples: bool  # True if this chunk reaches the end, so a token is sampled
+
+
+@dataclass
+class StepPlan:
+    """What one engine step runs, in batch order, plus sequences preempted while planning."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens in the forward pass (tokens)."""
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    def is_empty(self) -> bool:
+        """True if no sequence runs this step."""
+        return not self.seqs
+
+
+class IterationScheduler:
+    """Waiting queue (FCFS) + running list; builds a ``StepPlan`` per step."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[SchedSeq] = deque()
+        self.running: list[SchedSeq] = []
+        self._seqs: dict[str, SchedSeq] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self._seqs)
+
+    def add(self, seq_id: str, num_prompt_tokens: int) -> None:
+        """Queue a new sequence at the tail of the waiting queue."""
+        if seq_id in self._seqs:
+            raise ValueError(f"duplicate sequence id {seq_id!r}")
+        seq = SchedSeq(seq_id, num_prompt_tokens)
+        self._seqs[seq_id] = seq
+        self.waiting.append(seq)
+
+    def remove(self, seq_id: str) -> bool:
+        """Drop a finished/aborted sequence and free its blocks; False if unknown."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq_id)
+        return True
+
+    def append_token(self, seq_id: str) -> None:
+        """Record one generated token for ``seq_id`` (its K/V is computed next step)."""
+        self._seqs[seq_id].num_tokens += 1
+
+    def schedule(self) -> StepPlan:
+        """Plan one step (mutates block tables); see module docstring for the policy."""
+        plan = StepPlan()
+        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        if not plan.preempted:
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def commit(self, plan: StepPlan) -> None:
+        """Mark the planned tokens computed (call after the forward pass)."""
+        for item in plan.seqs:
+            self._seqs[item.seq_id].num_computed_tokens += item.num_new_tokens
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        """Give running sequences their tokens, preempting the newest on block shortage."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            extra = seq.num_computed_tokens + n - self.bm.num_slots(seq.seq_id)
+            while not self.bm.can_append(seq.seq_id, extra):
+                victim = self.running.pop()
+                self._preempt(victim, plan)
+                if victim is seq:
+                    return budget
+            self.bm.append_slots(seq.seq_id, extra)
+            plan.seqs.append(self._item(seq, n))
+            budget, i = budget - n, i + 1
+        return budget
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting sequences FCFS under the seq, token and block budgets."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if self.bm.allocate(seq.seq_id, n) is None:
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan.seqs.append(self._item(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: SchedSeq, plan: StepPlan) -> None:
+        """Recompute preemption: free blocks, reset progress, requeue at the waiting head."""
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq.seq_id)
+
+    @staticmethod
+    def _item(seq: SchedSeq, n: int) -> ScheduledSeq:
+        return ScheduledSeq(seq.seq_id, seq.num_computed_tokens, n, seq.num_computed_tokens + n == seq.num_tokens)

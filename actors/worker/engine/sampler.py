@@ -1,0 +1,64 @@
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2019), per-request seed.
+
+Each request owns a ``torch.Generator`` (CPU) seeded from ``SamplingParams.seed`` (or from OS
+entropy when None), and draws exactly one multinomial sample per generated token.  Its samples
+depend only on its own logits and its own generator, so they are reproducible whatever else is in
+the batch.  Sampling runs on CPU in float32 (logits [V] are moved there), so results also do not
+depend on the device's RNG.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .types import SamplingParams
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """CPU generator seeded with ``seed`` (random 63-bit seed when None)."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else random.SystemRandom().getrandbits(63))
+    return g
+
+
+def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits of [V] (others -inf); 0 or >= V keeps all."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of top tokens whose probability mass reaches ``top_p`` (others -inf)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # mass of strictly higher-ranked tokens
+    drop_sorted = mass_before >= top_p  # the first token is never dropped (mass_before = 0)
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Sample a token id from float logits [V] under ``params``."""
+    logits = logits.float().cpu()
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = apply_top_p(apply_top_k(logits / params.temperature, params.top_k), params.top_p)
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int]:
+    """Sample one token per row of ``logits`` [S, V]; greedy rows use one batched argmax."""
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    return [
+        greedy[i] if p.temperature == 0 else sample_one(logits[i], p, generators[i])
+        for i, p in enumerate(params)
+    ]

@@ -1,0 +1,311 @@
+"""Worker service: feeds dispatched requests to the engine, streams its outputs, heartbeats credits.
+
+Thin shell around an engine with the LLMEngine interface (``add_request``, ``abort_request``,
+``step``, ``stats``, ``credits``, ``has_unfinished``). The engine is mutated only from the step loop
+task: dispatches and cancels are queued and applied between steps, and ``step()`` itself runs in a
+worker thread so heartbeats and NATS I/O continue while the forward pass computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
+from bus import subjects
+from bus.base import Bus, BusError, Msg
+from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
+                          WorkerStats, error_dict)
+
+log = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop", "ignore_eos")
+
+
+@dataclass
+class _Live:
+    """Book-keeping of one request held by this worker."""
+
+    req: GenerateRequest
+    t_in: float  # when the worker accepted it (epoch s)
+    seq: int = 0  # next chunk sequence number
+    num_generated: int = 0  # tokens generated so far
+    t_first: float = 0.0  # first token time (epoch s); 0 until then
+    aborted: str = ""  # abort reason once cancelled
+
+
+@dataclass
+class WorkerConfig:
+    """Identity and cadence of one worker. ValueError on bad values."""
+
+    worker_id: str
+    name: str  # model name
+    version: str  # model version
+    credits_interval_s: float = 0.25  # ~4 Hz heartbeat (ARCHITECTURE.md)
+    stats_interval_s: float = 1.0
+    idle_wait_s: float = 0.05  # sleep of the step loop when nothing is scheduled
+    counters: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        subjects.work(self.worker_id)  # validates the id as a subject token
+        if self.credits_interval_s <= 0 or self.stats_interval_s <= 0:
+            raise ValueError("heartbeat intervals must be > 0")
+
+
+def to_sampling(d: dict) -> SamplingParams:
+    """Build SamplingParams from a wire dict (lists become tuples). ValueError on bad values."""
+    kw = {k: d[k] for k in SAMPLING_FIELDS if k in d and d[k] is not None}
+    for k in ("stop_token_ids", "stop"):
+        if k in kw:
+            kw[k] = tuple(kw[k])
+    return SamplingParams(**kw)
+
+
+class WorkerService:
+    """Runs the engine for one model version on one bus. Use ``async with`` or ``start()/stop()``."""
+
+    def __init__(self, bus: Bus, engine, config: WorkerConfig) -> None:
+        self.bus, self.engine, self.cfg = bus, engine, config
+        self.live: dict[str, _Live] = {}
+        self._adds: list[GenerateRequest] = []
+        self._aborts: list[tuple[str, str]] = []
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._subs: list = []
+        self.draining = False
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Subscribe to dispatch and cancel subjects and start the step and heartbeat loops."""
+        self._subs.append(await self.bus.subscribe(subjects.work(self.cfg.worker_id), self._on_dispatch))
+        self._subs.append(await self.bus.subscribe(subjects.cancel_all(), self._on_cancel))
+        for coro in (self._step_loop(), self._credits_loop(), self._stats_loop()):
+            self._tasks.append(asyncio.create_task(coro))
+        await self._publish_credits()
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Refuse new work, let running requests finish (bounded by ``timeout`` s), abort the rest."""
+        self.draining = True
+        await self._publish_credits()
+        t_end = time.monotonic() + timeout
+        while self.live and time.monotonic() < t_end:
+            await asyncio.sleep(0.05)
+        for rid in list(self.live):
+            self._aborts.append((rid, "drain"))
+        self._wake.set()
+        while self.live and time.monotonic() < t_end + 2:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """Cancel loops and subscriptions (no drain; call ``drain`` first for a graceful stop)."""
+        for sub in self._subs:
+            await sub.unsubscribe()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> "WorkerService":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.shield(self.drain(timeout=10.0))
+        await self.stop()
+
+    # ---- inbound -----------------------------------------------------------------------------
+    def can_accept(self, req: GenerateRequest) -> bool:
+        """True when a slot and enough KV blocks for the prompt are free (credits check)."""
+        free_blocks, free_slots = self.engine.credits()
+        pending = len(self._adds)
+        return not self.draining and free_slots - pending > 0 and free_blocks > 0
+
+    async def _on_dispatch(self, msg: Msg) -> None:
+        try:
+            req = Dispatch.decode(msg.data).request
+        except ValueError as exc:
+            log.warning("bad dispatch: %s", exc)
+            if msg.reply:
+                await msg.respond(DispatchAck(False, f"bad dispatch: {exc}").encode())
+            return
+        ok = self.can_accept(req) and req.request_id not in self.live
+        if msg.reply:
+            await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
+        if ok:
+            self.live[req.request_id] = _Live(req, time.time())
+            self._adds.append(req)
+            self._wake.set()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        if rid in self.live:
+            try:
+                reason = Cancel.decode(msg.data).reason
+            except ValueError:
+                reason = "client"
+            self._aborts.append((rid, reason))
+            self._wake.set()
+
+    # ---- step loop ---------------------------------------------------------------------------
+    def _apply_pending(self) -> list[tuple[_Live, str]]:
+        """Apply queued adds/aborts to the engine; returns requests that failed to be added."""
+        failed = []
+        adds, self._adds = self._adds, []
+        for req in adds:
+            try:
+                self.engine.add_request(EngineRequest(req.request_id, tuple(req.prompt_token_ids),
+                                                      to_sampling(req.sampling), arrival_time=time.monotonic()))
+            except ValueError as exc:
+                failed.append((self.live[req.request_id], str(exc)))
+        aborts, self._aborts = self._aborts, []
+        for rid, reason in aborts:
+            if rid in self.live and not self.live[rid].aborted:
+                self.live[rid].aborted = reason
+                self.engine.abort_request(rid)
+        return failed
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for rid, lv in self.live.items():
+            if lv.req.deadline and now > lv.req.deadline and not lv.aborted:
+                self._aborts.append((rid, "deadline"))
+
+    async def _step_loop(self) -> None:
+        while True:
+            self._expire_deadlines()
+            for lv, why in self._apply_pending():
+                await self._finish_error(lv, error_dict(400, why, param="messages"))
+            await self._flush_aborted()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.cfg.idle_wait_s * 20)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            outputs = await asyncio.to_thread(self.engine.step)
+            await self._publish_outputs(outputs)
+
+    async def _flush_aborted(self) -> None:
+        """Finish requests aborted but not yet reported (engine may not report aborts itself)."""
+        for rid, lv in list(self.live.items()):
+            if lv.aborted and not self.engine_has(rid):
+                await self._finish_abort(lv)
+
+    def engine_has(self, request_id: str) -> bool:
+        """Whether the engine still holds ``request_id`` (engines without the query: assume no)."""
+        fn = getattr(self.engine, "has_request", None)
+        return bool(fn and fn(request_id))
+
+    async def _publish_outputs(self, outputs: list[StepOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            lv = self.live.get(out.request_id)
+            if lv is None:
+                continue
+            if lv.aborted:
+                if out.finished:
+                    await self._finish_abort(lv)
+                continue
+            await self._publish_step(lv, out, now)
+
+    async def _publish_step(self, lv: _Live, out: StepOutput, now: float) -> None:
+        lv.num_generated = out.num_generated_tokens
+        first = not lv.t_first and out.new_token_ids
+        if first:
+            lv.t_first = now
+            await self._safe_publish(subjects.sched_events(lv.req.name, lv.req.version),
+                                     b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
+        if not out.finished:
+            if out.text or out.new_token_ids:
+                await self._send(lv, Chunk(lv.req.request_id, lv.seq, out.text, tuple(out.new_token_ids),
+                                           model=lv.req.model_ref, worker_id=self.cfg.worker_id))
+            return
+        usage = self._usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids))
+        timing = self._timing(lv, now)
+        await self._send(lv, Chunk(lv.req.request_id, lv.seq, out.text, tuple(out.new_token_ids), True,
+                                   out.finish_reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id))
+        await self._record(lv, "ok", out.finish_reason, usage, timing)
+
+    def _usage(self, lv: _Live, num_prompt: int) -> dict:
+        return {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,
+                "total_tokens": num_prompt + lv.num_generated}
+
+    def _timing(self, lv: _Live, now: float) -> dict:
+        """Worker part of the timing breakdown (ms): queue, prefill, decode."""
+        m = lv.req.marks
+        t_first = lv.t_first or now
+        return {"validation_ms": max(0.0, (m.get("validate_out", 0.0) - m.get("validate_in", 0.0)) * 1e3),
+                "queue_ms": max(0.0, (lv.t_in - m.get("validate_out", lv.t_in)) * 1e3),
+                "prefill_ms": max(0.0, (t_first - lv.t_in) * 1e3),
+                "decode_ms": max(0.0, (now - t_first) * 1e3)}
+
+    async def _send(self, lv: _Live, chunk: Chunk) -> None:
+        lv.seq += 1
+        await self._safe_publish(lv.req.reply, chunk.encode())
+        if chunk.final:
+            self.live.pop(lv.req.request_id, None)
+            self.num_finished += 1
+
+    async def _safe_publish(self, subject: str, data: bytes) -> None:
+        try:
+            await self.bus.publish(subject, data)
+        except BusError as exc:
+            log.warning("publish to %s failed: %s", subject, exc)
+
+    async def _finish_abort(self, lv: _Live) -> None:
+        self.num_aborted += 1
+        if lv.aborted == "deadline":
+            err = error_dict(503, "the request's deadline passed before it finished", type_="timeout",
+                             code="deadline_exceeded", retryable=True, retry_after=1.0)
+        else:
+            err = error_dict(499, f"request cancelled ({lv.aborted})", type_="cancelled", code="cancelled")
+        await self._finish_error(lv, err, status="cancelled")
+
+    async def _finish_error(self, lv: _Live, err: dict, status: str = "error") -> None:
+        usage = self._usage(lv, len(lv.req.prompt_token_ids))
+        timing = self._timing(lv, time.time())
+        await self._send(lv, Chunk(lv.req.request_id, lv.seq, final=True, finish_reason="abort", usage=usage,
+                                   timing=timing, error=err, model=lv.req.model_ref, worker_id=self.cfg.worker_id))
+        await self._record(lv, status, "abort", usage, timing, err.get("code"))
+
+    async def _record(self, lv: _Live, status: str, reason, usage: dict, timing: dict, code=None) -> None:
+        rec = CompletionRecord(lv.req.request_id, lv.req.tenant, lv.req.name, lv.req.version, status, reason,
+                               usage["prompt_tokens"], usage["completion_tokens"], timing, lv.req.priority,
+                               code, self.cfg.worker_id, time.time())
+        await self._safe_publish(subjects.done(lv.req.name, lv.req.version), rec.encode())
+
+    # ---- heartbeats --------------------------------------------------------------------------
+    def credits_msg(self) -> Credits:
+        """Current credits: free KV blocks and sequence slots (minus queued, not yet added)."""
+        st = self.engine.stats()
+        free_blocks, free_slots = self.engine.credits()
+        return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, st.num_total_blocks,
+                       max(0, free_slots - len(self._adds)), getattr(self.engine, "max_num_seqs", 0),
+                       getattr(self.engine, "block_size", 16), st.num_running, st.num_waiting, self.draining,
+                       time.time())
+
+    async def _publish_credits(self) -> None:
+        subj = subjects.credits(self.cfg.name, self.cfg.version, self.cfg.worker_id)
+        await self._safe_publish(subj, self.credits_msg().encode())
+
+    async def _credits_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.credits_interval_s)
+            await self._publish_credits()
+
+    def stats_msg(self) -> WorkerStats:
+        """Engine statistics plus this worker's finished/aborted counters."""
+        st = self.engine.stats()
+        return WorkerStats(self.cfg.worker_id, self.cfg.name, self.cfg.version, st.num_steps,
+                           st.num_generated_tokens, st.num_prompt_tokens, st.num_running, st.num_waiting,
+                           st.num_free_blocks, st.num_total_blocks, st.max_batch_size_seen, self.num_finished,
+                           self.num_aborted, time.time())
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.stats_interval_s)
+            await self._safe_publish(subjects.stats(self.cfg.worker_id), self.stats_msg().encode())

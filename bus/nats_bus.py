@@ -1,0 +1,144 @@
+"""The Bus over nats-py: the only module (with bus/jetstream helpers later) that imports nats.
+
+Connection policy: reconnect forever (``max_reconnect_attempts=-1``) so actors survive a NATS
+restart, while publishes during a disconnect fail fast with BusDisconnected and registered
+``on_disconnect`` callbacks let streams in flight end at once with a retryable error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import nats
+from nats import errors as nats_errors
+from nats.aio.msg import Msg as NatsMsg
+
+from bus.base import BusDisconnected, BusTimeout, Handler, Msg, NoResponders
+
+log = logging.getLogger(__name__)
+
+
+class _Sub:
+    """A nats-py subscription wrapped to the Subscription protocol."""
+
+    def __init__(self, sub) -> None:
+        self._sub = sub
+
+    async def unsubscribe(self) -> None:
+        """Stop delivery; ignores a connection already closed."""
+        try:
+            await self._sub.unsubscribe()
+        except (nats_errors.ConnectionClosedError, nats_errors.BadSubscriptionError):
+            pass
+
+
+class NatsBus:
+    """Bus implementation on a nats-py connection. Create with ``await NatsBus.connect(url)``."""
+
+    def __init__(self, nc: nats.NATS) -> None:
+        self._nc = nc
+        self._disconnect_cbs: list[Callable[[], None]] = []
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str = "actorserve", inbox_prefix: str = "_INBOX",
+                      connect_timeout: float = 5.0) -> "NatsBus":
+        """Connect to ``url`` (comma-separated list allowed). Raises BusError if the first connect fails."""
+        bus = cls.__new__(cls)
+        bus._disconnect_cbs = []
+        try:
+            bus._nc = await nats.connect(
+                url.split(","), name=name, inbox_prefix=inbox_prefix, connect_timeout=connect_timeout,
+                max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
+                disconnected_cb=bus._on_disconnected, error_cb=bus._on_error, ping_interval=5,
+                max_outstanding_pings=2, pending_size=64 * 1024 * 1024)
+        except (OSError, nats_errors.Error, asyncio.TimeoutError) as exc:
+            raise BusDisconnected(f"cannot connect to NATS at {url}: {exc}") from exc
+        return bus
+
+    async def _on_disconnected(self) -> None:
+        log.warning("NATS disconnected; failing open streams")
+        for cb in list(self._disconnect_cbs):
+            try:
+                cb()
+            except Exception:  # a faulty callback must not stop the others
+                log.exception("on_disconnect callback failed")
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("NATS error: %s", exc)
+
+    @property
+    def is_connected(self) -> bool:
+        """True while the connection is up (not reconnecting, not closed)."""
+        return self._nc.is_connected
+
+    @property
+    def max_payload(self) -> int:
+        """Largest message the server accepts (bytes)."""
+        return self._nc.max_payload
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (sync) each time the connection drops."""
+        self._disconnect_cbs.append(callback)
+
+    async def publish(self, subject: str, data: bytes, reply: str = "",
+                      headers: dict[str, str] | None = None) -> None:
+        """Publish; BusDisconnected while reconnecting or closed (no silent buffering)."""
+        if not self._nc.is_connected:
+            raise BusDisconnected("NATS is not connected")
+        try:
+            await self._nc.publish(subject, data, reply=reply, headers=headers)
+        except (nats_errors.ConnectionClosedError, nats_errors.OutboundBufferLimitError) as exc:
+            raise BusDisconnected(str(exc)) from exc
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> _Sub:
+        """Subscribe; ``handler`` gets a bus Msg. Handler exceptions are logged, not propagated."""
+        async def cb(m: NatsMsg) -> None:
+            try:
+                await handler(Msg(m.subject, m.data, m.reply or "", m.headers, self))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("handler for %s failed", subject)
+        sub = await self._nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=65536,
+                                       pending_bytes_limit=256 * 1024 * 1024)
+        return _Sub(sub)
+
+    async def request(self, subject: str, data: bytes, timeout: float,
+                      headers: dict[str, str] | None = None) -> Msg:
+        """Request-reply with a deadline of ``timeout`` seconds."""
+        if not self._nc.is_connected:
+            raise BusDisconnected("NATS is not connected")
+        try:
+            m = await self._nc.request(subject, data, timeout=timeout, headers=headers)
+        except nats_errors.NoRespondersError as exc:
+            raise NoResponders(f"no responders on {subject}") from exc
+        except (nats_errors.TimeoutError, asyncio.TimeoutError) as exc:
+            raise BusTimeout(f"no reply on {subject} within {timeout:.3g} s") from exc
+        return Msg(m.subject, m.data, m.reply or "", m.headers, self)
+
+    def new_inbox(self) -> str:
+        """Unique inbox subject under this connection's prefix."""
+        return self._nc.new_inbox()
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Round-trip to the server; BusTimeout if it takes longer than ``timeout`` s."""
+        try:
+            await self._nc.flush(timeout=timeout)
+        except (nats_errors.TimeoutError, asyncio.TimeoutError) as exc:
+            raise BusTimeout("flush timed out") from exc
+
+    async def close(self) -> None:
+        """Drain (bounded to 5 s) then close."""
+        if self._nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self._nc.drain(), timeout=5.0)
+        except (asyncio.TimeoutError, nats_errors.Error):
+            await self._nc.close()
+
+    @property
+    def client(self) -> nats.NATS:
+        """The underlying nats-py client (for JetStream helpers in bus/ only)."""
+        return self._nc

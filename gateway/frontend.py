@@ -1,0 +1,164 @@
+"""The gateway's request core, shared by the HTTP and the NATS API fronts.
+
+``Frontend.submit`` resolves the model, registers the request in the in-flight table, hands it to a
+validator (request-reply ack: a missing validator is a 503 at once, not a timeout) and returns the
+entry whose chunks ``Frontend.stream`` yields until the final one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import orjson
+
+from bus import subjects
+from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
+from bus.messages import ApiRequest, Cancel, Chunk, PRIORITIES, error_dict
+from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
+from gateway.models import ModelResolver
+from gateway.openai_format import ApiError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrontendConfig:
+    """Gateway limits (ValueError on bad values)."""
+
+    gateway_id: str
+    default_deadline_ms: int = 120_000  # deadline when the request gives none (ms)
+    max_deadline_ms: int = 3_600_000  # largest accepted deadline_ms
+    inactivity_s: float = 60.0  # max silence between chunks (s)
+    validator_ack_s: float = 2.0  # wait for a validator to take the request (s)
+
+    def __post_init__(self) -> None:
+        subjects.gateway_replies(self.gateway_id)
+        if self.default_deadline_ms <= 0 or self.inactivity_s <= 0:
+            raise ValueError("deadlines and timeouts must be positive")
+
+
+@dataclass
+class Submitted:
+    """A request accepted by a validator."""
+
+    entry: Inflight
+    request_id: str
+    endpoint: str
+    name: str
+    version: str
+    marks: dict[str, float]
+
+    @property
+    def model(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+def new_request_id() -> str:
+    """32 hex chars, safe as a subject token."""
+    return uuid.uuid4().hex
+
+
+def parse_deadline_ms(body_value, header_value, cfg: FrontendConfig) -> int:
+    """Relative deadline (ms) from the body field or the header; ApiError 400 naming the field."""
+    raw, param = (body_value, "deadline_ms") if body_value is not None else (header_value, "x-actorserve-deadline-ms")
+    if raw is None:
+        return cfg.default_deadline_ms
+    try:
+        ms = int(raw) if not isinstance(raw, bool) and float(raw) == int(float(raw)) else -1
+    except (TypeError, ValueError):
+        ms = -1
+    if not 0 < ms <= cfg.max_deadline_ms:
+        raise ApiError(400, f"{param} must be an integer between 1 and {cfg.max_deadline_ms}", param=param)
+    return ms
+
+
+class Frontend:
+    """Submits requests to validators and routes response chunks back to their waiters."""
+
+    def __init__(self, bus: Bus, resolver: ModelResolver, cfg: FrontendConfig) -> None:
+        self.bus, self.resolver, self.cfg = bus, resolver, cfg
+        self.table = InflightTable()
+        self._sub = None
+
+    async def start(self) -> None:
+        """Subscribe to this gateway's reply subjects; fail streams fast on NATS disconnect."""
+        self._sub = await self.bus.subscribe(subjects.gateway_replies(self.cfg.gateway_id), self._on_chunk)
+        self.bus.on_disconnect(lambda: self.table.fail_all(error_dict(
+            503, "lost connection to the message bus", type_="unavailable", code="bus_disconnected",
+            retryable=True, retry_after=1.0)))
+
+    async def stop(self) -> None:
+        """Unsubscribe (requests in flight end by their own deadlines)."""
+        if self._sub:
+            await self._sub.unsubscribe()
+
+    async def _on_chunk(self, msg: Msg) -> None:
+        try:
+            self.table.deliver(Chunk.decode(msg.data))
+        except ValueError as exc:
+            log.warning("undecodable chunk on %s: %s", msg.subject, exc)
+
+    async def submit(self, *, tenant: str, endpoint: str, body: dict, request_id: str, deadline_ms: int,
+                     marks: dict[str, float]) -> Submitted:
+        """Resolve, register and hand the request to a validator. Raises ApiError (404, 400, 503)."""
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "you must provide a model parameter", param="model")
+        name, version = self.resolver.snapshot.resolve(model)
+        priority = body.get("priority", "interactive")
+        if priority not in PRIORITIES:
+            raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
+        deadline = time.time() + deadline_ms / 1e3
+        entry = self.table.open(request_id, deadline, self.cfg.inactivity_s)
+        marks["gateway_out"] = time.time()
+        req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,
+                         subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks)
+        try:
+            await self._hand_to_validator(req)
+        except ApiError:
+            self.table.close(request_id)
+            raise
+        return Submitted(entry, request_id, endpoint, name, version, marks)
+
+    async def _hand_to_validator(self, req: ApiRequest) -> None:
+        try:
+            reply = await self.bus.request(subjects.VALIDATE, req.encode(), self.cfg.validator_ack_s)
+            ok = orjson.loads(reply.data).get("accepted")
+        except (NoResponders, BusTimeout, BusDisconnected):
+            ok = False
+        except (BusError, ValueError) as exc:
+            log.warning("validator hand-off failed: %s", exc)
+            ok = False
+        if not ok:
+            raise ApiError(503, "no validator is available; retry later", type="unavailable",
+                           code="validator_unavailable", retry_after=1.0)
+
+    async def stream(self, sub: Submitted) -> AsyncIterator[Chunk]:
+        """Yield chunks in order until (and including) the final one. Raises StreamError."""
+        try:
+            while True:
+                chunk = await next_chunk(sub.entry)
+                if chunk is None:
+                    continue
+                yield chunk
+                if chunk.final:
+                    return
+        finally:
+            self.table.close(sub.request_id)
+
+    async def cancel(self, request_id: str, reason: str, tenant: str = "") -> None:
+        """Publish ``as.int.cancel.<id>`` (best effort, bounded)."""
+        try:
+            await asyncio.wait_for(self.bus.publish(subjects.cancel(request_id),
+                                                    Cancel(request_id, reason, tenant).encode()), 2.0)
+        except (BusError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("cancel of %s not sent: %s", request_id, exc)
+
+    def resolve_error(self, exc: StreamError) -> ApiError:
+        """Map a stream failure to the client-facing error."""
+        return ApiError.from_chunk_error(exc.error)

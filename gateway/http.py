@@ -1,0 +1,229 @@
+"""aiohttp HTTP front: OpenAI-compatible endpoints, health and readiness.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /healthz, GET /readyz.
+Errors use the OpenAI error shape. A streamed request waits for its first chunk before sending any
+byte, so errors found by the validator (e.g. context length) are real HTTP statuses. aiohttp does not
+cancel handlers when a client goes away, so waits poll the transport and turn a disconnect into a
+cancel on ``as.int.cancel.<id>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import orjson
+from aiohttp import web
+
+from bus import subjects
+from bus.base import BusError
+from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
+from gateway.inflight import StreamError, next_chunk
+from gateway.openai_format import (ApiError, completion_body, full_timing, stream_chunk, usage_chunk)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # client-disconnect check period while waiting for chunks (s)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+DEV_TENANT = "dev"  # single tenant until tenants land (later issue)
+
+
+def error_response(err: ApiError, extra_headers: dict | None = None) -> web.Response:
+    """JSON error response with the OpenAI shape and Retry-After when set."""
+    return web.json_response(err.body(), status=err.status, headers={**err.http_headers(), **(extra_headers or {})},
+                             dumps=lambda o: orjson.dumps(o).decode())
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    """Turn aiohttp's own HTTP errors (404 route, 405, 413 body too large) into OpenAI-shaped errors."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status)
+        return error_response(ApiError(exc.status, exc.reason or "error", code=code))
+
+
+def client_gone(request: web.Request) -> bool:
+    """True once the client's connection is closed or closing."""
+    tr = request.transport
+    return tr is None or tr.is_closing()
+
+
+class HttpFront:
+    """Handlers bound to one Frontend."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+
+    def app(self, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
+        """The aiohttp application (``client_max_size`` = body limit, 413 above it)."""
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_middleware])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        return app
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness: the process answers."""
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness: bus connected, a validator answers, every active model version has a live worker."""
+        checks = {"bus": self.fe.bus.is_connected, "models": self.fe.resolver.snapshot.all_versions_served()}
+        try:
+            await self.fe.bus.request(subjects.VALIDATE, b'{"ping":true}', 1.0)
+            checks["validator"] = True
+        except BusError:
+            checks["validator"] = False
+        return web.json_response({"ready": all(checks.values()), "checks": checks},
+                                 status=200 if all(checks.values()) else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: registered models (``name`` and ``name@version``)."""
+        return web.json_response({"object": "list", "data": self.fe.resolver.snapshot.model_list()})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        return await self._generate(request, "completions")
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        marks = {"gateway_in": time.time()}
+        client_rid = request.headers.get("X-Request-Id", "")
+        rid = new_request_id()
+        echo = {"X-Request-Id": client_rid if _REQUEST_ID.match(client_rid) else rid}
+        try:
+            body = await self._json_body(request)
+            marks["auth_done"] = time.time()
+            deadline_ms = parse_deadline_ms(body.get("deadline_ms"), request.headers.get("x-actorserve-deadline-ms"),
+                                            self.fe.cfg)
+            sub = await self.fe.submit(tenant=DEV_TENANT, endpoint=endpoint, body=body, request_id=rid,
+                                       deadline_ms=deadline_ms, marks=marks)
+        except ApiError as err:
+            return error_response(err, echo)
+        if body.get("stream") is True:
+            return await self._stream(request, sub, body, echo)
+        return await self._collect(request, sub, echo)
+
+    async def _json_body(self, request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"We could not parse the JSON body of your request: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    async def _next(self, request: web.Request, sub: Submitted):
+        """Next chunk, or raise ConnectionResetError when the client went away (after cancelling)."""
+        while True:
+            if client_gone(request):
+                await self.fe.cancel(sub.request_id, "disconnect")
+                self.fe.table.close(sub.request_id)
+                raise ConnectionResetError("client disconnected")
+            chunk = await next_chunk(sub.entry, POLL_S)
+            if chunk is not None:
+                return chunk
+
+    async def _collect(self, request: web.Request, sub: Submitted, echo: dict) -> web.StreamResponse:
+        parts, chunk = [], None
+        try:
+            while chunk is None or not chunk.final:
+                chunk = await self._next(request, sub)
+                parts.append(chunk.text)
+        except StreamError as exc:
+            self.fe.table.close(sub.request_id)
+            return error_response(self.fe.resolve_error(exc), echo)
+        except ConnectionResetError:
+            return web.Response(status=499)
+        self.fe.table.close(sub.request_id)
+        if chunk.error:
+            return error_response(ApiError.from_chunk_error(chunk.error), echo)
+        timing = full_timing(chunk.timing, sub.marks, time.time())
+        body = completion_body(sub.endpoint, sub.request_id, chunk.model or sub.model, "".join(parts),
+                               chunk.finish_reason, chunk.usage or {}, timing)
+        headers = {**echo, "x-actorserve-model-version": chunk.model or sub.model,
+                   "x-actorserve-timing": orjson.dumps(timing).decode()}
+        return web.json_response(body, headers=headers, dumps=lambda o: orjson.dumps(o).decode())
+
+    async def _stream(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
+        try:
+            first = await self._next(request, sub)
+        except StreamError as exc:
+            self.fe.table.close(sub.request_id)
+            return error_response(self.fe.resolve_error(exc), echo)
+        except ConnectionResetError:
+            return web.Response(status=499)
+        if first.error:
+            self.fe.table.close(sub.request_id)
+            return error_response(ApiError.from_chunk_error(first.error), echo)
+        resp = web.StreamResponse(headers={**echo, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "x-actorserve-model-version": first.model or sub.model})
+        await resp.prepare(request)
+        try:
+            await SseWriter(resp, sub, body).run(first, lambda: self._next(request, sub))
+        except ConnectionResetError:
+            await self.fe.cancel(sub.request_id, "disconnect")
+        finally:
+            self.fe.table.close(sub.request_id)
+        return resp
+
+
+class SseWriter:
+    """Writes OpenAI SSE chunks for one request, ending with ``data: [DONE]``."""
+
+    def __init__(self, resp: web.StreamResponse, sub: Submitted, body: dict) -> None:
+        self.resp, self.sub = resp, sub
+        self.created = int(time.time())
+        opts = body.get("stream_options")
+        self.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+
+    async def send(self, obj: dict) -> None:
+        """One ``data:`` event (raises ConnectionResetError if the client is gone)."""
+        await self.resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    async def run(self, first, next_fn) -> None:
+        """Stream ``first`` and every following chunk; errors mid-stream become an error event."""
+        s = self.sub
+        model = first.model or s.model
+        if s.endpoint == "chat":
+            await self.send(stream_chunk(s.endpoint, s.request_id, model, self.created, role=True))
+        chunk = first
+        try:
+            while True:
+                if chunk.error:
+                    await self.send(ApiError.from_chunk_error(chunk.error).body())
+                    break
+                if chunk.text:
+                    await self.send(stream_chunk(s.endpoint, s.request_id, model, self.created, text=chunk.text))
+                if chunk.final:
+                    await self._finish(chunk, model)
+                    break
+                chunk = await next_fn()
+        except StreamError as exc:
+            await self.send(ApiError.from_chunk_error(exc.error).body())
+        await self.resp.write(b"data: [DONE]\n\n")
+
+    async def _finish(self, chunk, model: str) -> None:
+        s = self.sub
+        usage = {**(chunk.usage or {}), "actorserve_timing": full_timing(chunk.timing, s.marks, time.time())}
+        last = stream_chunk(s.endpoint, s.request_id, model, self.created, finish_reason=chunk.finish_reason)
+        if self.include_usage:
+            last["usage"] = None
+            await self.send(last)
+            await self.send(usage_chunk(s.endpoint, s.request_id, model, self.created, usage))
+        else:
+            last["usage"] = usage
+            await self.send(last)

@@ -1,0 +1,128 @@
+"""Gateway in-flight table: one entry per request with deadline, inactivity timeout and gap detection.
+
+All chunks for this gateway arrive on one wildcard subscription (``_INBOX.*.gw.<gateway_id>.*``)
+and are routed here by request id into a bounded per-request queue. ``next_chunk`` is the only
+wait, and it is bounded by the request's absolute deadline and by the inactivity timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from bus.messages import Chunk, error_dict
+
+
+class StreamError(Exception):
+    """A request ended without a normal final chunk. ``error`` is a Chunk.error-style dict."""
+
+    def __init__(self, error: dict) -> None:
+        super().__init__(error.get("message", "stream error"))
+        self.error = error
+
+
+@dataclass
+class Inflight:
+    """One request in flight at this gateway."""
+
+    request_id: str
+    deadline: float  # absolute, epoch s
+    inactivity_s: float  # max gap between chunks (s)
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=4096))
+    next_seq: int = 0  # next expected chunk seq
+    worker_id: str = ""  # worker streaming it (set by the first token chunk)
+    last_activity: float = field(default_factory=time.time)  # last chunk (or open) time, epoch s
+
+
+class InflightTable:
+    """Requests in flight at one gateway, keyed by request id."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Inflight] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def open(self, request_id: str, deadline: float, inactivity_s: float) -> Inflight:
+        """Register a request before it is sent (so no chunk can arrive unrouted). ValueError if present."""
+        if request_id in self._by_id:
+            raise ValueError(f"request id {request_id} is already in flight")
+        entry = Inflight(request_id, deadline, inactivity_s)
+        self._by_id[request_id] = entry
+        return entry
+
+    def close(self, request_id: str) -> None:
+        """Forget a request (idempotent)."""
+        self._by_id.pop(request_id, None)
+
+    def deliver(self, chunk: Chunk) -> bool:
+        """Route an arrived chunk; False if the request is unknown (finished or never ours)."""
+        entry = self._by_id.get(chunk.request_id)
+        if entry is None:
+            return False
+        try:
+            entry.queue.put_nowait(chunk)
+        except asyncio.QueueFull:  # consumer stuck: end it rather than grow without bound
+            self.fail(chunk.request_id, error_dict(503, "response stream overflowed", type_="unavailable",
+                                                   code="stream_overflow", retryable=True))
+        return True
+
+    def fail(self, request_id: str, error: dict) -> None:
+        """Push a terminal error to one request's consumer."""
+        entry = self._by_id.get(request_id)
+        if entry is None:
+            return
+        while entry.queue.full():  # make room: the failure matters more than undelivered text
+            entry.queue.get_nowait()
+        entry.queue.put_nowait(error)
+
+    def fail_all(self, error: dict) -> None:
+        """Fail every request in flight (NATS disconnect)."""
+        for rid in list(self._by_id):
+            self.fail(rid, error)
+
+
+async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | None:
+    """Wait for the next chunk of ``entry`` in order; None if ``poll_s`` seconds pass first.
+
+    Raises StreamError on: deadline passed (503 deadline_exceeded), no chunk within the inactivity
+    timeout since the last one (503 upstream_timeout), a sequence gap or a different worker (502
+    stream_gap), or a pushed failure (e.g. NATS disconnect). A final chunk carrying ``error`` is
+    returned as is. ``poll_s`` lets a caller check for client disconnects between waits.
+    """
+    now = time.time()
+    limit = min(entry.deadline, entry.last_activity + entry.inactivity_s)
+    if now >= limit:
+        raise _timeout_error(entry, now)
+    wait = limit - now if poll_s is None else min(poll_s, limit - now)
+    try:
+        item = await asyncio.wait_for(entry.queue.get(), wait)
+    except asyncio.TimeoutError:
+        if time.time() >= limit:
+            raise _timeout_error(entry, time.time()) from None
+        return None
+    entry.last_activity = time.time()
+    if isinstance(item, dict):
+        raise StreamError(item)
+    return _check_order(entry, item)
+
+
+def _timeout_error(entry: Inflight, now: float) -> StreamError:
+    if now >= entry.deadline:
+        return StreamError(error_dict(503, "the request's deadline passed", type_="timeout",
+                                      code="deadline_exceeded", retryable=True, retry_after=1.0))
+    return StreamError(error_dict(503, f"no response from the model for {entry.inactivity_s:.0f} s",
+                                  type_="timeout", code="upstream_timeout", retryable=True))
+
+
+def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
+    """Enforce consecutive seq numbers from one worker; error chunks end the stream whatever their seq."""
+    if chunk.error is not None:
+        return chunk
+    if chunk.seq != entry.next_seq or (entry.worker_id and chunk.worker_id != entry.worker_id):
+        raise StreamError(error_dict(502, f"response stream broken (expected chunk {entry.next_seq}, got "
+                                          f"{chunk.seq})", type_="unavailable", code="stream_gap", retryable=True))
+    entry.next_seq += 1
+    entry.worker_id = entry.worker_id or chunk.worker_id
+    return chunk

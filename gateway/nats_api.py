@@ -1,0 +1,147 @@
+"""Public NATS API: ``as.api.v1.chat``, ``as.api.v1.completions`` (queue group "gateways") and ``as.api.v1.cancel``.
+
+Request: the OpenAI JSON body, published with a reply subject (the caller's inbox). Optional headers:
+``x-actorserve-deadline-ms``. Replies, all JSON on the caller's inbox:
+- non-streaming: one message, the chat.completion / text_completion object, or
+  ``{"error": {...}, "status": N, "final": true}``;
+- streaming (``"stream": true``): the same chunk objects as the SSE stream, one per message; the last
+  one carries ``"final": true`` (it is the finish chunk, the usage chunk, or an error object).
+Cancel: publish ``{"request_id": "<id>"}`` (the id, or the response id ``chatcmpl-<id>``) to
+``as.api.v1.cancel``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+
+from bus import subjects
+from bus.base import BusError, Msg
+from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
+from gateway.http import DEV_TENANT
+from gateway.inflight import StreamError
+from gateway.openai_format import ApiError, completion_body, full_timing, stream_chunk, usage_chunk
+
+log = logging.getLogger(__name__)
+
+
+def error_reply(err: ApiError) -> bytes:
+    """Error message for the NATS API: OpenAI error object plus status and final marker."""
+    return orjson.dumps({**err.body(), "status": err.status, "retry_after": err.retry_after, "final": True})
+
+
+class NatsApi:
+    """Serves the public NATS API on one Frontend."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+        self._subs: list = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Subscribe to the API subjects (queue group ``gateways``)."""
+        bus, q = self.fe.bus, subjects.GATEWAYS_QUEUE
+        self._subs = [await bus.subscribe(subjects.API_CHAT, self._spawn("chat"), queue=q),
+                      await bus.subscribe(subjects.API_COMPLETIONS, self._spawn("completions"), queue=q),
+                      await bus.subscribe(subjects.API_CANCEL, self._on_cancel, queue=q)]
+
+    async def stop(self) -> None:
+        """Unsubscribe; requests in flight are cancelled."""
+        for s in self._subs:
+            await s.unsubscribe()
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _spawn(self, endpoint: str):
+        async def handler(msg: Msg) -> None:
+            task = asyncio.create_task(self._handle(endpoint, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return handler
+
+    async def _reply(self, msg: Msg, data: bytes) -> None:
+        try:
+            await self.fe.bus.publish(msg.reply, data)
+        except BusError as exc:
+            log.warning("NATS API reply to %s failed: %s", msg.reply, exc)
+
+    async def _handle(self, endpoint: str, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        marks = {"gateway_in": time.time(), "auth_done": time.time()}
+        try:
+            body = orjson.loads(msg.data)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            deadline_ms = parse_deadline_ms(body.get("deadline_ms"),
+                                            (msg.headers or {}).get("x-actorserve-deadline-ms"), self.fe.cfg)
+            sub = await self.fe.submit(tenant=DEV_TENANT, endpoint=endpoint, body=body,
+                                       request_id=new_request_id(), deadline_ms=deadline_ms, marks=marks)
+        except orjson.JSONDecodeError as exc:
+            return await self._reply(msg, error_reply(ApiError(400, f"invalid JSON body: {exc}")))
+        except ApiError as err:
+            return await self._reply(msg, error_reply(err))
+        try:
+            if body.get("stream") is True:
+                await self._stream(msg, sub, body)
+            else:
+                await self._collect(msg, sub)
+        except StreamError as exc:
+            await self._reply(msg, error_reply(self.fe.resolve_error(exc)))
+        finally:
+            self.fe.table.close(sub.request_id)
+
+    async def _collect(self, msg: Msg, sub: Submitted) -> None:
+        parts = []
+        async for chunk in self.fe.stream(sub):
+            parts.append(chunk.text)
+            if chunk.final:
+                if chunk.error:
+                    return await self._reply(msg, error_reply(ApiError.from_chunk_error(chunk.error)))
+                timing = full_timing(chunk.timing, sub.marks, time.time())
+                body = completion_body(sub.endpoint, sub.request_id, chunk.model or sub.model, "".join(parts),
+                                       chunk.finish_reason, chunk.usage or {}, timing)
+                await self._reply(msg, orjson.dumps(body))
+
+    async def _stream(self, msg: Msg, sub: Submitted, body: dict) -> None:
+        created, ep, rid = int(time.time()), sub.endpoint, sub.request_id
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        first = True
+        async for chunk in self.fe.stream(sub):
+            if chunk.error:
+                return await self._reply(msg, error_reply(ApiError.from_chunk_error(chunk.error)))
+            model = chunk.model or sub.model
+            if first and ep == "chat":
+                await self._reply(msg, orjson.dumps(stream_chunk(ep, rid, model, created, role=True)))
+            first = False
+            if chunk.text:
+                await self._reply(msg, orjson.dumps(stream_chunk(ep, rid, model, created, text=chunk.text)))
+            if chunk.final:
+                usage = {**(chunk.usage or {}), "actorserve_timing": full_timing(chunk.timing, sub.marks, time.time())}
+                last = stream_chunk(ep, rid, model, created, finish_reason=chunk.finish_reason)
+                last["usage"] = None if include_usage else usage
+                last["final"] = not include_usage
+                await self._reply(msg, orjson.dumps(last))
+                if include_usage:
+                    await self._reply(msg, orjson.dumps({**usage_chunk(ep, rid, model, created, usage),
+                                                         "final": True}))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            rid = str(orjson.loads(msg.data).get("request_id", ""))
+        except (orjson.JSONDecodeError, AttributeError):
+            rid = ""
+        rid = rid.split("-", 1)[1] if rid.startswith(("chatcmpl-", "cmpl-")) else rid
+        try:
+            subjects.cancel(rid)
+        except ValueError:
+            ok = False
+        else:
+            await self.fe.cancel(rid, "client")
+            ok = True
+        if msg.reply:
+            await self._reply(msg, orjson.dumps({"cancelled": ok}))

@@ -1,0 +1,98 @@
+"""OpenAI wire shapes: errors, chat/completions responses and streaming chunks.
+
+Field names and object types follow the OpenAI API reference (chat.completion, chat.completion.chunk,
+text_completion); ``model`` is the concrete ``name@version`` that served the request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+TIMING_KEYS = ("gateway_ms", "auth_ms", "validation_ms", "queue_ms", "prefill_ms", "decode_ms", "transport_ms")
+
+
+@dataclass
+class ApiError(Exception):
+    """An error answered to the client: HTTP status plus the OpenAI error object."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type: str = "invalid_request_error"
+    retry_after: float | None = None  # seconds, sent as Retry-After on 429/503
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        Exception.__init__(self, self.message)
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {message, type, param, code}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def http_headers(self) -> dict[str, str]:
+        """Extra headers: Retry-After (whole seconds, >= 1) when set."""
+        h = dict(self.headers)
+        if self.retry_after is not None:
+            h["Retry-After"] = str(max(1, int(round(self.retry_after))))
+        return h
+
+    @classmethod
+    def from_chunk_error(cls, err: dict) -> "ApiError":
+        """Build from a ``Chunk.error`` dict (status 499 = cancelled maps to 408 for HTTP)."""
+        status = int(err.get("status") or 500)
+        return cls(408 if status == 499 else status, str(err.get("message", "error")), err.get("param"),
+                   err.get("code"), str(err.get("type") or "server_error"), err.get("retry_after"))
+
+
+def object_id(endpoint: str, request_id: str) -> str:
+    """Response id: ``chatcmpl-<request id>`` or ``cmpl-<request id>``."""
+    return f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}"
+
+
+def full_timing(worker_timing: dict | None, marks: dict[str, float], t_end: float) -> dict[str, float]:
+    """Complete timing breakdown (ms): gateway's own parts, the worker's, transport as the remainder."""
+    t = {k: 0.0 for k in TIMING_KEYS}
+    t.update({k: float(v) for k, v in (worker_timing or {}).items() if k in t})
+    t["auth_ms"] = (marks.get("auth_done", 0) - marks.get("gateway_in", 0)) * 1e3
+    t["gateway_ms"] = (marks.get("gateway_out", 0) - marks.get("auth_done", 0)) * 1e3
+    total = (t_end - marks.get("gateway_in", t_end)) * 1e3
+    t["transport_ms"] = max(0.0, total - sum(v for k, v in t.items() if k != "transport_ms"))
+    return {k: round(v, 3) for k, v in t.items()}
+
+
+def completion_body(endpoint: str, request_id: str, model: str, text: str, finish_reason: str | None,
+                    usage: dict, timing: dict, created: int | None = None) -> dict[str, Any]:
+    """Non-streaming response (chat.completion or text_completion) with usage.actorserve_timing."""
+    if endpoint == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": object_id(endpoint, request_id), "object": "chat.completion" if endpoint == "chat"
+            else "text_completion", "created": created or int(time.time()), "model": model,
+            "choices": [choice], "usage": {**usage, "actorserve_timing": timing}, "system_fingerprint": None}
+
+
+def stream_chunk(endpoint: str, request_id: str, model: str, created: int, *, text: str = "",
+                 role: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
+    """One streaming chunk (chat.completion.chunk or text_completion)."""
+    if endpoint == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
+            {"content": text} if text or finish_reason is None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": object_id(endpoint, request_id), "object": obj, "created": created, "model": model,
+            "choices": [choice], "system_fingerprint": None}
+
+
+def usage_chunk(endpoint: str, request_id: str, model: str, created: int, usage: dict) -> dict[str, Any]:
+    """The final ``choices: []`` chunk carrying usage (stream_options.include_usage)."""
+    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+    return {"id": object_id(endpoint, request_id), "object": obj, "created": created, "model": model,
+            "choices": [], "usage": usage, "system_fingerprint": None}
