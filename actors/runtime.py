@@ -7,7 +7,8 @@ An actor module (``actors.validator.actor``, ``actors.scheduler.actor``, ``actor
 
 * sets up logging (level from ``--log-level``, else ``ACTORSERVE_LOG_LEVEL``, else INFO; every line
   names the actor kind and the pid);
-* runs ``main(args)`` as one task under ``asyncio.run``;
+* runs ``main(args)`` as one task in a fresh event loop (like ``asyncio.run``, but a blocking call
+  still running in a thread after ``main`` ended delays the exit by at most a few seconds);
 * turns SIGTERM / SIGINT into a cancellation of that task. The actor's ``main`` catches
   ``CancelledError`` and drains (bounded, shielded cleanup). A second signal while draining
   exits at once with status 130 (SIGINT) / 143 (SIGTERM);
@@ -26,7 +27,10 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +188,45 @@ async def _run_main(main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]]
     return 0
 
 
+# Threads of the actor's default executor (``asyncio.to_thread``) carry this name prefix, so the
+# runner can tell them from threads it did not start.
+_EXECUTOR_PREFIX = "actorserve-actor-exec"
+#: seconds the runner waits, after main ended, for executor threads (e.g. a model load) to finish
+EXECUTOR_GRACE_S = 3.0
+
+
+def _run_loop(main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]], args: argparse.Namespace) -> int:
+    """Like ``asyncio.run(_run_main(...))``, but never blocks on executor threads that are still busy
+    (``asyncio.run`` joins them without a bound: a worker told to stop mid-load would wait for the load)."""
+    loop = asyncio.new_event_loop()
+    executor = ThreadPoolExecutor(thread_name_prefix=_EXECUTOR_PREFIX)
+    loop.set_default_executor(executor)
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(_run_main(main_coro_fn, args))
+    finally:
+        try:
+            leftovers = asyncio.all_tasks(loop)
+            for t in leftovers:
+                t.cancel()
+            if leftovers:
+                loop.run_until_complete(asyncio.wait(leftovers, timeout=EXECUTOR_GRACE_S))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _busy_executor_threads(grace: float) -> list[str]:
+    """Join this runner's executor threads for up to ``grace`` s; return the names still alive."""
+    deadline = time.monotonic() + grace
+    for t in threading.enumerate():
+        if t.name.startswith(_EXECUTOR_PREFIX):
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threading.enumerate() if t.name.startswith(_EXECUTOR_PREFIX) and t.is_alive()]
+
+
 def run_actor_main(
     main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]],
     args: argparse.Namespace,
@@ -196,15 +239,27 @@ def run_actor_main(
     program name), installs SIGTERM/SIGINT handlers that cancel the main task so the actor drains,
     and returns 0 after a clean drain or normal return, 1 if ``main`` raised (the traceback is
     logged). The CLI passes the result to ``sys.exit``.
+
+    Blocking work the actor started with ``asyncio.to_thread`` (e.g. loading weights) gets
+    ``EXECUTOR_GRACE_S`` seconds after ``main`` ended; if it is still running then, the process
+    exits at once with the same status (``os._exit``) instead of waiting for it.
     """
     kind = kind or getattr(args, "actor_kind", None) or Path(sys.argv[0]).name or "actor"
     setup_logging(kind, log_level_of(args))
     try:
-        return asyncio.run(_run_main(main_coro_fn, args))
+        code = _run_loop(main_coro_fn, args)
     except KeyboardInterrupt:  # a SIGINT before the handler was installed
-        return 130
+        code = 130
     except SystemExit:
         raise
     except BaseException:
         log.exception("%s failed", kind)
-        return 1
+        code = 1
+    busy = _busy_executor_threads(EXECUTOR_GRACE_S)
+    if busy:
+        log.warning("exiting with %d blocking call(s) still running in threads", len(busy))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -97,8 +97,9 @@ async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | No
         raise _timeout_error(entry, now)
     wait = limit - now if poll_s is None else min(poll_s, limit - now)
     try:
-        item = await asyncio.wait_for(entry.queue.get(), wait)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(wait):  # not wait_for: see actors.aio.wait_event
+            item = await entry.queue.get()
+    except TimeoutError:
         if time.time() >= limit:
             raise _timeout_error(entry, time.time()) from None
         return None

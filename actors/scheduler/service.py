@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import orjson
 
 from actors.scheduler.policy import FcfsQueue, WorkerTable
+from actors.aio import wait_event
 from bus import subjects
 from bus.base import Bus, BusError, Msg
 from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, error_dict
@@ -148,10 +149,7 @@ class SchedulerService:
                 await self._fail(req, 503, "the request's deadline passed while it was queued", "deadline_exceeded")
             if not await self._dispatch_head():
                 self._kick.clear()
-                try:
-                    await asyncio.wait_for(self._kick.wait(), 0.1)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(self._kick, 0.1)
 
     async def _dispatch_head(self) -> bool:
         """Dispatch the head request if a worker can take it; False when nothing was done."""

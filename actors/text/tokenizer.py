@@ -226,7 +226,11 @@ class GGUFTokenizer:
         """`encode` for many texts at once (parallel inside the `tokenizers` library)."""
         out = [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
         if add_special_tokens:
-            out = [self.encode(t, True) for t in texts] if (self._add_bos or self._add_eos) else out
+            for ids in out:
+                if self._add_bos and self._bos is not None:
+                    ids.insert(0, self._bos)
+                if self._add_eos and self._eos is not None:
+                    ids.append(self._eos)
         return out
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

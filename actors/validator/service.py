@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import orjson
 
 from actors.validator.errors import RequestError
-from actors.validator.validation import (default_stop_token_ids, prepare_prompt, sampling_fields,
+from actors.validator.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, default_stop_token_ids, prepare_prompt, sampling_fields,
                                          validate_request)
 from bus import subjects
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
@@ -137,8 +137,9 @@ class ValidatorService:
 
     def _prepare_sync(self, req: ApiRequest, assets: ModelAssets) -> GenerateRequest:
         validated = validate_request(req.endpoint, req.body)
+        default_max = COMPLETIONS_DEFAULT_MAX_TOKENS if req.endpoint == "completions" else None
         ids, max_tokens = prepare_prompt(validated, assets.tokenizer, assets.chat_template, assets.max_model_len,
-                                         None, self.cfg.max_tokens_cap)
+                                         default_max, self.cfg.max_tokens_cap)
         sampling = sampling_fields(validated, max_tokens, assets.stop_token_ids)
         return GenerateRequest(req.request_id, req.tenant, req.name, req.version, req.reply, tuple(ids), sampling,
                                req.priority, req.deadline, {**req.marks, "validate_out": time.time()})

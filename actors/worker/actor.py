@@ -84,10 +84,15 @@ async def main(args: argparse.Namespace) -> None:
 
 async def _shutdown(lease, svc: WorkerService, bus) -> None:
     """Bounded graceful stop: revoke lease, drain, close."""
+    log.info("draining: revoking lease")
     try:
         await asyncio.wait_for(lease.revoke(), 3.0)
     except Exception as exc:  # lease may already be gone (etcd down); drain anyway
         log.warning("lease revoke failed: %s", exc)
+    log.info("draining: %d requests in flight", len(svc.live))
     await svc.drain(timeout=10.0)
+    log.info("draining: stopping service")
     await svc.stop()
+    log.info("draining: closing bus")
     await bus.close()
+    log.info("drained")

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
+from actors.aio import wait_event
 from bus import subjects
 from bus.base import Bus, BusError, Msg
 from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
@@ -106,7 +107,9 @@ class WorkerService:
             await sub.unsubscribe()
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        _, pending = await asyncio.wait(self._tasks, timeout=5.0)
+        for t in pending:
+            log.warning("task did not stop within 5 s: %s", t.get_stack())
 
     async def __aenter__(self) -> "WorkerService":
         await self.start()
@@ -181,10 +184,7 @@ class WorkerService:
             await self._flush_aborted()
             if not self.engine.has_unfinished():
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.cfg.idle_wait_s * 20)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(self._wake, self.cfg.idle_wait_s * 20)
                 continue
             outputs = await asyncio.to_thread(self.engine.step)
             await self._publish_outputs(outputs)

@@ -157,3 +157,8 @@ def test_small_synthetic_vocab_with_user_defined_token():
     assert tok.encode("hello", add_special_tokens=True) == [0, hello]
     assert tok.decode([hello, think, 0]) == "hello<think>"
     assert tok.special_tokens == {"<|eos|>": 0}
+
+
+def test_encode_batch(ours):
+    texts = list(TEXTS.values())
+    assert ours.encode_batch(texts) == [ours.encode(t) for t in texts]

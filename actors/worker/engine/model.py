@@ -7,13 +7,14 @@ and 1-token decodes mixed in one forward; no padding).  Per sequence ``s`` the c
 Algorithms (sources): RMSNorm (Zhang & Sennrich 2019), RoPE with the Hugging Face ``rotate_half``
 layout (Su et al. 2021; ``transformers.models.llama.modeling_llama``), grouped-query attention
 (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020), paged KV cache (Kwon et al. 2023, PagedAttention).
-Attention here is the simple form: per sequence, gather its keys/values from the cache and call
-``torch.nn.functional.scaled_dot_product_attention`` with a causal (offset) mask.
+Attention here is the simple form: gather keys/values from the cache by flat slot and call
+``torch.nn.functional.scaled_dot_product_attention``: one padded call for all 1-token decodes
+(key-padding mask), one call per prefill chunk (causal mask offset by the cached prefix).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,39 @@ class BatchMetadata:
     query_lens: list[int]
     context_lens: list[int]
     logits_indices: torch.Tensor
+    decode: "DecodeBatch | None" = None  # derived in __post_init__
+    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (q_start, q_len, k_start, ctx_len)
+
+    def __post_init__(self) -> None:
+        rows, ctx, q_start, k_start = [], [], 0, 0
+        for q_len, ctx_len in zip(self.query_lens, self.context_lens):
+            if q_len == 1:
+                rows.append(q_start)
+                ctx.append((k_start, ctx_len))
+            else:
+                self.prefills.append((q_start, q_len, k_start, ctx_len))
+            q_start, k_start = q_start + q_len, k_start + ctx_len
+        self.decode = DecodeBatch.build(rows, ctx, self.positions.device) if rows else None
+
+
+@dataclass
+class DecodeBatch:
+    """Padded gather plan for 1-token queries: ``rows`` [B] (token rows), ``ctx_index`` [B, L] (rows of
+    the concatenated context K/V, padding points at row 0), ``mask`` [B, 1, 1, L] bool (True = real key)."""
+
+    rows: torch.Tensor
+    ctx_index: torch.Tensor
+    mask: torch.Tensor
+
+    @staticmethod
+    def build(rows: list[int], ctx: list[tuple[int, int]], device) -> "DecodeBatch":
+        max_len = max(n for _, n in ctx)
+        ar = torch.arange(max_len, device=device)
+        starts = torch.tensor([s for s, _ in ctx], device=device).unsqueeze(1)
+        lens = torch.tensor([n for _, n in ctx], device=device).unsqueeze(1)
+        mask = ar.unsqueeze(0) < lens
+        index = torch.where(mask, starts + ar, torch.zeros_like(ar))
+        return DecodeBatch(torch.tensor(rows, device=device), index, mask[:, None, None, :])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,17 +144,31 @@ class LlamaModel:
         return F.linear(out.reshape(-1, cfg.num_heads * cfg.head_dim), w("wo"))
 
     def _paged_attention(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, meta: BatchMetadata):
-        """Per-sequence causal attention. q [T, H, hd]; k_ctx/v_ctx [sum(ctx), Hkv, hd] -> [T, H, hd]."""
-        outs, q_start, k_start = [], 0, 0
-        for q_len, ctx_len in zip(meta.query_lens, meta.context_lens):
+        """Causal attention. q [T, H, hd]; k_ctx/v_ctx [sum(ctx), Hkv, hd] -> [T, H, hd].
+
+        Decodes (1-token queries) run as one padded batch; prefill chunks run one by one.
+        """
+        out = torch.empty_like(q)
+        dec = meta.decode
+        if dec is not None:
+            out[dec.rows] = self._decode_attention(q[dec.rows], k_ctx, v_ctx, dec)
+        for q_start, q_len, k_start, ctx_len in meta.prefills:
             qs = q[q_start : q_start + q_len].transpose(0, 1)  # [H, q_len, hd]
-            ks = k_ctx[k_start : k_start + ctx_len].transpose(0, 1).repeat_interleave(self.num_groups, 0)
-            vs = v_ctx[k_start : k_start + ctx_len].transpose(0, 1).repeat_interleave(self.num_groups, 0)
+            ks = self._expand_kv(k_ctx[k_start : k_start + ctx_len].transpose(0, 1), qs.dtype)
+            vs = self._expand_kv(v_ctx[k_start : k_start + ctx_len].transpose(0, 1), qs.dtype)
             mask = causal_mask(q_len, ctx_len, q.device)
-            o = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=mask)
-            outs.append(o.transpose(0, 1))
-            q_start, k_start = q_start + q_len, k_start + ctx_len
-        return torch.cat(outs, dim=0)
+            out[q_start : q_start + q_len] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
+        return out
+
+    def _decode_attention(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, dec: "DecodeBatch"):
+        """q [B, H, hd] attends to padded contexts k/v [B, Hkv, L, hd] (mask [B, 1, 1, L]) -> [B, H, hd]."""
+        ks = self._expand_kv(k_ctx[dec.ctx_index].transpose(1, 2), q.dtype)
+        vs = self._expand_kv(v_ctx[dec.ctx_index].transpose(1, 2), q.dtype)
+        return F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=dec.mask).squeeze(2)
+
+    def _expand_kv(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """GQA: repeat each KV head for its query group along the head dim (-3)."""
+        return kv.to(dtype).repeat_interleave(self.num_groups, dim=-3)
 
 
 def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor | None:

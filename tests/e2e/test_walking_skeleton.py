@@ -1,0 +1,219 @@
+"""Acceptance checks of the walking skeleton against real processes, nats-server and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from bus import subjects
+from bus.messages import CompletionRecord, WorkerStats
+from bus.nats_bus import NatsBus
+from control.registry import Registry
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MODEL = "smollm2-135m-instruct"
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="dev", timeout=120, max_retries=0)
+
+
+def test_openai_client_chat_and_stream(stack):
+    c = client(stack)
+    r = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=48)
+    text = r.choices[0].message.content
+    assert "Paris" in text
+    assert r.model == f"{MODEL}@1" and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0
+    deltas = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=48, stream=True) if ch.choices]
+    assert "".join(deltas) == text
+
+
+def test_completions_endpoint(stack):
+    r = client(stack).completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
+    assert r.choices[0].text and r.usage.prompt_tokens > 0 and r.usage.completion_tokens <= 8
+
+
+def test_models_and_health(stack):
+    ids = [m.id for m in client(stack).models.list().data]
+    assert MODEL in ids and f"{MODEL}@1" in ids
+    assert httpx.get(stack.http_url + "/healthz").status_code == 200
+    assert httpx.get(stack.http_url + "/readyz").status_code == 200
+
+
+async def _nats_chat(nats_url: str, body: dict) -> list[dict]:
+    bus = await NatsBus.connect(nats_url, name="test-client")
+    inbox = bus.new_inbox()
+    got: list[dict] = []
+    done = asyncio.Event()
+
+    async def on_msg(msg):
+        obj = orjson.loads(msg.data)
+        got.append(obj)
+        if obj.get("final") or not body.get("stream"):
+            done.set()
+    sub = await bus.subscribe(inbox, on_msg)
+    await bus.publish(subjects.API_CHAT, orjson.dumps(body), reply=inbox)
+    async with asyncio.timeout(120):
+        await done.wait()
+    await sub.unsubscribe()
+    await bus.close()
+    return got
+
+
+def test_nats_api_same_text(stack):
+    http_text = client(stack).chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                      max_tokens=48).choices[0].message.content
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 48}
+    [reply] = asyncio.run(_nats_chat(stack.nats_url, body))
+    assert reply["choices"][0]["message"]["content"] == http_text
+    chunks = asyncio.run(_nats_chat(stack.nats_url, {**body, "stream": True}))
+    assert chunks[-1]["final"] is True and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")) == http_text
+
+
+def test_nats_api_errors(stack):
+    [reply] = asyncio.run(_nats_chat(stack.nats_url, {"model": "no-such-model", "messages": QUESTION}))
+    assert reply["status"] == 404 and reply["error"]["code"] == "model_not_found"
+    [reply] = asyncio.run(_nats_chat(stack.nats_url, {"model": MODEL, "messages": []}))
+    assert reply["status"] == 400 and reply["error"]["param"] == "messages"
+
+
+async def _latest_stats(nats_url: str) -> WorkerStats:
+    bus = await NatsBus.connect(nats_url, name="test-stats")
+    got: list[WorkerStats] = []
+    ev = asyncio.Event()
+
+    async def on(msg):
+        got.append(WorkerStats.decode(msg.data))
+        ev.set()
+    sub = await bus.subscribe(subjects.stats("worker-0"), on)
+    async with asyncio.timeout(10):
+        await ev.wait()
+    await sub.unsubscribe()
+    await bus.close()
+    return got[-1]
+
+
+def test_concurrent_streams_are_batched(stack):
+    before = asyncio.run(_latest_stats(stack.nats_url))
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        n = 0
+        for ch in client(stack).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count to one hundred, request {i}."}],
+                max_tokens=64, temperature=0.8, seed=i, stream=True, extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True}):
+            if ch.usage:
+                n = ch.usage.completion_tokens
+        results.append(n)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert results == [64] * 8
+    time.sleep(1.5)  # one stats period
+    after = asyncio.run(_latest_stats(stack.nats_url))
+    steps = after.num_steps - before.num_steps
+    tokens = after.num_generated_tokens - before.num_generated_tokens
+    assert tokens >= 8 * 64
+    assert steps < tokens / 2, f"{steps} steps for {tokens} tokens: not batched"
+
+
+def test_prompt_over_context_is_400_before_sse(stack):
+    long = "hello " * 9000  # > 8192 tokens
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long}], "stream": True}
+    r = httpx.post(stack.http_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "maximum context length" in err["message"]
+
+
+def test_bad_requests_are_4xx(stack):
+    url = stack.http_url + "/v1/chat/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(url, json={"model": "nope", "messages": QUESTION})
+    assert r.status_code == 404
+    r = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "temperature": "hot"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "deadline_ms": -5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "deadline_ms"
+
+
+def _register_tiny(stack, tiny_gguf: str) -> None:
+    async def go():
+        async with Registry.connect(stack.etcd_url) as reg:
+            await reg.put_model_version("tiny", "1", {"artifact": tiny_gguf, "format": "gguf",
+                                                      "context_length": 512})
+    asyncio.run(go())
+
+
+async def _worker_keys(etcd_url: str) -> dict:
+    async with Registry.connect(etcd_url) as reg:
+        return await reg.list_workers("tiny", "1")
+
+
+@pytest.fixture
+def tiny_version(stack, tiny_gguf):
+    """Registers ``tiny@1`` for one test, then retires it (so the stack's readiness is unaffected)."""
+    _register_tiny(stack, tiny_gguf)
+    yield "tiny@1"
+
+    async def retire():
+        async with Registry.connect(stack.etcd_url) as reg:
+            await reg.delete_model_version("tiny", "1")
+    asyncio.run(retire())
+
+
+def test_killed_worker_leaves_and_gets_no_work(stack, tiny_version, actor_procs):
+    actor_procs.start("sched-tiny", "scheduler", "--model", "tiny@1")
+    victim = actor_procs.start("wk-victim", "worker", "--model", "tiny@1", "--worker-id", "wk-victim",
+                               "--no-progress", "--kv-cache-bytes", "4000000")
+    actor_procs.start("wk-keep", "worker", "--model", "tiny@1", "--worker-id", "wk-keep", "--no-progress",
+                      "--kv-cache-bytes", "4000000")
+    t_end = time.time() + 90
+    while set(asyncio.run(_worker_keys(stack.etcd_url))) != {"wk-victim", "wk-keep"}:
+        assert time.time() < t_end, "tiny workers did not register"
+        time.sleep(0.3)
+    os.kill(victim.pid, signal.SIGKILL)
+    t_kill = time.time()
+    while "wk-victim" in asyncio.run(_worker_keys(stack.etcd_url)):
+        assert time.time() - t_kill <= 3 + 1, "killed worker's key outlived TTL + 1 s"
+        time.sleep(0.1)
+    records = asyncio.run(_served_by(stack, 12))
+    assert len(records) == 12
+    assert {r.worker_id for r in records} == {"wk-keep"}
+    assert all(r.status == "ok" for r in records)
+
+
+async def _served_by(stack, n: int) -> list[CompletionRecord]:
+    bus = await NatsBus.connect(stack.nats_url, name="test-done")
+    recs: list[CompletionRecord] = []
+    sub = await bus.subscribe(subjects.done("tiny", "1"), lambda m: _append(recs, m))
+    async with httpx.AsyncClient(timeout=60) as hc:
+        rs = await asyncio.gather(*[hc.post(stack.http_url + "/v1/completions",
+                                            json={"model": "tiny@1", "prompt": f"hi {i}", "max_tokens": 4})
+                                    for i in range(n)])
+    assert [r.status_code for r in rs] == [200] * n, [r.text for r in rs if r.status_code != 200]
+    await asyncio.sleep(0.5)
+    await sub.unsubscribe()
+    await bus.close()
+    return recs
+
+
+async def _append(recs: list, msg) -> None:
+    recs.append(CompletionRecord.decode(msg.data))
