@@ -217,3 +217,22 @@ async def _served_by(stack, n: int) -> list[CompletionRecord]:
 
 async def _append(recs: list, msg) -> None:
     recs.append(CompletionRecord.decode(msg.data))
+
+
+def test_client_disconnect_cancels_generation(stack):
+    before = asyncio.run(_latest_stats(stack.nats_url))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
+            "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                break  # got generated text: now hang up
+    t_end = time.time() + 10
+    while True:
+        after = asyncio.run(_latest_stats(stack.nats_url))
+        if after.num_aborted > before.num_aborted:
+            break
+        assert time.time() < t_end, "disconnect did not cancel the generation"
+    assert after.num_generated_tokens - before.num_generated_tokens < 2000
+    assert after.num_running == 0

@@ -1,0 +1,109 @@
+"""Scheduler actor logic on the in-memory bus: admission, credits, worker loss."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from actors.scheduler.service import SchedulerConfig, SchedulerService
+from bus import subjects
+from bus.memory import MemoryBus
+from bus.messages import Chunk, Credits, Dispatch, DispatchAck, GenerateRequest
+
+
+def req(i: int, reply: str = "_INBOX.t.r") -> GenerateRequest:
+    return GenerateRequest(f"r{i}", "t", "m", "1", reply, (1, 2, 3), {"max_tokens": 4}, deadline=time.time() + 30)
+
+
+async def fake_worker(bus: MemoryBus, wid: str, accepted: list) -> None:
+    async def on(msg):
+        d = Dispatch.decode(msg.data)
+        accepted.append(d.request.request_id)
+        await msg.respond(DispatchAck(True).encode())
+    await bus.subscribe(subjects.work(wid), on)
+
+
+async def heartbeat(bus, wid, slots, blocks=100):
+    await bus.publish(subjects.credits("m", "1", wid), Credits(wid, "m", "1", blocks, 100, slots, 8, 16).encode())
+
+
+async def submit(bus, r: GenerateRequest) -> dict:
+    return orjson.loads((await bus.request(subjects.sched_submit("m", "1"), r.encode(), 1.0)).data)
+
+
+async def collect(bus, subject) -> list:
+    got = []
+
+    async def on(msg):
+        got.append(Chunk.decode(msg.data))
+    await bus.subscribe(subject, on)
+    return got
+
+
+async def test_queue_full_is_503_with_retry_after():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", max_queue_len=2))
+    await svc.start()
+    acks = [await submit(bus, req(i)) for i in range(3)]  # no worker: all stay queued
+    assert [a["accepted"] for a in acks] == [True, True, False]
+    assert acks[2]["error"]["status"] == 503 and acks[2]["error"]["retry_after"] >= 1
+    await svc.stop()
+
+
+async def test_dispatch_only_within_credits():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=2)
+    for i in range(5):
+        await submit(bus, req(i))
+    await asyncio.sleep(0.3)
+    assert accepted == ["r0", "r1"]  # two slots, two dispatches
+    await heartbeat(bus, "w1", slots=3)
+    await asyncio.sleep(0.3)
+    assert accepted == ["r0", "r1", "r2", "r3", "r4"]
+    await svc.stop()
+
+
+async def test_worker_loss_redispatches_unstarted_and_fails_started():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    on_w1: list = []
+    await fake_worker(bus, "w1", on_w1)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=2)
+    await submit(bus, req(1))
+    await submit(bus, req(2))
+    await asyncio.sleep(0.2)
+    assert on_w1 == ["r1", "r2"]
+    await bus.publish(subjects.sched_events("m", "1"), b'{"request_id":"r2","event":"first_token"}')
+    await asyncio.sleep(0.05)
+    on_w2: list = []
+    await fake_worker(bus, "w2", on_w2)
+    svc.on_worker_lease("w2", True)
+    await heartbeat(bus, "w2", slots=4)
+    svc.on_worker_lease("w1", False)  # lease expired
+    await asyncio.sleep(0.3)
+    assert on_w2 == ["r1"]  # not started: re-dispatched
+    [err] = [c for c in chunks if c.request_id == "r2"]
+    assert err.final and err.error["status"] == 503 and err.error["retryable"]  # started: clear retryable error
+    await svc.stop()
+
+
+async def test_expired_in_queue_gets_deadline_error():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    r = GenerateRequest("late", "t", "m", "1", "_INBOX.t.r", (1,), {}, deadline=time.time() + 0.2)
+    assert (await submit(bus, r))["accepted"]
+    await asyncio.sleep(0.5)
+    assert chunks and chunks[0].error["code"] == "deadline_exceeded"
+    await svc.stop()

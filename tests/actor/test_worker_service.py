@@ -1,0 +1,110 @@
+"""Worker actor logic on the in-memory bus with the real engine on the tiny GGUF model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from actors.worker.engine.engine import EngineConfig, LLMEngine
+from actors.worker.service import WorkerConfig, WorkerService
+from bus import subjects
+from bus.memory import MemoryBus
+from bus.messages import Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest
+from tests.engine_fixtures import write_tiny_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    write_tiny_llama_gguf(p)
+    return p
+
+
+def engine(path: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=path, kv_cache_bytes=2_000_000, max_num_seqs=4, progress=False))
+
+
+def gen(rid: str, max_tokens: int = 8, deadline: float = 0.0) -> GenerateRequest:
+    return GenerateRequest(rid, "t", "m", "1", f"_INBOX.t.{rid}", (5, 6, 7, 8),
+                           {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+                           deadline=deadline or time.time() + 30)
+
+
+async def dispatch(bus, r: GenerateRequest) -> bool:
+    reply = await bus.request(subjects.work("w1"), Dispatch(r).encode(), 1.0)
+    return DispatchAck.decode(reply.data).accepted
+
+
+async def collect(bus, subject: str, decoder=Chunk) -> list:
+    got = []
+
+    async def on(msg):
+        got.append(decoder.decode(msg.data))
+    await bus.subscribe(subject, on)
+    return got
+
+
+async def wait_final(chunks: list, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not (chunks and chunks[-1].final):
+            await asyncio.sleep(0.01)
+
+
+async def test_streams_ordered_chunks_and_a_completion_record(tiny_path):
+    bus = MemoryBus()
+    async with WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1")):
+        chunks = await collect(bus, "_INBOX.t.a")
+        records = await collect(bus, subjects.done("m", "1"), CompletionRecord)
+        assert await dispatch(bus, gen("a", max_tokens=8))
+        await wait_final(chunks)
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        assert sum(len(c.token_ids) for c in chunks) == 8
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 8
+        assert set(chunks[-1].timing) >= {"queue_ms", "prefill_ms", "decode_ms"}
+        await asyncio.sleep(0.05)
+        assert [r.request_id for r in records] == ["a"] and records[0].status == "ok"
+
+
+async def test_cancel_ends_request_within_a_step(tiny_path):
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    async with svc:
+        chunks = await collect(bus, "_INBOX.t.c")
+        assert await dispatch(bus, gen("c", max_tokens=400))
+        async with asyncio.timeout(10):
+            while not chunks:
+                await asyncio.sleep(0.005)
+        steps_at_cancel = svc.engine.stats().num_steps
+        await bus.publish(subjects.cancel("c"), Cancel("c").encode())
+        await wait_final(chunks)
+        assert chunks[-1].error["code"] == "cancelled"
+        assert svc.engine.stats().num_steps - steps_at_cancel <= 2
+        assert not svc.live and svc.engine.credits()[0] == svc.engine.stats().num_total_blocks
+
+
+async def test_refuses_beyond_credits_and_when_draining(tiny_path):
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    async with svc:
+        results = [await dispatch(bus, gen(f"r{i}", max_tokens=200)) for i in range(6)]
+        assert results == [True] * 4 + [False] * 2  # max_num_seqs = 4
+        credits = await collect(bus, subjects.credits("m", "1", "w1"), Credits)
+        await asyncio.sleep(0.4)
+        assert credits and credits[-1].free_slots == 0
+        for i in range(4):
+            await bus.publish(subjects.cancel(f"r{i}"), Cancel(f"r{i}").encode())
+        svc.draining = True
+        await asyncio.sleep(0.2)
+        assert not await dispatch(bus, gen("late"))
+
+
+async def test_deadline_aborts_with_retryable_error(tiny_path):
+    bus = MemoryBus()
+    async with WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1")):
+        chunks = await collect(bus, "_INBOX.t.d")
+        assert await dispatch(bus, gen("d", max_tokens=100000 // 200, deadline=time.time() + 0.05))
+        await wait_final(chunks)
+        err = chunks[-1].error
+        assert err and err["code"] == "deadline_exceeded" and err["retryable"]

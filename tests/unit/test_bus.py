@@ -1,0 +1,80 @@
+"""Pure tests of bus/: subjects, message codec, in-memory bus semantics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus import subjects
+from bus.base import BusTimeout, NoResponders
+from bus.memory import MemoryBus, subject_matches
+from bus.messages import Chunk, Dispatch, GenerateRequest
+
+
+def test_subjects_follow_architecture():
+    assert subjects.sched_submit("m", "1") == "as.int.sched.m.1.submit"
+    assert subjects.work("w-1") == "as.int.work.w-1"
+    assert subjects.cancel("abc") == "as.int.cancel.abc"
+    assert subjects.credits("m", "1", "w") == "as.int.credits.m.1.w"
+    assert subjects.stats("w") == "as.int.stats.w"
+    assert subjects.done("m", "2") == "as.int.done.m.2"
+    assert subjects.tenant_inbox_prefix("acme") == "_INBOX.acme"
+    assert subjects.API_CHAT == "as.api.v1.chat" and subjects.VALIDATE == "as.int.validate"
+    assert subject_matches(subjects.gateway_replies("gw-0"), subjects.gateway_reply("acme", "gw-0", "r1"))
+
+
+@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "x>"])
+def test_subject_tokens_refuse_injection(bad):
+    with pytest.raises(ValueError):
+        subjects.cancel(bad)
+    with pytest.raises(ValueError):
+        subjects.sched_submit(bad, "1")
+
+
+def test_message_roundtrip_and_unknown_fields():
+    req = GenerateRequest("r1", "t", "m", "1", "_INBOX.t.x", (1, 2, 3), {"temperature": 0.0, "stop": ["x"]},
+                          "batch", 123.5, {"gateway_in": 1.0})
+    again = Dispatch.decode(Dispatch(req, "s").encode()).request
+    assert again.prompt_token_ids == [1, 2, 3] or tuple(again.prompt_token_ids) == (1, 2, 3)
+    assert again.deadline == 123.5 and again.priority == "batch" and again.marks == {"gateway_in": 1.0}
+    c = Chunk.decode(b'{"request_id":"r","seq":2,"text":"hi","future_field":1}')
+    assert c.seq == 2 and c.text == "hi" and not c.final
+    with pytest.raises(ValueError):
+        Chunk.decode(b'{"seq":1}')
+    with pytest.raises(ValueError):
+        Chunk.decode(b"[1,2]")
+
+
+def test_wildcards():
+    assert subject_matches("a.*.c", "a.b.c") and not subject_matches("a.*.c", "a.b.d")
+    assert subject_matches("a.>", "a.b.c") and not subject_matches("a.>", "a")
+    assert not subject_matches("a.b", "a.b.c")
+
+
+async def test_memory_bus_queue_group_and_request():
+    bus = MemoryBus()
+    got: dict[str, int] = {"a": 0, "b": 0}
+
+    def make(name):
+        async def h(msg):
+            got[name] += 1
+            if msg.reply:
+                await msg.respond(name.encode())
+        return h
+    await bus.subscribe("s", make("a"), queue="q")
+    await bus.subscribe("s", make("b"), queue="q")
+    for _ in range(10):
+        await bus.publish("s", b"x")
+    await asyncio.sleep(0.01)
+    assert got == {"a": 5, "b": 5}
+    assert (await bus.request("s", b"", 1.0)).data in (b"a", b"b")
+    with pytest.raises(NoResponders):
+        await bus.request("nobody", b"", 0.1)
+
+    async def silent(msg):
+        pass
+    await bus.subscribe("quiet", silent)
+    with pytest.raises(BusTimeout):
+        await bus.request("quiet", b"", 0.05)
+    await bus.close()

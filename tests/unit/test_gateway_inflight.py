@@ -1,0 +1,92 @@
+"""Pure tests of the gateway's in-flight table: order, gaps, deadline, inactivity, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bus.messages import Chunk, error_dict
+from gateway.inflight import InflightTable, StreamError, next_chunk
+from gateway.openai_format import ApiError, full_timing, TIMING_KEYS
+
+
+def ck(seq, final=False, worker="w", **kw):
+    return Chunk("r", seq, text=f"t{seq}", final=final, worker_id=worker, **kw)
+
+
+async def test_in_order_chunks_pass():
+    t = InflightTable()
+    e = t.open("r", time.time() + 5, 5)
+    for c in (ck(0), ck(1), ck(2, final=True)):
+        assert t.deliver(c)
+    assert [(await next_chunk(e)).seq for _ in range(3)] == [0, 1, 2]
+    assert not t.deliver(Chunk("other", 0))
+
+
+async def test_gap_and_foreign_worker_are_errors():
+    t = InflightTable()
+    e = t.open("r", time.time() + 5, 5)
+    t.deliver(ck(0))
+    t.deliver(ck(2))
+    await next_chunk(e)
+    with pytest.raises(StreamError) as ei:
+        await next_chunk(e)
+    assert ei.value.error["code"] == "stream_gap"
+    e2 = InflightTable().open("r", time.time() + 5, 5)
+    e2.queue.put_nowait(ck(0, worker="a"))
+    e2.queue.put_nowait(ck(1, worker="b"))
+    await next_chunk(e2)
+    with pytest.raises(StreamError):
+        await next_chunk(e2)
+
+
+async def test_error_chunk_ends_stream_regardless_of_seq():
+    t = InflightTable()
+    e = t.open("r", time.time() + 5, 5)
+    t.deliver(ck(0))
+    t.deliver(Chunk("r", 0, final=True, error=error_dict(503, "lost", retryable=True)))
+    await next_chunk(e)
+    c = await next_chunk(e)
+    assert c.final and c.error["status"] == 503
+
+
+async def test_deadline_and_inactivity():
+    e = InflightTable().open("r", time.time() + 0.1, 5)
+    with pytest.raises(StreamError) as ei:
+        await next_chunk(e)
+    assert ei.value.error["code"] == "deadline_exceeded"
+    e = InflightTable().open("r", time.time() + 5, 0.1)
+    with pytest.raises(StreamError) as ei:
+        await next_chunk(e)
+    assert ei.value.error["code"] == "upstream_timeout"
+    e = InflightTable().open("r", time.time() + 5, 5)
+    assert await next_chunk(e, poll_s=0.01) is None  # poll slice, not an error
+
+
+async def test_fail_all_reaches_waiters():
+    t = InflightTable()
+    e = t.open("r", time.time() + 5, 5)
+    waiter = asyncio.create_task(next_chunk(e))
+    await asyncio.sleep(0.01)
+    t.fail_all(error_dict(503, "bus down", code="bus_disconnected", retryable=True))
+    with pytest.raises(StreamError) as ei:
+        await waiter
+    assert ei.value.error["code"] == "bus_disconnected"
+    with pytest.raises(ValueError):
+        t.open("r", time.time() + 1, 1)
+
+
+def test_timing_breakdown_has_every_key_and_sums():
+    marks = {"gateway_in": 100.0, "auth_done": 100.001, "gateway_out": 100.002}
+    t = full_timing({"validation_ms": 3.0, "queue_ms": 1.0, "prefill_ms": 10.0, "decode_ms": 50.0}, marks, 100.1)
+    assert tuple(t) == TIMING_KEYS
+    assert abs(sum(t.values()) - 100.0) < 0.01
+
+
+def test_api_error_shape():
+    e = ApiError(503, "busy", code="queue_full", type="overloaded", retry_after=0.2)
+    assert e.body() == {"error": {"message": "busy", "type": "overloaded", "param": None, "code": "queue_full"}}
+    assert e.http_headers()["Retry-After"] == "1"
+    assert ApiError.from_chunk_error(error_dict(499, "gone")).status == 408
