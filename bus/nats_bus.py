@@ -133,10 +133,18 @@ class NatsBus:
         """Drain (bounded to 5 s) then close."""
         if self._nc.is_closed:
             return
-        try:
-            await asyncio.wait_for(self._nc.drain(), timeout=5.0)
-        except (asyncio.TimeoutError, nats_errors.Error):
-            await self._nc.close()
+        if self._nc.is_connected:
+            try:
+                async with asyncio.timeout(5.0):
+                    await self._nc.drain()
+                return
+            except (TimeoutError, nats_errors.Error):
+                pass
+        try:  # not connected (or drain failed): nothing to flush, close without waiting on the server
+            async with asyncio.timeout(2.0):
+                await self._nc.close()
+        except (TimeoutError, nats_errors.Error) as exc:
+            log.warning("NATS close: %s", exc)
 
     @property
     def client(self) -> nats.NATS:
