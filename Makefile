@@ -8,7 +8,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PIP := $(VENV)/bin/python -m pip
 PIP_FLAGS ?= --disable-pip-version-check
-# e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU-only wheel
+# TORCH_INDEX: optional --index-url for the torch wheel (empty: the default index)
 TORCH_INDEX ?=
 TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.actorserve-install.stamp
