@@ -85,6 +85,7 @@ class GenerateRequest(Message):
     marks: dict[str, float] = field(default_factory=dict)
     adapter: str | None = None  # LoRA adapter (later issue)
     attempt: int = 0  # dispatch attempt (0 = first); bumped on re-dispatch after a worker loss
+    echo_text: str = ""  # completions `echo`: prompt text the worker prepends to the first chunk's text
 
     @property
     def model_ref(self) -> str:
@@ -111,6 +112,9 @@ class Chunk(Message):
     error: dict[str, Any] | None = None  # {status, message, type, param, code, retryable, retry_after}
     model: str = ""  # name@version that served it
     worker_id: str = ""  # worker that produced it ("" for early errors)
+    # per token of this chunk when logprobs were requested (OpenAI chat shape):
+    # [{"token": str, "bytes": [int], "logprob": float, "top_logprobs": [{"token", "bytes", "logprob"}]}]
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from bus.messages import ApiRequest, Cancel, Chunk, PRIORITIES, error_dict
 from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
 from gateway.openai_format import ApiError
+from actors.validator.validation import MAX_CHOICES, choice_count
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Submitted:
     name: str
     version: str
     marks: dict[str, float]
+    num_choices: int = 1  # choices (engine requests) the request fans out into
 
     @property
     def model(self) -> str:
@@ -114,7 +116,8 @@ class Frontend:
         if priority not in PRIORITIES:
             raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
         deadline = time.time() + deadline_ms / 1e3
-        entry = self.table.open(request_id, deadline, self.cfg.inactivity_s)
+        k = choice_count(endpoint, body)
+        entry = self.table.open(request_id, deadline, self.cfg.inactivity_s, children=k)
         marks["gateway_out"] = time.time()
         req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,
                          subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks)
@@ -123,7 +126,7 @@ class Frontend:
         except ApiError:
             self.table.close(request_id)
             raise
-        return Submitted(entry, request_id, endpoint, name, version, marks)
+        return Submitted(entry, request_id, endpoint, name, version, marks, k)
 
     async def _hand_to_validator(self, req: ApiRequest) -> None:
         try:
@@ -139,25 +142,40 @@ class Frontend:
                            code="validator_unavailable", retry_after=1.0)
 
     async def stream(self, sub: Submitted) -> AsyncIterator[Chunk]:
-        """Yield chunks in order until (and including) the final one. Raises StreamError."""
+        """Yield chunks in order until every choice's final one (or an error chunk). Raises StreamError."""
+        finals: set[str] = set()
         try:
             while True:
                 chunk = await next_chunk(sub.entry)
                 if chunk is None:
                     continue
                 yield chunk
-                if chunk.final:
+                if chunk.error:
                     return
+                if chunk.final:
+                    finals.add(chunk.request_id)
+                    if len(finals) >= sub.num_choices:
+                        return
         finally:
             self.table.close(sub.request_id)
 
-    async def cancel(self, request_id: str, reason: str, tenant: str = "") -> None:
-        """Publish ``as.int.cancel.<id>`` (best effort, bounded)."""
-        try:
-            await asyncio.wait_for(self.bus.publish(subjects.cancel(request_id),
-                                                    Cancel(request_id, reason, tenant).encode()), 2.0)
-        except (BusError, asyncio.TimeoutError, ValueError) as exc:
-            log.warning("cancel of %s not sent: %s", request_id, exc)
+    async def cancel(self, request_id: str, reason: str, tenant: str = "", num_choices: int | None = None) -> None:
+        """Publish ``as.int.cancel.<id>`` for the request and each of its fanned-out choices (best effort).
+
+        ``num_choices`` None: taken from the in-flight table, else the server cap (a NATS cancel may reach
+        a gateway that does not hold the request).
+        """
+        if num_choices is None:
+            entry = self.table.get(request_id)
+            num_choices = entry.children if entry is not None else MAX_CHOICES
+        ids = [request_id] + ([f"{request_id}-{i}" for i in range(num_choices)] if num_choices > 1 else [])
+        for rid in ids:
+            try:
+                await asyncio.wait_for(self.bus.publish(subjects.cancel(rid), Cancel(rid, reason, tenant).encode()),
+                                       2.0)
+            except (BusError, asyncio.TimeoutError, ValueError) as exc:
+                log.warning("cancel of %s not sent: %s", rid, exc)
+                return
 
     def resolve_error(self, exc: StreamError) -> ApiError:
         """Map a stream failure to the client-facing error."""

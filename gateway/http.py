@@ -20,7 +20,8 @@ from bus import subjects
 from bus.base import BusError
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
 from gateway.inflight import StreamError, next_chunk
-from gateway.openai_format import (ApiError, completion_body, full_timing, stream_chunk, usage_chunk)
+from gateway.merge import ChoiceMerger
+from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,11 @@ def error_response(err: ApiError, extra_headers: dict | None = None) -> web.Resp
     """JSON error response with the OpenAI shape and Retry-After when set."""
     return web.json_response(err.body(), status=err.status, headers={**err.http_headers(), **(extra_headers or {})},
                              dumps=lambda o: orjson.dumps(o).decode())
+
+
+def invalid_json(exc: Exception) -> ApiError:
+    """The 400 of a body that is not JSON (same message on HTTP and NATS)."""
+    return ApiError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json")
 
 
 @web.middleware
@@ -114,14 +120,14 @@ class HttpFront:
             return error_response(err, echo)
         if body.get("stream") is True:
             return await self._stream(request, sub, body, echo)
-        return await self._collect(request, sub, echo)
+        return await self._collect(request, sub, body, echo)
 
     async def _json_body(self, request: web.Request) -> dict:
         raw = await request.read()
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise ApiError(400, f"We could not parse the JSON body of your request: {exc}") from None
+            raise invalid_json(exc) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         return body
@@ -137,43 +143,49 @@ class HttpFront:
             if chunk is not None:
                 return chunk
 
-    async def _collect(self, request: web.Request, sub: Submitted, echo: dict) -> web.StreamResponse:
-        parts, chunk = [], None
+    async def _collect(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
+        merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
         try:
-            while chunk is None or not chunk.final:
+            while not merger.done:
                 chunk = await self._next(request, sub)
-                parts.append(chunk.text)
+                if chunk.error:
+                    await self.fe.cancel(sub.request_id, "sibling_failed")
+                    self.fe.table.close(sub.request_id)
+                    return error_response(ApiError.from_chunk_error(chunk.error), echo)
+                merger.add(chunk)
         except StreamError as exc:
+            await self.fe.cancel(sub.request_id, "stream_error")
             self.fe.table.close(sub.request_id)
             return error_response(self.fe.resolve_error(exc), echo)
         except ConnectionResetError:
             return web.Response(status=499)
         self.fe.table.close(sub.request_id)
-        if chunk.error:
-            return error_response(ApiError.from_chunk_error(chunk.error), echo)
-        timing = full_timing(chunk.timing, sub.marks, time.time())
-        body = completion_body(sub.endpoint, sub.request_id, chunk.model or sub.model, "".join(parts),
-                               chunk.finish_reason, chunk.usage or {}, timing)
-        headers = {**echo, "x-actorserve-model-version": chunk.model or sub.model,
-                   "x-actorserve-timing": orjson.dumps(timing).decode()}
-        return web.json_response(body, headers=headers, dumps=lambda o: orjson.dumps(o).decode())
+        out = merger.body()
+        headers = {**echo, "x-actorserve-model-version": merger.model,
+                   "x-actorserve-timing": orjson.dumps(merger.final_timing()).decode()}
+        return web.json_response(out, headers=headers, dumps=lambda o: orjson.dumps(o).decode())
 
     async def _stream(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
         try:
             first = await self._next(request, sub)
         except StreamError as exc:
+            await self.fe.cancel(sub.request_id, "stream_error")
             self.fe.table.close(sub.request_id)
             return error_response(self.fe.resolve_error(exc), echo)
         except ConnectionResetError:
             return web.Response(status=499)
         if first.error:
+            await self.fe.cancel(sub.request_id, "sibling_failed")
             self.fe.table.close(sub.request_id)
             return error_response(ApiError.from_chunk_error(first.error), echo)
         resp = web.StreamResponse(headers={**echo, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "x-actorserve-model-version": first.model or sub.model})
         await resp.prepare(request)
+        merger = ChoiceMerger(sub.endpoint, sub.request_id, first.model or sub.model, body, sub.marks,
+                              sub.num_choices)
         try:
-            await SseWriter(resp, sub, body).run(first, lambda: self._next(request, sub))
+            await SseWriter(resp).run(merger, first, lambda: self._next(request, sub),
+                                      lambda: self.fe.cancel(sub.request_id, "sibling_failed"))
         except ConnectionResetError:
             await self.fe.cancel(sub.request_id, "disconnect")
         finally:
@@ -184,46 +196,28 @@ class HttpFront:
 class SseWriter:
     """Writes OpenAI SSE chunks for one request, ending with ``data: [DONE]``."""
 
-    def __init__(self, resp: web.StreamResponse, sub: Submitted, body: dict) -> None:
-        self.resp, self.sub = resp, sub
-        self.created = int(time.time())
-        opts = body.get("stream_options")
-        self.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
 
     async def send(self, obj: dict) -> None:
         """One ``data:`` event (raises ConnectionResetError if the client is gone)."""
         await self.resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
-    async def run(self, first, next_fn) -> None:
+    async def run(self, merger: ChoiceMerger, first, next_fn, cancel_fn) -> None:
         """Stream ``first`` and every following chunk; errors mid-stream become an error event."""
-        s = self.sub
-        model = first.model or s.model
-        if s.endpoint == "chat":
-            await self.send(stream_chunk(s.endpoint, s.request_id, model, self.created, role=True))
         chunk = first
         try:
             while True:
                 if chunk.error:
+                    await cancel_fn()
                     await self.send(ApiError.from_chunk_error(chunk.error).body())
                     break
-                if chunk.text:
-                    await self.send(stream_chunk(s.endpoint, s.request_id, model, self.created, text=chunk.text))
-                if chunk.final:
-                    await self._finish(chunk, model)
+                for ev in merger.add(chunk):
+                    await self.send(ev)
+                if merger.done:
                     break
                 chunk = await next_fn()
         except StreamError as exc:
+            await cancel_fn()
             await self.send(ApiError.from_chunk_error(exc.error).body())
         await self.resp.write(b"data: [DONE]\n\n")
-
-    async def _finish(self, chunk, model: str) -> None:
-        s = self.sub
-        usage = {**(chunk.usage or {}), "actorserve_timing": full_timing(chunk.timing, s.marks, time.time())}
-        last = stream_chunk(s.endpoint, s.request_id, model, self.created, finish_reason=chunk.finish_reason)
-        if self.include_usage:
-            last["usage"] = None
-            await self.send(last)
-            await self.send(usage_chunk(s.endpoint, s.request_id, model, self.created, usage))
-        else:
-            last["usage"] = usage
-            await self.send(last)

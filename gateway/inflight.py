@@ -33,6 +33,9 @@ class Inflight:
     next_seq: int = 0  # next expected chunk seq
     worker_id: str = ""  # worker streaming it (set by the first token chunk)
     last_activity: float = field(default_factory=time.time)  # last chunk (or open) time, epoch s
+    children: int = 1  # choices fanned out as "<request_id>-<index>" (1 = no fan-out)
+    child_seq: dict = field(default_factory=dict)  # child id -> next expected seq
+    child_worker: dict = field(default_factory=dict)  # child id -> worker streaming it
 
 
 class InflightTable:
@@ -44,11 +47,14 @@ class InflightTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def open(self, request_id: str, deadline: float, inactivity_s: float) -> Inflight:
-        """Register a request before it is sent (so no chunk can arrive unrouted). ValueError if present."""
+    def open(self, request_id: str, deadline: float, inactivity_s: float, children: int = 1) -> Inflight:
+        """Register a request before it is sent (so no chunk can arrive unrouted). ValueError if present.
+
+        ``children`` > 1: chunks of ``<request_id>-<index>`` are routed to this entry too.
+        """
         if request_id in self._by_id:
             raise ValueError(f"request id {request_id} is already in flight")
-        entry = Inflight(request_id, deadline, inactivity_s)
+        entry = Inflight(request_id, deadline, inactivity_s, children=children)
         self._by_id[request_id] = entry
         return entry
 
@@ -56,9 +62,18 @@ class InflightTable:
         """Forget a request (idempotent)."""
         self._by_id.pop(request_id, None)
 
+    def get(self, request_id: str) -> Inflight | None:
+        """The entry of a request (or of the parent of a fanned-out choice id)."""
+        entry = self._by_id.get(request_id)
+        if entry is None and "-" in request_id:
+            parent = self._by_id.get(request_id.rsplit("-", 1)[0])
+            if parent is not None and parent.children > 1:
+                return parent
+        return entry
+
     def deliver(self, chunk: Chunk) -> bool:
         """Route an arrived chunk; False if the request is unknown (finished or never ours)."""
-        entry = self._by_id.get(chunk.request_id)
+        entry = self.get(chunk.request_id)
         if entry is None:
             return False
         try:
@@ -120,6 +135,16 @@ def _timeout_error(entry: Inflight, now: float) -> StreamError:
 def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
     """Enforce consecutive seq numbers from one worker; error chunks end the stream whatever their seq."""
     if chunk.error is not None:
+        return chunk
+    if chunk.request_id != entry.request_id:  # a fanned-out choice: its own sequence and worker
+        rid = chunk.request_id
+        expected, worker = entry.child_seq.get(rid, 0), entry.child_worker.get(rid, "")
+        if chunk.seq != expected or (worker and chunk.worker_id != worker):
+            raise StreamError(error_dict(502, f"response stream broken (expected chunk {expected}, got "
+                                              f"{chunk.seq})", type_="unavailable", code="stream_gap",
+                                         retryable=True))
+        entry.child_seq[rid] = expected + 1
+        entry.child_worker[rid] = worker or chunk.worker_id
         return chunk
     if chunk.seq != entry.next_seq or (entry.worker_id and chunk.worker_id != entry.worker_id):
         raise StreamError(error_dict(502, f"response stream broken (expected chunk {entry.next_seq}, got "

@@ -21,9 +21,10 @@ import orjson
 from bus import subjects
 from bus.base import BusError, Msg
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
-from gateway.http import DEV_TENANT
+from gateway.http import DEV_TENANT, invalid_json
 from gateway.inflight import StreamError
-from gateway.openai_format import ApiError, completion_body, full_timing, stream_chunk, usage_chunk
+from gateway.merge import ChoiceMerger
+from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -81,54 +82,40 @@ class NatsApi:
             sub = await self.fe.submit(tenant=DEV_TENANT, endpoint=endpoint, body=body,
                                        request_id=new_request_id(), deadline_ms=deadline_ms, marks=marks)
         except orjson.JSONDecodeError as exc:
-            return await self._reply(msg, error_reply(ApiError(400, f"invalid JSON body: {exc}")))
+            return await self._reply(msg, error_reply(invalid_json(exc)))
         except ApiError as err:
             return await self._reply(msg, error_reply(err))
         try:
             if body.get("stream") is True:
                 await self._stream(msg, sub, body)
             else:
-                await self._collect(msg, sub)
+                await self._collect(msg, sub, body)
         except StreamError as exc:
+            await self.fe.cancel(sub.request_id, "stream_error", num_choices=sub.num_choices)
             await self._reply(msg, error_reply(self.fe.resolve_error(exc)))
         finally:
             self.fe.table.close(sub.request_id)
 
-    async def _collect(self, msg: Msg, sub: Submitted) -> None:
-        parts = []
-        async for chunk in self.fe.stream(sub):
-            parts.append(chunk.text)
-            if chunk.final:
-                if chunk.error:
-                    return await self._reply(msg, error_reply(ApiError.from_chunk_error(chunk.error)))
-                timing = full_timing(chunk.timing, sub.marks, time.time())
-                body = completion_body(sub.endpoint, sub.request_id, chunk.model or sub.model, "".join(parts),
-                                       chunk.finish_reason, chunk.usage or {}, timing)
-                await self._reply(msg, orjson.dumps(body))
-
-    async def _stream(self, msg: Msg, sub: Submitted, body: dict) -> None:
-        created, ep, rid = int(time.time()), sub.endpoint, sub.request_id
-        opts = body.get("stream_options")
-        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-        first = True
+    async def _collect(self, msg: Msg, sub: Submitted, body: dict) -> None:
+        merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
         async for chunk in self.fe.stream(sub):
             if chunk.error:
+                await self.fe.cancel(sub.request_id, "sibling_failed", num_choices=sub.num_choices)
                 return await self._reply(msg, error_reply(ApiError.from_chunk_error(chunk.error)))
-            model = chunk.model or sub.model
-            if first and ep == "chat":
-                await self._reply(msg, orjson.dumps(stream_chunk(ep, rid, model, created, role=True)))
-            first = False
-            if chunk.text:
-                await self._reply(msg, orjson.dumps(stream_chunk(ep, rid, model, created, text=chunk.text)))
-            if chunk.final:
-                usage = {**(chunk.usage or {}), "actorserve_timing": full_timing(chunk.timing, sub.marks, time.time())}
-                last = stream_chunk(ep, rid, model, created, finish_reason=chunk.finish_reason)
-                last["usage"] = None if include_usage else usage
-                last["final"] = not include_usage
-                await self._reply(msg, orjson.dumps(last))
-                if include_usage:
-                    await self._reply(msg, orjson.dumps({**usage_chunk(ep, rid, model, created, usage),
-                                                         "final": True}))
+            merger.add(chunk)
+        await self._reply(msg, orjson.dumps(merger.body()))
+
+    async def _stream(self, msg: Msg, sub: Submitted, body: dict) -> None:
+        merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
+        async for chunk in self.fe.stream(sub):
+            if chunk.error:
+                await self.fe.cancel(sub.request_id, "sibling_failed", num_choices=sub.num_choices)
+                return await self._reply(msg, error_reply(ApiError.from_chunk_error(chunk.error)))
+            events = merger.add(chunk)
+            for j, ev in enumerate(events):
+                if merger.done and j == len(events) - 1:
+                    ev = {**ev, "final": True}
+                await self._reply(msg, orjson.dumps(ev))
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:

@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Validator options (common --nats/--etcd/--state-dir are added by actors.runtime)."""
     parser.add_argument("--max-tokens-cap", type=int, default=4096, help="server-side cap on max_tokens")
     parser.add_argument("--max-concurrency", type=int, default=64, help="requests processed at once")
+    parser.add_argument("--max-n", type=int, default=8, help="server-side cap on n")
+    parser.add_argument("--max-choices", type=int, default=32, help="server-side cap on n x number of prompts")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -25,7 +27,8 @@ async def main(args: argparse.Namespace) -> None:
     nats_url, etcd_url = resolve_endpoints(args)
     async with Registry.connect(etcd_url) as reg:
         bus = await NatsBus.connect(nats_url, name="validator")
-        svc = ValidatorService(bus, reg, ValidatorConfig(args.max_tokens_cap, args.max_concurrency))
+        svc = ValidatorService(bus, reg, ValidatorConfig(args.max_tokens_cap, args.max_concurrency,
+                                                         max_n=args.max_n, max_choices=args.max_choices))
         await svc.start()
         log.info("validator ready")
         try:

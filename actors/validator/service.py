@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 import orjson
 
 from actors.validator.errors import RequestError
-from actors.validator.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, default_stop_token_ids, prepare_prompt, sampling_fields,
-                                         validate_request)
+from actors.validator.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_N, default_stop_token_ids,
+                                         prepare_prompt, sampling_fields, validate_request)
 from bus import subjects
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import ApiRequest, Chunk, GenerateRequest, error_dict
+from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, error_dict
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,12 @@ class ValidatorConfig:
     max_tokens_cap: int = 4096  # server-side cap on generated tokens per request
     max_concurrency: int = 64  # requests processed at once
     scheduler_ack_s: float = 2.0  # wait for the scheduler to take a request (s)
+    max_n: int = MAX_N  # server cap on `n`
+    max_choices: int = MAX_CHOICES  # server cap on n x prompts (engine requests per API request)
 
     def __post_init__(self) -> None:
-        if self.max_tokens_cap < 1 or self.max_concurrency < 1 or self.scheduler_ack_s <= 0:
+        if min(self.max_tokens_cap, self.max_concurrency, self.max_n, self.max_choices) < 1 \
+                or self.scheduler_ack_s <= 0:
             raise ValueError("validator limits must be positive")
 
 
@@ -120,14 +123,14 @@ class ValidatorService:
     async def _process(self, req: ApiRequest) -> None:
         async with self._sem:
             try:
-                gen = await self._prepare(req)
-                await self._submit(gen)
+                gens = await self._prepare(req)
+                await self._submit_all(gens)
             except RequestError as err:
                 await self._fail(req, error_dict(err.status, err.message, type_=err.type, param=err.param,
                                                  code=err.code, retryable=err.status >= 500,
                                                  retry_after=1.0 if err.status >= 500 else None))
 
-    async def _prepare(self, req: ApiRequest) -> GenerateRequest:
+    async def _prepare(self, req: ApiRequest) -> list[GenerateRequest]:
         """Validate and tokenize (in a thread). Raises RequestError."""
         if req.deadline and time.time() > req.deadline:
             raise RequestError(503, "the request's deadline passed before validation", code="deadline_exceeded",
@@ -135,14 +138,50 @@ class ValidatorService:
         assets = await self.assets(req.name, req.version)
         return await asyncio.to_thread(self._prepare_sync, req, assets)
 
-    def _prepare_sync(self, req: ApiRequest, assets: ModelAssets) -> GenerateRequest:
-        validated = validate_request(req.endpoint, req.body)
+    def _prepare_sync(self, req: ApiRequest, assets: ModelAssets) -> list[GenerateRequest]:
+        """One GenerateRequest per choice. A single choice keeps the request id; several (``n`` > 1 or a
+        list of prompts) get ids ``<id>-<index>`` with index = prompt_index * n + i and, when a seed is
+        given, seeds ``seed + i``."""
+        validated = validate_request(req.endpoint, req.body, self.cfg.max_n, self.cfg.max_choices)
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS if req.endpoint == "completions" else None
-        ids, max_tokens = prepare_prompt(validated, assets.tokenizer, assets.chat_template, assets.max_model_len,
-                                         default_max, self.cfg.max_tokens_cap)
-        sampling = sampling_fields(validated, max_tokens, assets.stop_token_ids)
-        return GenerateRequest(req.request_id, req.tenant, req.name, req.version, req.reply, tuple(ids), sampling,
-                               req.priority, req.deadline, {**req.marks, "validate_out": time.time()})
+        prompts = validated.prompts or (validated.prompt,)
+        prepared = []
+        for p in prompts:
+            v = replace(validated, prompt=p) if validated.kind == "completion" else validated
+            ids, max_tokens = prepare_prompt(v, assets.tokenizer, assets.chat_template, assets.max_model_len,
+                                             default_max, self.cfg.max_tokens_cap)
+            echo = ""
+            if validated.echo:
+                echo = p if isinstance(p, str) else assets.tokenizer.decode(ids)
+            prepared.append((ids, sampling_fields(v, max_tokens, assets.stop_token_ids), echo))
+        k = validated.n * len(prepared)
+        marks = {**req.marks, "validate_out": time.time()}
+        out = []
+        for pi, (ids, sampling, echo) in enumerate(prepared):
+            for i in range(validated.n):
+                index = pi * validated.n + i
+                rid = req.request_id if k == 1 else f"{req.request_id}-{index}"
+                smp = dict(sampling)
+                if smp.get("seed") is not None and i:
+                    seed = smp["seed"] + i
+                    smp["seed"] = seed - 2**64 if seed >= 2**64 else seed
+                out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids), smp,
+                                           req.priority, req.deadline, marks, echo_text=echo))
+        return out
+
+    async def _submit_all(self, gens: list[GenerateRequest]) -> None:
+        """Submit every choice; if one is refused, cancel those already taken and raise its error."""
+        for j, gen in enumerate(gens):
+            try:
+                await self._submit(gen)
+            except RequestError:
+                for done in gens[:j]:
+                    try:
+                        await self.bus.publish(subjects.cancel(done.request_id),
+                                               Cancel(done.request_id, "sibling_failed", done.tenant).encode())
+                    except BusError as exc:
+                        log.warning("cancel of %s failed: %s", done.request_id, exc)
+                raise
 
     async def _submit(self, gen: GenerateRequest) -> None:
         """Hand to the active scheduler; RequestError 503 if none answers or it refuses."""

@@ -33,11 +33,18 @@ __all__ = [
     "ROLES",
     "PRIORITIES",
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "choice_count",
+    "MAX_N",
+    "MAX_CHOICES",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
 PRIORITIES = ("interactive", "batch")
 MAX_STOP_SEQUENCES = 4
+MAX_N = 8  # default server cap on `n`
+MAX_CHOICES = 32  # default server cap on n x number of prompts (engine requests of one API request)
+MAX_TOP_LOGPROBS = 20  # chat `top_logprobs` upper bound (OpenAI)
+MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs` upper bound (OpenAI)
 # OpenAI's legacy completions endpoint defaults `max_tokens` to 16 (vLLM copies this); callers that
 # want that parity pass it as `default_max_tokens` for completions.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -83,6 +90,7 @@ class ValidatedRequest:
     model: str
     messages: tuple[dict[str, Any], ...] | None = None
     prompt: str | tuple[int, ...] | None = None
+    prompts: tuple[str | tuple[int, ...], ...] = ()  # completions: every prompt (``prompt`` is the first)
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"
     temperature: float = 1.0
@@ -101,8 +109,15 @@ class ValidatedRequest:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: str | None = None
+    logprobs: int | None = None  # None: off; k: sampled token's logprob plus the k most likely
+    echo: bool = False  # completions: prepend the prompt to the output
     tools: list[Any] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_choices(self) -> int:
+        """Engine requests this request fans out into: n per prompt."""
+        return self.n * max(1, len(self.prompts))
 
     @property
     def prompt_param(self) -> str:
@@ -174,7 +189,25 @@ def _check_unknown(body: dict, known: frozenset, passthrough: frozenset, endpoin
                    unknown[0])
 
 
-def _common(body: dict) -> dict[str, Any]:
+def choice_count(endpoint: str, body: Any) -> int:
+    """How many choices (engine requests) a body asks for: ``n`` x number of prompts.
+
+    Pure and cheap (no validation): for a body that passes validation it equals
+    ``ValidatedRequest.num_choices``; the gateway uses it to know how many final chunks to expect.
+    """
+    if not isinstance(body, dict):
+        return 1
+    n = body.get("n")
+    n = n if _is_int(n) and n >= 1 else 1
+    prompts = 1
+    p = body.get("prompt")
+    if endpoint in ("completion", "completions") and isinstance(p, list) and p:
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            prompts = len(p)
+    return n * prompts
+
+
+def _common(body: dict, max_n: int = MAX_N) -> dict[str, Any]:
     """Checks shared by both endpoints; returns ValidatedRequest keyword arguments."""
     model = body.get("model")
     if model is None:
@@ -232,8 +265,10 @@ def _common(body: dict) -> dict[str, Any]:
         n = 1
     elif not _is_int(n):
         raise _bad(f"'n' must be an integer, got {type(n).__name__}", "n")
-    elif n != 1:
-        raise _bad(f"only n=1 is supported, got n={n}", "n")
+    elif n < 1:
+        raise _bad(f"'n' must be at least 1, got {n}", "n")
+    elif n > max_n:
+        raise _bad(f"'n' must be at most {max_n} on this server, got {n}", "n")
 
     stream = _opt_bool(body, "stream")
     stream_options = body.get("stream_options")
@@ -264,10 +299,6 @@ def _common(body: dict) -> dict[str, Any]:
         raise _bad("'user' must be a string", "user")
 
     ignore_eos = _opt_bool(body, "ignore_eos")
-
-    top_logprobs = body.get("top_logprobs")
-    if top_logprobs is not None and top_logprobs != 0:
-        raise _bad("'top_logprobs' is not supported yet", "top_logprobs")
 
     return dict(
         model=model, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stops,
@@ -334,39 +365,53 @@ def _messages(body: dict) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def _prompt(body: dict) -> str | tuple[int, ...]:
+def _prompt(body: dict) -> tuple[str | tuple[int, ...], ...]:
+    """Every prompt: a string, a list of strings, a list of token ids, or a list of token-id lists."""
     p = body.get("prompt")
     if p is None:
         raise _bad("'prompt' is a required property", "prompt")
     if isinstance(p, str):
-        return p
+        return (p,)
     if isinstance(p, list):
         if not p:
             raise _bad("'prompt' must not be empty", "prompt")
         if all(_is_int(t) for t in p):
             if any(t < 0 for t in p):
                 raise _bad("'prompt' token ids must be non-negative", "prompt")
+            return (tuple(p),)
+        if all(isinstance(x, str) for x in p):
             return tuple(p)
-        if len(p) == 1 and isinstance(p[0], str):
-            return p[0]
-        if len(p) == 1 and isinstance(p[0], list) and p[0] and all(_is_int(t) and t >= 0 for t in p[0]):
-            return tuple(p[0])
-        if len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-            raise _bad("only one prompt per request is supported", "prompt")
-    raise _bad("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
+        if all(isinstance(x, list) for x in p):
+            for i, x in enumerate(p):
+                if not x or not all(_is_int(t) and t >= 0 for t in x):
+                    raise _bad(f"'prompt[{i}]' must be a non-empty list of non-negative token ids", "prompt")
+            return tuple(tuple(x) for x in p)
+    raise _bad("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+               "prompt")
 
 
-def validate_chat(body: Any) -> ValidatedRequest:
+def _chat_logprobs(body: dict) -> int | None:
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise _bad("'logprobs' must be a boolean", "logprobs")
+    if top is not None:
+        if not _is_int(top):
+            raise _bad(f"'top_logprobs' must be an integer, got {type(top).__name__}", "top_logprobs")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+        if not lp:
+            raise _bad("'logprobs' must be set to true if 'top_logprobs' is used", "top_logprobs")
+    return (top or 0) if lp else None
+
+
+def validate_chat(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES) -> ValidatedRequest:
     """Validate a `/v1/chat/completions` body. Raises RequestError(400, ..., param=<field>)."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", None)
     _check_unknown(body, _CHAT, _CHAT_PASSTHROUGH, "chat.completions")
-    common = _common(body)
+    common = _common(body, max_n)
     messages = _messages(body)
-    if body.get("logprobs") not in (None, False):
-        if not isinstance(body["logprobs"], bool):
-            raise _bad("'logprobs' must be a boolean", "logprobs")
-        raise _bad("'logprobs' is not supported yet", "logprobs")
+    logprobs = _chat_logprobs(body)
     mct = _opt_max_tokens(body, "max_completion_tokens")
     mt = _opt_max_tokens(body, "max_tokens")
     # max_completion_tokens is the current OpenAI name; it wins when both are given (as in vLLM).
@@ -376,20 +421,31 @@ def validate_chat(body: Any) -> ValidatedRequest:
         raise _bad("'tools' must be an array", "tools")
     extras = {k: body[k] for k in _CHAT_PASSTHROUGH if k in body and k != "tools"}
     return ValidatedRequest(kind="chat", messages=messages, max_tokens=max_tokens, max_tokens_param=max_param,
-                            tools=tools, extras=extras, **common)
+                            tools=tools, extras=extras, logprobs=logprobs, **common)
 
 
-def validate_completion(body: Any) -> ValidatedRequest:
+def validate_completion(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES) -> ValidatedRequest:
     """Validate a `/v1/completions` body. Raises RequestError(400, ..., param=<field>)."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", None)
     _check_unknown(body, _COMPLETION, _COMPLETION_PASSTHROUGH, "completions")
-    common = _common(body)
-    prompt = _prompt(body)
-    if body.get("logprobs") is not None:
-        raise _bad("'logprobs' is not supported yet", "logprobs")
-    if _opt_bool(body, "echo"):
-        raise _bad("'echo' is not supported yet", "echo")
+    if "top_logprobs" in body:
+        raise _bad("Unrecognized request argument supplied to completions: 'top_logprobs' (use 'logprobs')",
+                   "top_logprobs")
+    common = _common(body, max_n)
+    prompts = _prompt(body)
+    if common["n"] * len(prompts) > max_choices:
+        raise _bad(f"n x number of prompts must be at most {max_choices} on this server, got "
+                   f"{common['n'] * len(prompts)}", "prompt" if len(prompts) > 1 else "n")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not _is_int(logprobs):
+            raise _bad(f"'logprobs' must be an integer, got {type(logprobs).__name__}", "logprobs")
+        if not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise _bad(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs}", "logprobs")
+    echo = _opt_bool(body, "echo")
+    if echo and logprobs is not None:
+        raise _bad("'echo' together with 'logprobs' is not supported (prompt logprobs are not computed)", "echo")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise _bad(f"only best_of=1 is supported, got {best_of!r}", "best_of")
@@ -398,15 +454,16 @@ def validate_completion(body: Any) -> ValidatedRequest:
         raise _bad("'suffix' must be a string", "suffix")
     max_tokens = _opt_max_tokens(body, "max_tokens")
     extras = {k: body[k] for k in _COMPLETION_PASSTHROUGH if k in body}
-    return ValidatedRequest(kind="completion", prompt=prompt, max_tokens=max_tokens, extras=extras, **common)
+    return ValidatedRequest(kind="completion", prompt=prompts[0], prompts=prompts, max_tokens=max_tokens,
+                            extras=extras, logprobs=logprobs, echo=echo, **common)
 
 
-def validate_request(kind: str, body: Any) -> ValidatedRequest:
+def validate_request(kind: str, body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES) -> ValidatedRequest:
     """Dispatch on `kind`: "chat" (chat completions) or "completion"/"completions"."""
     if kind == "chat":
-        return validate_chat(body)
+        return validate_chat(body, max_n, max_choices)
     if kind in ("completion", "completions"):
-        return validate_completion(body)
+        return validate_completion(body, max_n, max_choices)
     raise ValueError(f"unknown request kind {kind!r}")
 
 
@@ -558,4 +615,7 @@ def sampling_fields(validated: ValidatedRequest, max_tokens: int,
         "stop_token_ids": tuple(stop_ids),
         "stop": validated.stop,
         "ignore_eos": validated.ignore_eos,
+        "logprobs": validated.logprobs,
+        "frequency_penalty": validated.frequency_penalty,
+        "presence_penalty": validated.presence_penalty,
     }

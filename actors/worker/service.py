@@ -22,7 +22,8 @@ from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, Di
 
 log = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop", "ignore_eos",
+                   "logprobs", "frequency_penalty", "presence_penalty")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class _Live:
     num_generated: int = 0  # tokens generated so far
     t_first: float = 0.0  # first token time (epoch s); 0 until then
     aborted: str = ""  # abort reason once cancelled
+    echo_pending: bool = True  # completions echo text not yet sent
 
 
 @dataclass
@@ -219,16 +221,45 @@ class WorkerService:
             lv.t_first = now
             await self._safe_publish(subjects.sched_events(lv.req.name, lv.req.version),
                                      b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
+        text = out.text
+        if lv.echo_pending and lv.req.echo_text and (text or out.new_token_ids or out.finished):
+            text = lv.req.echo_text + text
+        if text or out.new_token_ids:
+            lv.echo_pending = False
+        logprobs = self._logprobs(lv, out)
         if not out.finished:
             if out.text or out.new_token_ids:
-                await self._send(lv, Chunk(lv.req.request_id, lv.seq, out.text, tuple(out.new_token_ids),
-                                           model=lv.req.model_ref, worker_id=self.cfg.worker_id))
+                await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids),
+                                           model=lv.req.model_ref, worker_id=self.cfg.worker_id, logprobs=logprobs))
             return
         usage = self._usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids))
         timing = self._timing(lv, now)
-        await self._send(lv, Chunk(lv.req.request_id, lv.seq, out.text, tuple(out.new_token_ids), True,
-                                   out.finish_reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id))
+        await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids), True,
+                                   out.finish_reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id,
+                                   logprobs))
         await self._record(lv, "ok", out.finish_reason, usage, timing)
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        table = getattr(self.engine, "token_bytes", None) or ()
+        raw = table[token_id] if 0 <= token_id < len(table) else b""
+        return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
+                "logprob": max(float(logprob), -9999.0)}
+
+    def _logprobs(self, lv: _Live, out: StepOutput) -> list[dict] | None:
+        """OpenAI chat-shaped logprobs of this step's tokens (a stop token ending the request is left out)."""
+        lps = getattr(out, "logprobs", None)
+        if not lps:
+            return None if lv.req.sampling.get("logprobs") is None else []
+        stop_ids = set(lv.req.sampling.get("stop_token_ids") or ()) | set(getattr(self.engine, "eos_token_ids", ()))
+        entries = []
+        for token_id, lp, top in lps:
+            if out.finished and out.finish_reason == "stop" and token_id in stop_ids \
+                    and not lv.req.sampling.get("ignore_eos"):
+                continue
+            e = self._token_entry(token_id, lp)
+            e["top_logprobs"] = [self._token_entry(i, v) for i, v in top]
+            entries.append(e)
+        return entries
 
     def _usage(self, lv: _Live, num_prompt: int) -> dict:
         return {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,

@@ -10,6 +10,7 @@ import pytest
 from actors.validator.errors import RequestError
 from actors.validator.validation import (
     ValidatedRequest,
+    choice_count,
     default_stop_token_ids,
     prepare_prompt,
     sampling_fields,
@@ -104,7 +105,8 @@ CHAT_BAD = [
     (chat(stop=5), "stop"),
     (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (chat(stop=["a", 1]), "stop"),
-    (chat(n=2), "n"),
+    (chat(n=0), "n"),
+    (chat(n=9), "n"),  # over the server cap (8)
     (chat(n="1"), "n"),
     (chat(stream="yes"), "stream"),
     (chat(stream_options={"include_usage": True}), "stream_options"),  # stream not true
@@ -118,9 +120,10 @@ CHAT_BAD = [
     (chat(frequency_penalty=2.5), "frequency_penalty"),
     (chat(presence_penalty=-3), "presence_penalty"),
     (chat(user=5), "user"),
-    (chat(logprobs=True), "logprobs"),
     (chat(logprobs="yes"), "logprobs"),
-    (chat(top_logprobs=3), "top_logprobs"),
+    (chat(top_logprobs=3), "top_logprobs"),  # without logprobs=true
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=1.5), "top_logprobs"),
     (chat(frobnicate=1), "frobnicate"),
     (chat(prompt="x"), "prompt"),  # completions-only field on chat
     (chat(stop_token_ids=[-1]), "stop_token_ids"),
@@ -141,17 +144,21 @@ COMP_BAD = [
     ({"model": "m"}, "prompt"),
     (comp(prompt=5), "prompt"),
     (comp(prompt=[]), "prompt"),
-    (comp(prompt=["a", "b"]), "prompt"),
+    (comp(prompt=["a", 1]), "prompt"),
+    (comp(prompt=[[1], []]), "prompt"),
     (comp(prompt=[1, "a"]), "prompt"),
     (comp(prompt=[1, -2]), "prompt"),
-    (comp(prompt=[[1, 2], [3]]), "prompt"),
-    (comp(echo=True), "echo"),
-    (comp(logprobs=2), "logprobs"),
+    (comp(prompt=[[1, 2], 3]), "prompt"),
+    (comp(echo=True, logprobs=2), "echo"),
+    (comp(logprobs=6), "logprobs"),
+    (comp(logprobs=True), "logprobs"),
+    (comp(top_logprobs=2), "top_logprobs"),
+    (comp(prompt=["a"] * 5, n=8), "prompt"),  # 40 choices over the cap of 32
     (comp(best_of=3), "best_of"),
     (comp(suffix=3), "suffix"),
     (comp(messages=[{"role": "user", "content": "x"}]), "messages"),
     (comp(max_completion_tokens=5), "max_completion_tokens"),  # chat-only name
-    (comp(n=3), "n"),
+    (comp(n=0), "n"),
     (comp(max_tokens=0), "max_tokens"),
     (comp(tools=[]), "tools"),  # chat-only passthrough
 ]
@@ -330,3 +337,29 @@ def test_sampling_fields(tok):
     from actors.worker.engine.types import SamplingParams
 
     SamplingParams(**f)  # accepted by the engine's own checks
+
+
+# ----------------------------------------------------------------------------- issue 4: n, logprobs, prompts
+def test_n_logprobs_penalties_reach_sampling():
+    v = validate_chat(chat(n=3, logprobs=True, top_logprobs=4, frequency_penalty=0.5, presence_penalty=-1, seed=7))
+    assert (v.n, v.logprobs, v.num_choices) == (3, 4, 3)
+    f = sampling_fields(v, 10)
+    assert (f["logprobs"], f["frequency_penalty"], f["presence_penalty"], f["seed"]) == (4, 0.5, -1.0, 7)
+    assert validate_chat(chat(logprobs=True)).logprobs == 0
+    assert validate_chat(chat(logprobs=False, top_logprobs=None)).logprobs is None
+
+
+def test_completion_prompt_lists_and_echo():
+    v = validate_completion(comp(prompt=["a", "b", "c"], n=2, echo=True))
+    assert v.prompts == ("a", "b", "c") and v.num_choices == 6 and v.echo
+    assert validate_completion(comp(prompt=[[1, 2], [3]])).prompts == ((1, 2), (3,))
+    assert validate_completion(comp(prompt=[1, 2])).prompts == ((1, 2),)
+    assert validate_completion(comp(logprobs=0)).logprobs == 0
+
+
+@pytest.mark.parametrize("endpoint,body", [
+    ("chat", chat(n=4)), ("completions", comp(prompt=["a", "b"], n=3)), ("completions", comp(prompt=[[1], [2, 3]])),
+    ("completions", comp(prompt=[1, 2, 3], n=2)), ("completions", comp())])
+def test_choice_count_matches_validation(endpoint, body):
+    v = validate_request(endpoint, body)
+    assert choice_count(endpoint, body) == v.num_choices

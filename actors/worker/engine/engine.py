@@ -26,7 +26,7 @@ from .gguf_loader import load_gguf
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
 from .model import BatchMetadata, LlamaModel
-from .sampler import make_generator, sample_batch
+from .sampler import make_generator, sample_batch, top_logprobs
 from .types import EngineRequest, EngineStats, StepOutput
 
 log = logging.getLogger(__name__)
@@ -149,9 +149,12 @@ class LLMEngine:
         self.scheduler.commit(plan)
         sampling = [s for s in plan.seqs if s.samples]
         reqs = [self._requests[s.seq_id] for s in sampling]
-        tokens = sample_batch(logits, [r.req.params for r in reqs], [r.generator for r in reqs])
+        tokens = sample_batch(logits, [r.req.params for r in reqs], [r.generator for r in reqs],
+                              [r.output_ids for r in reqs])
         self._update_stats(plan, len(tokens))
-        outputs += [self._on_token(r, t) for r, t in zip(reqs, tokens)]
+        lps = [None if r.req.params.logprobs is None else top_logprobs(logits[i], t, r.req.params.logprobs)
+               for i, (r, t) in enumerate(zip(reqs, tokens))]
+        outputs += [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
         return outputs
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
@@ -189,7 +192,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- stopping
 
-    def _on_token(self, r: _Request, token: int) -> StepOutput:
+    def _on_token(self, r: _Request, token: int, logprob: tuple | None = None) -> StepOutput:
         """Record ``token`` for ``r``, apply stop rules, return its StepOutput (finishing it if done)."""
         r.output_ids.append(token)
         r.token_ids.append(token)
@@ -204,7 +207,8 @@ class LLMEngine:
         if reason:
             self._finish(r)
         return StepOutput(
-            r.req.request_id, (token,), text, reason is not None, reason, r.num_prompt, len(r.output_ids)
+            r.req.request_id, (token,), text, reason is not None, reason, r.num_prompt, len(r.output_ids),
+            None if logprob is None else (logprob,),
         )
 
     def _stop_token_reason(self, r: _Request, token: int) -> str | None:

@@ -43,6 +43,24 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: list[int] | None) -> torch.Tensor:
+    """OpenAI frequency/presence penalties on [V] logits from the counts of tokens generated so far."""
+    if not output_ids or (params.frequency_penalty == 0 and params.presence_penalty == 0):
+        return logits
+    ids = torch.tensor(output_ids, dtype=torch.int64)
+    counts = torch.zeros(logits.shape[-1], dtype=logits.dtype).scatter_add_(
+        0, ids, torch.ones(len(output_ids), dtype=logits.dtype))
+    return logits - counts * params.frequency_penalty - (counts > 0).to(logits.dtype) * params.presence_penalty
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple:
+    """(token, logprob of token, ((id, logprob) x k best)) under log-softmax of raw logits [V]."""
+    lp = torch.log_softmax(logits.float().cpu(), -1)
+    top = torch.topk(lp, k) if k > 0 else None
+    best = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return token, float(lp[token]), best
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Sample a token id from float logits [V] under ``params``."""
     logits = logits.float().cpu()
@@ -54,11 +72,19 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+    output_ids: list[list[int]] | None = None,
 ) -> list[int]:
-    """Sample one token per row of ``logits`` [S, V]; greedy rows use one batched argmax."""
+    """Sample one token per row of ``logits`` [S, V]; greedy rows use one batched argmax.
+
+    ``output_ids`` (tokens generated so far, per row) feed frequency/presence penalties.
+    """
     greedy = torch.argmax(logits, dim=-1).tolist()
-    return [
-        greedy[i] if p.temperature == 0 else sample_one(logits[i], p, generators[i])
-        for i, p in enumerate(params)
-    ]
+    out = []
+    for i, p in enumerate(params):
+        if output_ids and output_ids[i] and (p.frequency_penalty or p.presence_penalty):
+            row = apply_penalties(logits[i].float().cpu(), p, output_ids[i])
+            out.append(int(torch.argmax(row)) if p.temperature == 0 else sample_one(row, p, generators[i]))
+        else:
+            out.append(greedy[i] if p.temperature == 0 else sample_one(logits[i], p, generators[i]))
+    return out

@@ -26,6 +26,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides EOS
     stop: tuple[str, ...] = ()  # stop strings; matched on detokenized text, excluded from output
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus the top k (raw distribution)
+    frequency_penalty: float = 0.0  # OpenAI: logit -= count(token in output) * frequency_penalty
+    presence_penalty: float = 0.0  # OpenAI: logit -= (count > 0) * presence_penalty
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -36,6 +39,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int = 0  # prompt length (tokens)
     num_generated_tokens: int = 0  # total generated so far, including this step (tokens)
+    # per new token when SamplingParams.logprobs is set: (token id, logprob, ((top id, logprob), ...))
+    logprobs: tuple | None = None
 
 
 @dataclass

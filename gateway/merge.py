@@ -1,0 +1,166 @@
+"""Merging the chunks of one API request's choices into OpenAI responses (shared by HTTP and NATS fronts).
+
+A request with ``n`` > 1 or a list of prompts was fanned out by the validator into engine requests
+``<request_id>-<index>`` (index = prompt_index * n + i); a single choice keeps ``<request_id>``.
+``ChoiceMerger.add`` takes every chunk in arrival order and returns the streaming objects it yields
+(each with the right choice ``index``; one role delta first and exactly one finish_reason per index);
+``body`` builds the non-streaming response. Both fronts use it, so their semantics cannot drift.
+
+Usage: ``prompt_tokens`` counts each prompt once (not once per choice, as at OpenAI), ``completion_tokens``
+sums every choice. Streaming: with ``stream_options.include_usage`` every content chunk has ``usage: null``
+and one last ``choices: []`` chunk carries the totals and ``usage.actorserve_timing``; without it no chunk
+has ``usage`` and the last chunk carries the timing breakdown as the top-level extension field
+``actorserve_timing`` (docs/decisions/0007-api.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bus.messages import Chunk
+from gateway.openai_format import full_timing, object_id
+
+
+def _n(body: dict) -> int:
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+class ChoiceMerger:
+    """Accumulates the choices of one request; see the module docstring."""
+
+    def __init__(self, endpoint: str, request_id: str, model: str, body: dict, marks: dict, num_choices: int,
+                 created: int | None = None) -> None:
+        self.endpoint, self.request_id, self.model, self.marks = endpoint, request_id, model, marks
+        self.k, self.n = num_choices, _n(body)
+        self.created = created or int(time.time())
+        self.chat = endpoint == "chat"
+        self.logprobs = (body.get("logprobs") is True) if self.chat else (body.get("logprobs") is not None)
+        opts = body.get("stream_options")
+        self.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        self.texts: dict[int, list[str]] = {}
+        self.lps: dict[int, list[dict]] = {}
+        self.offsets: dict[int, int] = {}
+        self.finish: dict[int, str | None] = {}
+        self.usages: dict[int, dict] = {}
+        self.worker_timing: dict | None = None
+        self.timing: dict | None = None
+
+    @property
+    def done(self) -> bool:
+        """Every choice has its final chunk."""
+        return len(self.finish) >= self.k
+
+    def index(self, chunk: Chunk) -> int:
+        """Choice index of a chunk (0 for an unsplit request)."""
+        if chunk.request_id == self.request_id or "-" not in chunk.request_id:
+            return 0
+        try:
+            return int(chunk.request_id.rsplit("-", 1)[1])
+        except ValueError:
+            return 0
+
+    # ------------------------------------------------------------------ shapes
+    def _obj(self) -> dict[str, Any]:
+        return {"id": object_id(self.endpoint, self.request_id),
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None}
+
+    def _lp_obj(self, i: int, entries: list[dict] | None) -> dict | None:
+        """OpenAI logprobs object of a list of token entries (chat or completions shape)."""
+        if not self.logprobs:
+            return None
+        entries = entries or []
+        if self.chat:
+            return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                                 "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
+                                                  for t in e.get("top_logprobs", ())]} for e in entries],
+                    "refusal": None}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            out["tokens"].append(e["token"])
+            out["token_logprobs"].append(e["logprob"])
+            top = {t["token"]: t["logprob"] for t in e.get("top_logprobs", ())}
+            top.setdefault(e["token"], e["logprob"])
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offsets.get(i, 0))
+            self.offsets[i] = self.offsets.get(i, 0) + len(e["token"])
+        return out
+
+    def _choice(self, i: int, text: str | None = None, role: bool = False, finish: str | None = None,
+                logprobs: dict | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+    def _event(self, choice: dict) -> dict[str, Any]:
+        ev = {**self._obj(), "choices": [choice]}
+        if self.include_usage:
+            ev["usage"] = None
+        return ev
+
+    def usage(self) -> dict[str, int]:
+        """Totals: each prompt's tokens once, every choice's completion tokens."""
+        prompt = sum(u.get("prompt_tokens", 0) for i, u in self.usages.items() if i % self.n == 0)
+        completion = sum(u.get("completion_tokens", 0) for u in self.usages.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ------------------------------------------------------------------ streaming
+    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """Record one (non-error) chunk; return the streaming objects it produces, in order."""
+        i = self.index(chunk)
+        events = []
+        if self.chat and i not in self.texts:
+            events.append(self._event(self._choice(i, "", role=True)))
+        self.texts.setdefault(i, [])
+        if chunk.model:
+            self.model = chunk.model
+        entries = list(chunk.logprobs or ()) if self.logprobs else []
+        if chunk.text or entries:
+            self.texts[i].append(chunk.text)
+            self.lps.setdefault(i, []).extend(entries)
+            events.append(self._event(self._choice(i, chunk.text, logprobs=self._lp_obj(i, entries))))
+        if chunk.final and i not in self.finish:
+            self.finish[i] = chunk.finish_reason
+            self.usages[i] = dict(chunk.usage or {})
+            self.worker_timing = chunk.timing
+            fin = self._event(self._choice(i, None if self.chat else "", finish=chunk.finish_reason))
+            events.append(fin)
+            if self.done:
+                timing = self.final_timing()
+                if self.include_usage:
+                    events.append({**self._obj(), "choices": [],
+                                   "usage": {**self.usage(), "actorserve_timing": timing}})
+                else:
+                    fin["actorserve_timing"] = timing
+        return events
+
+    def final_timing(self) -> dict[str, float]:
+        """The full timing breakdown, computed once when the last choice finished."""
+        if self.timing is None:
+            self.timing = full_timing(self.worker_timing, self.marks, time.time())
+        return self.timing
+
+    # ------------------------------------------------------------------ non-streaming
+    def body(self) -> dict[str, Any]:
+        """The chat.completion / text_completion object (after every chunk was added)."""
+        choices = []
+        self.offsets = {}
+        for i in sorted(self.texts):
+            text = "".join(self.texts[i])
+            lp = self._lp_obj(i, self.lps.get(i, [])) if self.logprobs else None
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                                "logprobs": lp, "finish_reason": self.finish.get(i)})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish.get(i)})
+        return {"id": object_id(self.endpoint, self.request_id),
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": {**self.usage(), "actorserve_timing": self.final_timing()}, "system_fingerprint": None}
