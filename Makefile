@@ -64,10 +64,10 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 install-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP) pyproject.toml
-	@if $(VENV)/bin/python -c "$$CHECK_DEPS" test; then \
+	@if $(VENV)/bin/python -c "$$CHECK_DEPS" test bench; then \
 		echo "actorserve: test dependencies already installed in $(VENV)"; \
 	else \
-		$(PIP) install $(PIP_FLAGS) -e '.[test]'; \
+		$(PIP) install $(PIP_FLAGS) -e '.[test,bench]'; \
 	fi
 	@touch $@
 

@@ -246,7 +246,35 @@ def build_parser() -> argparse.ArgumentParser:
     common_arguments(st)
     st.add_argument("--json", action="store_true", help="print machine-readable JSON")
     st.set_defaults(func=_cmd_status)
+
+    # -- bench ------------------------------------------------------------------------------
+    bench = sub.add_parser("bench", help="benchmarks (offline engine benchmark)")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
+    be = bsub.add_parser(
+        "engine", help="offline engine benchmark against transformers (table + JSON)",
+        description="Measure decode/prefill tokens/s, matmul roofline and prefix-cache speedup of the "
+        "engine on the default model, against transformers generate (needs actorserve[bench]).",
+    )
+    _bench_engine_arguments(be)
+    be.set_defaults(func=_cmd_bench_engine)
     return parser
+
+
+def _bench_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="engine dtype (default: auto = bfloat16 where the CPU has bf16 matmul)")
+    p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weight-only quantization")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+
+
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from bench.engine_bench import main_bench_engine
+
+    return main_bench_engine(args)
 
 
 # ---------------------------------------------------------------------------------------------

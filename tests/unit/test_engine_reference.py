@@ -57,7 +57,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model_path=MODEL_PATH, kv_cache_bytes=64 * 2**20, max_num_seqs=16))
+    return LLMEngine(EngineConfig(model_path=MODEL_PATH, dtype="float32", kv_cache_bytes=64 * 2**20, max_num_seqs=16))
 
 
 def greedy(max_tokens: int) -> SamplingParams:

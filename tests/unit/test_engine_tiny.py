@@ -22,6 +22,7 @@ def tiny_path(tmp_path_factory):
 
 
 def make_engine(path, **kw) -> LLMEngine:
+    kw.setdefault("dtype", "float32")
     return LLMEngine(EngineConfig(model_path=path, kv_cache_bytes=kw.pop("kv_cache_bytes", 4 * 2**20), **kw))
 
 

@@ -23,6 +23,7 @@ import torch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes
 from .gguf_loader import load_gguf
+from .hardware import DTYPES, resolve_dtype
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
 from .model import BatchMetadata, LlamaModel
@@ -31,7 +32,7 @@ from .types import EngineRequest, EngineStats, StepOutput
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = DTYPES
 
 
 @dataclass
@@ -39,7 +40,7 @@ class EngineConfig:
     """Engine settings; ``__post_init__`` raises ValueError on bad values."""
 
     model_path: str
-    dtype: str = "float32"  # "float32" | "bfloat16" (weights, activations, KV cache)
+    dtype: str = "auto"  # "auto" (bf16 where the device has bf16 matmul, else fp32) | "float32" | "bfloat16"
     device: str = "cpu"  # torch device string, e.g. "cpu", "cuda", "cuda:1"
     kv_cache_bytes: int = 256 * 2**20  # KV cache budget (bytes)
     block_size: int = 16  # tokens per KV block
@@ -51,8 +52,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is required")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+        if self.dtype not in (*_DTYPES, "auto"):
+            raise ValueError(f"dtype must be one of {sorted([*_DTYPES, 'auto'])}")
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -81,7 +82,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        dtype = _DTYPES[config.dtype]
+        self.dtype_name = resolve_dtype(config.dtype, config.device)  # "auto" resolved
+        dtype = _DTYPES[self.dtype_name]
         self.model_config, weights = load_gguf(config.model_path, dtype, config.device, config.progress)
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
         log.info(self.kv.describe())
@@ -159,17 +161,17 @@ class LLMEngine:
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Build the packed batch for ``plan`` and run the model; logits [num sampling seqs, V]."""
-        ids, positions, slots, ctx_slots, logits_idx = [], [], [], [], []
+        ids, positions, slots, tables, logits_idx = [], [], [], [], []
         for item in plan.seqs:
             r, table = self._requests[item.seq_id], self.block_manager.block_table(item.seq_id)
             end = item.start + item.num_new_tokens
             ids += r.token_ids[item.start : end]
             positions += range(item.start, end)
             slots += self._slots(table, item.start, end)
-            ctx_slots += self._slots(table, 0, end)
+            tables.append(table)
             if item.samples:
                 logits_idx.append(len(ids) - 1)
-        meta = self._metadata(plan.seqs, positions, slots, ctx_slots, logits_idx)
+        meta = self._metadata(plan.seqs, positions, slots, tables, logits_idx)
         return self.model.forward(self._tensor(ids), meta, self.kv.tensor)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
@@ -180,14 +182,15 @@ class LLMEngine:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.config.device)
 
-    def _metadata(self, items: list[ScheduledSeq], positions, slots, ctx_slots, logits_idx) -> BatchMetadata:
+    def _metadata(self, items: list[ScheduledSeq], positions, slots, tables, logits_idx) -> BatchMetadata:
         return BatchMetadata(
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
-            context_slots=self._tensor(ctx_slots),
+            context_slots=None,
             query_lens=[s.num_new_tokens for s in items],
             context_lens=[s.start + s.num_new_tokens for s in items],
             logits_indices=self._tensor(logits_idx),
+            block_tables=tables,
         )
 
     # ----------------------------------------------------------------- stopping

@@ -7,9 +7,18 @@ and 1-token decodes mixed in one forward; no padding).  Per sequence ``s`` the c
 Algorithms (sources): RMSNorm (Zhang & Sennrich 2019), RoPE with the Hugging Face ``rotate_half``
 layout (Su et al. 2021; ``transformers.models.llama.modeling_llama``), grouped-query attention
 (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020), paged KV cache (Kwon et al. 2023, PagedAttention).
-Attention here is the simple form: gather keys/values from the cache by flat slot and call
-``torch.nn.functional.scaled_dot_product_attention``: one padded call for all 1-token decodes
-(key-padding mask), one call per prefill chunk (causal mask offset by the cached prefix).
+
+Speed choices (docs/decisions/0006-engine-speed.md):
+* Q, K and V projections are one fused matrix, gate and up one fused matrix: 2 matmuls fewer per
+  layer and larger products for the matrix units.  Projections go through ``Linear`` objects so a
+  weight-only quantized matrix (``quant.py``) is a drop-in replacement.
+* RoPE tables are gathered once per step; Q and K are rotated in one call.
+* Attention reads only the KV blocks a sequence owns, gathered block-wise from the paged cache by
+  the sequence's block table.  Decodes (1-token queries) are grouped by context length (a group
+  is padded only to its own longest member, at most ``DECODE_PAD_SLACK`` extra) and each group is
+  one ``scaled_dot_product_attention`` call.  GQA: the query heads of one KV head are folded into
+  the query-length axis (``[B, Hkv, G, hd]``), so K/V are never repeated.  A prefill chunk with no
+  cached prefix attends to its own fresh K/V with ``is_causal`` (no cache read at all).
 """
 
 from __future__ import annotations
@@ -21,56 +30,101 @@ import torch.nn.functional as F
 
 from .gguf_loader import ModelConfig
 
+# A decode group may pad its members' contexts by at most this many blocks beyond the shortest.
+DECODE_PAD_SLACK = 4
+
 
 @dataclass
 class BatchMetadata:
-    """Per-step batch description; all tensors on the model device, int64.
+    """Per-step batch description; tensors on the model device, int64.
 
+    ``positions`` [T]: position of each packed token.
     ``slot_mapping`` [T]: flat KV slot (block * block_size + offset) where token t's K/V is written.
-    ``context_slots`` [sum(context_lens)]: flat slots of every sequence's whole context, concatenated.
+    ``context_slots``: legacy [sum(context_lens)] flat slots of every context; used only to derive
+    block tables when ``block_tables`` is None.
     ``query_lens`` / ``context_lens``: python ints per sequence (tokens in this step / in cache after it).
     ``logits_indices`` [S']: token rows (in the packed batch) whose logits are wanted.
+    ``block_tables``: per sequence, its physical block ids (at least ``ceil(context_len / bs)``).
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    context_slots: torch.Tensor
+    context_slots: torch.Tensor | None
     query_lens: list[int]
     context_lens: list[int]
     logits_indices: torch.Tensor
-    decode: "DecodeBatch | None" = None  # derived in __post_init__
-    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (q_start, q_len, k_start, ctx_len)
-
-    def __post_init__(self) -> None:
-        rows, ctx, q_start, k_start = [], [], 0, 0
-        for q_len, ctx_len in zip(self.query_lens, self.context_lens):
-            if q_len == 1:
-                rows.append(q_start)
-                ctx.append((k_start, ctx_len))
-            else:
-                self.prefills.append((q_start, q_len, k_start, ctx_len))
-            q_start, k_start = q_start + q_len, k_start + ctx_len
-        self.decode = DecodeBatch.build(rows, ctx, self.positions.device) if rows else None
+    block_tables: list[list[int]] | None = None
+    plan: "_AttnPlan | None" = field(default=None, repr=False)
 
 
 @dataclass
-class DecodeBatch:
-    """Padded gather plan for 1-token queries: ``rows`` [B] (token rows), ``ctx_index`` [B, L] (rows of
-    the concatenated context K/V, padding points at row 0), ``mask`` [B, 1, 1, L] bool (True = real key)."""
+class _DecodeGroup:
+    rows: torch.Tensor  # [B] packed-token rows
+    blocks: torch.Tensor  # [B, nblk] block ids (padding repeats a valid id)
+    mask: torch.Tensor | None  # [B, 1, 1, nblk*bs] bool (True = real key), None if no padding
+    in_order: bool = False  # rows == 0..B-1 (outputs need no scatter)
 
-    rows: torch.Tensor
-    ctx_index: torch.Tensor
-    mask: torch.Tensor
 
-    @staticmethod
-    def build(rows: list[int], ctx: list[tuple[int, int]], device) -> "DecodeBatch":
-        max_len = max(n for _, n in ctx)
-        ar = torch.arange(max_len, device=device)
-        starts = torch.tensor([s for s, _ in ctx], device=device).unsqueeze(1)
-        lens = torch.tensor([n for _, n in ctx], device=device).unsqueeze(1)
-        mask = ar.unsqueeze(0) < lens
-        index = torch.where(mask, starts + ar, torch.zeros_like(ar))
-        return DecodeBatch(torch.tensor(rows, device=device), index, mask[:, None, None, :])
+@dataclass
+class _Prefill:
+    q_start: int
+    q_len: int
+    ctx_len: int
+    blocks: torch.Tensor | None  # [nblk] when the chunk follows a cached prefix, else None
+    mask: torch.Tensor | None  # [q_len, nblk*bs] bool when blocks is not None
+
+
+@dataclass
+class _AttnPlan:
+    decodes: list[_DecodeGroup]
+    prefills: list[_Prefill]
+    all_decode: bool  # every token is a decode (output rows = token rows, no scatter)
+
+
+def _block_tables_from_slots(meta: BatchMetadata, bs: int) -> list[list[int]]:
+    slots, tables, k = meta.context_slots.tolist(), [], 0
+    for n in meta.context_lens:
+        tables.append([s // bs for s in slots[k : k + n : bs]])
+        k += n
+    return tables
+
+
+def build_plan(meta: BatchMetadata, block_size: int, device) -> _AttnPlan:
+    """Group decodes by context length and describe each prefill chunk (once per step)."""
+    tables = meta.block_tables if meta.block_tables is not None else _block_tables_from_slots(meta, block_size)
+    dec, prefills, q_start = [], [], 0
+    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        nblk = -(-ctx_len // block_size)
+        if q_len == 1:
+            dec.append((nblk, ctx_len, q_start, tables[i][:nblk]))
+        elif q_len == ctx_len:
+            prefills.append(_Prefill(q_start, q_len, ctx_len, None, None))
+        else:
+            blocks = torch.tensor(tables[i][:nblk], device=device)
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
+            mask = torch.arange(nblk * block_size, device=device).unsqueeze(0) <= q_pos
+            prefills.append(_Prefill(q_start, q_len, ctx_len, blocks, mask))
+        q_start += q_len
+    groups = []
+    dec.sort(key=lambda d: d[0])
+    start = 0
+    while start < len(dec):
+        end = start
+        while end < len(dec) and dec[end][0] - dec[start][0] <= DECODE_PAD_SLACK:
+            end += 1
+        members = dec[start:end]
+        nblk = members[-1][0]
+        rows = torch.tensor([m[2] for m in members], device=device)
+        blocks = torch.tensor([m[3] + [m[3][0]] * (nblk - m[0]) for m in members], device=device)
+        lens = [m[1] for m in members]
+        mask = None
+        if any(n != nblk * block_size for n in lens):
+            ar = torch.arange(nblk * block_size, device=device)
+            mask = (ar.unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1))[:, None, None, :]
+        in_order = [m[2] for m in members] == list(range(len(members)))
+        groups.append(_DecodeGroup(rows, blocks, mask, in_order))
+        start = end
+    return _AttnPlan(groups, prefills, all_decode=not prefills)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,22 +144,70 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` [T, heads, head_dim] by ``positions`` [T]; computed in float32."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for ``positions`` [T]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, heads, head_dim]; computed in float32, returned in x's dtype."""
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
         return (xf * cos + rotated * sin).to(x.dtype)
 
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, heads, head_dim] by ``positions`` [T]; computed in float32."""
+        return self.rotate(x, *self.tables(positions))
+
+
+class Linear:
+    """``y = x @ W^T`` with a dense weight [out, in] (quantized variants live in quant.py)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.contiguous()
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    qkv: Linear  # [(H + 2 Hkv) * hd, d]
+    o: Linear  # [d, H * hd]
+    gate_up: Linear  # [2 ffn, d]
+    down: Linear  # [d, ffn]
+
 
 class LlamaModel:
-    """Stateless-weights Llama: ``forward(ids, meta, kv_cache) -> logits`` [S', vocab] float32."""
+    """Stateless-weights Llama: ``forward(ids, meta, kv_cache) -> logits`` [S', vocab] float32.
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int) -> None:
+    ``make_linear(weight, name)`` builds each projection (default: dense ``Linear``); the engine
+    passes a quantizing factory for weight-only int8/int4.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                 make_linear=None) -> None:
         self.config = config
-        self.w = weights
-        device = str(weights["embed"].device)
+        make_linear = make_linear or (lambda w, name: Linear(w))
+        self.embed = weights["embed"]
+        self.norm = weights["norm"]
+        self.lm_head = Linear(weights["lm_head"])
+        self.dtype = self.embed.dtype
+        device = str(self.embed.device)
+        self.layers: list[_Layer] = []
+        for i in range(config.num_layers):
+            w = lambda n: weights.pop(f"layers.{i}.{n}")  # noqa: E731
+            self.layers.append(_Layer(
+                attn_norm=w("attn_norm"), ffn_norm=w("ffn_norm"),
+                qkv=make_linear(torch.cat([w("wq"), w("wk"), w("wv")]), "qkv"),
+                o=make_linear(w("wo"), "o"),
+                gate_up=make_linear(torch.cat([w("w_gate"), w("w_up")]), "gate_up"),
+                down=make_linear(w("w_down"), "down"),
+            ))
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, device)
         self.num_groups = config.num_heads // config.num_kv_heads
 
@@ -115,60 +217,72 @@ class LlamaModel:
 
         Returns float32 logits [len(meta.logits_indices), vocab].
         """
-        h = F.embedding(input_ids, self.w["embed"])
-        for layer in range(self.config.num_layers):
-            h = h + self._attention(layer, h, meta, kv_cache[layer])
-            h = h + self._mlp(layer, h)
-        h = rms_norm(h[meta.logits_indices], self.w["norm"], self.config.rms_eps)
-        return F.linear(h, self.w["lm_head"]).float()
+        cfg = self.config
+        if meta.plan is None:
+            meta.plan = build_plan(meta, kv_cache.shape[3], input_ids.device)
+        cos, sin = self.rope.tables(meta.positions)
+        h = F.embedding(input_ids, self.embed)
+        for layer, lw in enumerate(self.layers):
+            h = h + self._attention(lw, h, meta, kv_cache[layer], cos, sin)
+            x = rms_norm(h, lw.ffn_norm, cfg.rms_eps)
+            gu = lw.gate_up(x)
+            f = gu.shape[-1] // 2
+            h = h + lw.down(F.silu(gu[:, :f]) * gu[:, f:])
+        h = rms_norm(h[meta.logits_indices], self.norm, cfg.rms_eps)
+        return self.lm_head(h).float()
 
-    def _mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: ``down(silu(gate(x)) * up(x))`` on the RMS-normed input [T, d]."""
-        w = lambda n: self.w[f"layers.{layer}.{n}"]  # noqa: E731
-        x = rms_norm(h, w("ffn_norm"), self.config.rms_eps)
-        return F.linear(F.silu(F.linear(x, w("w_gate"))) * F.linear(x, w("w_up")), w("w_down"))
-
-    def _attention(self, layer: int, h: torch.Tensor, meta: BatchMetadata, cache: torch.Tensor) -> torch.Tensor:
+    def _attention(self, lw: _Layer, h: torch.Tensor, meta: BatchMetadata, cache: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Self-attention block; ``cache`` [2, num_blocks, block_size, Hkv, hd] for this layer."""
-        cfg, w = self.config, lambda n: self.w[f"layers.{layer}.{n}"]  # noqa: E731
-        x = rms_norm(h, w("attn_norm"), cfg.rms_eps)
-        q = F.linear(x, w("wq")).view(-1, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, w("wk")).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, w("wv")).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rope.apply(q, meta.positions), self.rope.apply(k, meta.positions)
-        k_flat = cache[0].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v_flat = cache[1].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        k_flat[meta.slot_mapping] = k.to(k_flat.dtype)
-        v_flat[meta.slot_mapping] = v.to(v_flat.dtype)
-        out = self._paged_attention(q, k_flat[meta.context_slots], v_flat[meta.context_slots], meta)
-        return F.linear(out.reshape(-1, cfg.num_heads * cfg.head_dim), w("wo"))
+        cfg = self.config
+        H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = h.shape[0]
+        qkv = lw.qkv(rms_norm(h, lw.attn_norm, cfg.rms_eps))
+        qk = self.rope.rotate(qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd), cos, sin)
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
+        k_flat = cache[0].view(-1, Hkv, hd)
+        v_flat = cache[1].view(-1, Hkv, hd)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        out = self._paged_attention(q, k, v, meta.plan, cache)
+        return lw.o(out.reshape(T, H * hd))
 
-    def _paged_attention(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, meta: BatchMetadata):
-        """Causal attention. q [T, H, hd]; k_ctx/v_ctx [sum(ctx), Hkv, hd] -> [T, H, hd].
-
-        Decodes (1-token queries) run as one padded batch; prefill chunks run one by one.
-        """
+    def _paged_attention(self, q, k, v, plan: _AttnPlan, cache: torch.Tensor) -> torch.Tensor:
+        """Causal attention. q [T, H, hd]; fresh k/v [T, Hkv, hd] -> [T, H, hd]."""
+        H, Hkv, hd, G = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.num_groups
+        k_blocks, v_blocks = cache[0], cache[1]  # [num_blocks, bs, Hkv, hd]
+        if plan.all_decode and len(plan.decodes) == 1 and plan.decodes[0].in_order:
+            g = plan.decodes[0]
+            return self._decode_group(q, g, k_blocks, v_blocks, rows_all=True)
         out = torch.empty_like(q)
-        dec = meta.decode
-        if dec is not None:
-            out[dec.rows] = self._decode_attention(q[dec.rows], k_ctx, v_ctx, dec)
-        for q_start, q_len, k_start, ctx_len in meta.prefills:
-            qs = q[q_start : q_start + q_len].transpose(0, 1)  # [H, q_len, hd]
-            ks = self._expand_kv(k_ctx[k_start : k_start + ctx_len].transpose(0, 1), qs.dtype)
-            vs = self._expand_kv(v_ctx[k_start : k_start + ctx_len].transpose(0, 1), qs.dtype)
-            mask = causal_mask(q_len, ctx_len, q.device)
-            out[q_start : q_start + q_len] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
+        for g in plan.decodes:
+            out[g.rows] = self._decode_group(q, g, k_blocks, v_blocks, rows_all=False)
+        for p in plan.prefills:
+            qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [H, q, hd]
+            if p.blocks is None:
+                ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
+                vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), is_causal=True,
+                                                   enable_gqa=True)
+            else:
+                L = p.blocks.shape[0] * k_blocks.shape[1]
+                ks = k_blocks[p.blocks].view(L, Hkv, hd).transpose(0, 1).to(qs.dtype)
+                vs = v_blocks[p.blocks].view(L, Hkv, hd).transpose(0, 1).to(qs.dtype)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
+            out[p.q_start : p.q_start + p.q_len] = o.transpose(0, 1)
         return out
 
-    def _decode_attention(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, dec: "DecodeBatch"):
-        """q [B, H, hd] attends to padded contexts k/v [B, Hkv, L, hd] (mask [B, 1, 1, L]) -> [B, H, hd]."""
-        ks = self._expand_kv(k_ctx[dec.ctx_index].transpose(1, 2), q.dtype)
-        vs = self._expand_kv(v_ctx[dec.ctx_index].transpose(1, 2), q.dtype)
-        return F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=dec.mask).squeeze(2)
-
-    def _expand_kv(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """GQA: repeat each KV head for its query group along the head dim (-3)."""
-        return kv.to(dtype).repeat_interleave(self.num_groups, dim=-3)
+    def _decode_group(self, q, g: _DecodeGroup, k_blocks, v_blocks, rows_all: bool) -> torch.Tensor:
+        """1-token queries of one group against their gathered blocks -> [B, H, hd]."""
+        Hkv, hd, G = self.config.num_kv_heads, self.config.head_dim, self.num_groups
+        B, nblk = g.blocks.shape
+        L = nblk * k_blocks.shape[1]
+        qg = (q if rows_all else q[g.rows]).reshape(B, Hkv, G, hd)
+        ks = k_blocks[g.blocks].view(B, L, Hkv, hd).transpose(1, 2).to(qg.dtype)  # [B, Hkv, L, hd]
+        vs = v_blocks[g.blocks].view(B, L, Hkv, hd).transpose(1, 2).to(qg.dtype)
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=g.mask)  # [B, Hkv, G, hd]
+        return o.reshape(B, Hkv * G, hd)
 
 
 def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor | None:
