@@ -186,6 +186,7 @@ class WorkerStats(Message):
     num_finished: int = 0  # requests finished (any reason)
     num_aborted: int = 0  # requests cancelled
     ts: float = 0.0
+    max_cancel_steps: int = 0  # most engine steps between a cancel's arrival and its request's end
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class _Live:
     t_first: float = 0.0  # first token time (epoch s); 0 until then
     aborted: str = ""  # abort reason once cancelled
     echo_pending: bool = True  # completions echo text not yet sent
+    cancel_step: int = -1  # worker step count when a cancel arrived (-1: none)
 
 
 @dataclass
@@ -80,6 +81,8 @@ class WorkerService:
         self.draining = False
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_steps = 0  # engine steps run by this service
+        self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,6 +154,8 @@ class WorkerService:
                 reason = Cancel.decode(msg.data).reason
             except ValueError:
                 reason = "client"
+            if self.live[rid].cancel_step < 0:
+                self.live[rid].cancel_step = self.num_steps
             self._aborts.append((rid, reason))
             self._wake.set()
 
@@ -189,6 +194,7 @@ class WorkerService:
                 await wait_event(self._wake, self.cfg.idle_wait_s * 20)
                 continue
             outputs = await asyncio.to_thread(self.engine.step)
+            self.num_steps += 1
             await self._publish_outputs(outputs)
 
     async def _flush_aborted(self) -> None:
@@ -289,6 +295,8 @@ class WorkerService:
 
     async def _finish_abort(self, lv: _Live) -> None:
         self.num_aborted += 1
+        if lv.cancel_step >= 0:
+            self.max_cancel_steps = max(self.max_cancel_steps, self.num_steps - lv.cancel_step)
         if lv.aborted == "deadline":
             err = error_dict(503, "the request's deadline passed before it finished", type_="timeout",
                              code="deadline_exceeded", retryable=True, retry_after=1.0)
@@ -334,7 +342,7 @@ class WorkerService:
         return WorkerStats(self.cfg.worker_id, self.cfg.name, self.cfg.version, st.num_steps,
                            st.num_generated_tokens, st.num_prompt_tokens, st.num_running, st.num_waiting,
                            st.num_free_blocks, st.num_total_blocks, st.max_batch_size_seen, self.num_finished,
-                           self.num_aborted, time.time())
+                           self.num_aborted, time.time(), self.max_cancel_steps)
 
     async def _stats_loop(self) -> None:
         while True:
