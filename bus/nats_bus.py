@@ -58,6 +58,8 @@ class NatsBus:
         return bus
 
     async def _on_disconnected(self) -> None:
+        if self._nc.is_closed or self._nc.is_draining:
+            return  # our own close: not a failure
         log.warning("NATS disconnected; failing open streams")
         for cb in list(self._disconnect_cbs):
             try:

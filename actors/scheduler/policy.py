@@ -22,6 +22,7 @@ class WorkerView:
     worker_id: str
     free_blocks: int = 0  # free KV blocks at last heartbeat, minus blocks dispatched since
     free_slots: int = 0  # free sequence slots at last heartbeat, minus dispatches since
+    total_blocks: int = 0  # KV cache blocks in all (from heartbeats); bounds the longest prompt it can hold
     block_size: int = 16  # tokens per block
     draining: bool = False
     leased: bool = False  # etcd lease key present
@@ -116,13 +117,24 @@ class WorkerTable:
         return dict(view.inflight) if view else {}
 
     def on_credits(self, worker_id: str, free_blocks: int, free_slots: int, block_size: int,
-                   draining: bool, now: float) -> None:
+                   draining: bool, now: float, total_blocks: int = 0) -> None:
         """Heartbeat: replace the credit view (the worker's own count already includes our dispatches)."""
         if worker_id not in self.workers:
             return  # no lease (yet, or any more): ignore
         v = self.workers[worker_id]
         v.free_blocks, v.free_slots, v.block_size, v.draining, v.last_credit_ts = (
             free_blocks, free_slots, block_size, draining, now)
+        if total_blocks:
+            v.total_blocks = total_blocks
+
+    def fits_nowhere(self, num_prompt_tokens: int, now: float) -> bool:
+        """True when live workers with fresh credits exist and none could ever hold the prompt (+1 token).
+
+        Such a request must be refused (it would otherwise block the FCFS head until its deadline);
+        with no fresh worker at all the answer is False (wait for capacity instead)."""
+        fresh = [w for w in self.workers.values()
+                 if w.leased and w.total_blocks and now - w.last_credit_ts <= self.stale_after_s]
+        return bool(fresh) and all(w.total_blocks < w.blocks_for(num_prompt_tokens + 1) for w in fresh)
 
     def pick(self, num_prompt_tokens: int, now: float) -> WorkerView | None:
         """Least-loaded worker (most free slots, then blocks) that can take the request; None = no room."""

@@ -119,7 +119,8 @@ class SchedulerService:
             c = Credits.decode(msg.data)
         except ValueError:
             return
-        self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, time.monotonic())
+        self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, time.monotonic(),
+                              c.total_blocks)
         if c.free_slots > 0:
             self._kick.set()
 
@@ -158,6 +159,9 @@ class SchedulerService:
             return False
         worker = self.table.pick(head[1], time.monotonic())
         if worker is None:
+            if self.table.fits_nowhere(head[1], time.monotonic()):
+                await self._refuse_oversized(self.queue.pop()[3])
+                return True
             return False
         req = self.queue.pop()[3]
         worker.take(req.request_id, len(req.prompt_token_ids))
@@ -182,10 +186,18 @@ class SchedulerService:
             self.requests.pop(req.request_id, None)
         return ok
 
+    async def _refuse_oversized(self, req: GenerateRequest) -> None:
+        """400 for a prompt no live worker's KV cache can hold (it would block the queue head)."""
+        cap = max(w.total_blocks * w.block_size for w in self.table.workers.values())
+        await self._fail(req, 400, f"This model's workers can hold at most {cap - 1} prompt tokens in their KV "
+                                   f"cache; your prompt has {len(req.prompt_token_ids)} tokens. Please reduce "
+                                   f"the length of the prompt.", "context_length_exceeded", retryable=False)
+
     async def _fail(self, req: GenerateRequest, status: int, message: str, code: str,
                     retryable: bool = True) -> None:
         """End ``req`` with a final error chunk and a completion record."""
-        err = error_dict(status, message, type_="unavailable" if status >= 500 else "cancelled", code=code,
+        kind = "unavailable" if status >= 500 else "cancelled" if status == 499 else "invalid_request_error"
+        err = error_dict(status, message, type_=kind, code=code,
                          retryable=retryable, retry_after=self.cfg.retry_after_s if retryable else None)
         chunk = Chunk(req.request_id, 0, final=True, finish_reason="abort", error=err, model=req.model_ref)
         rec = CompletionRecord(req.request_id, req.tenant, req.name, req.version,

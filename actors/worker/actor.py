@@ -69,7 +69,7 @@ async def main(args: argparse.Namespace) -> None:
             raise SystemExit(f"model version {ref.name}@{ref.version} is not registered")
         engine = await asyncio.to_thread(build_engine, manifest, args)
         log.info("worker %s loaded %s@%s; KV cache: %s", worker_id, ref.name, ref.version,
-                 getattr(engine, "kv_cache_summary", lambda: "?")())
+                 engine.kv.describe() if hasattr(engine, "kv") else "?")
         bus = await NatsBus.connect(nats_url, name=f"worker-{worker_id}")
         svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version))
         await svc.start()

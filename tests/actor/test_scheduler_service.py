@@ -107,3 +107,22 @@ async def test_expired_in_queue_gets_deadline_error():
     await asyncio.sleep(0.5)
     assert chunks and chunks[0].error["code"] == "deadline_exceeded"
     await svc.stop()
+
+
+async def test_prompt_larger_than_any_kv_cache_is_refused_not_blocking():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 4, 4, 8, 8, 16).encode())
+    big = GenerateRequest("big", "t", "m", "1", "_INBOX.t.r", tuple(range(64)), {}, deadline=time.time() + 30)
+    await submit(bus, big)
+    await submit(bus, req(1))
+    await asyncio.sleep(0.3)
+    [err] = [c for c in chunks if c.request_id == "big"]
+    assert err.error["status"] == 400 and err.error["code"] == "context_length_exceeded"
+    assert accepted == ["r1"]  # the request behind it was not blocked
+    await svc.stop()

@@ -75,3 +75,13 @@ def test_refusal_distrusts_worker_until_next_heartbeat():
     assert t.pick(10, 0.4).worker_id == "w2"
     t.on_credits("w2", 10, 5, 16, True, 0.5)  # draining
     assert t.pick(10, 0.6).worker_id == "w1"
+
+
+def test_prompt_no_worker_can_hold_is_detected():
+    t = WorkerTable(stale_after_s=2.0)
+    assert not t.fits_nowhere(10_000, 0.0)  # no worker yet: wait, do not refuse
+    t.on_lease("w1", True)
+    t.on_credits("w1", free_blocks=3, free_slots=4, block_size=16, draining=False, now=0.0, total_blocks=100)
+    assert not t.fits_nowhere(16 * 100 - 1, 0.1)  # fits once blocks free up
+    assert t.fits_nowhere(16 * 100, 0.1)  # prompt + 1 token needs 101 blocks: never fits
+    assert not t.fits_nowhere(16 * 100, 10.0)  # credits stale: no verdict
