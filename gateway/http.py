@@ -21,6 +21,7 @@ from bus.base import BusError
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
 from gateway.inflight import StreamError, next_chunk
 from gateway.merge import ChoiceMerger
+from gateway.openapi import openapi_document
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class HttpFront:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -91,6 +93,11 @@ class HttpFront:
             checks["validator"] = False
         return web.json_response({"ready": all(checks.values()), "checks": checks},
                                  status=200 if all(checks.values()) else 503)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """``GET /openapi.json``: OpenAPI 3.1 document of the public endpoints."""
+        models = [m["id"] for m in self.fe.resolver.snapshot.model_list()]
+        return web.json_response(openapi_document(models, f"{request.scheme}://{request.host}"))
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: registered models (``name`` and ``name@version``)."""

@@ -129,6 +129,10 @@ class ValidatorService:
                 await self._fail(req, error_dict(err.status, err.message, type_=err.type, param=err.param,
                                                  code=err.code, retryable=err.status >= 500,
                                                  retry_after=1.0 if err.status >= 500 else None))
+            except Exception as exc:  # a bug must answer (500), never leave the client waiting
+                log.exception("validation of %s failed", req.request_id)
+                await self._fail(req, error_dict(500, f"internal error while validating the request: {exc}",
+                                                 type_="server_error", code="internal_error"))
 
     async def _prepare(self, req: ApiRequest) -> list[GenerateRequest]:
         """Validate and tokenize (in a thread). Raises RequestError."""
