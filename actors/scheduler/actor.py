@@ -1,6 +1,6 @@
 """``actorserve actor scheduler --model NAME@VERSION``: the scheduler of one model version.
 
-Feeds worker lease events from etcd (``/actorserve/workers/{name}/{version}/``: initial listing,
+Feeds tenant weights (``/actorserve/tenants/``) and worker lease events from etcd (``/actorserve/workers/{name}/{version}/``: initial listing,
 then a watch, reconciled by a periodic re-list) into ``SchedulerService``.
 """
 
@@ -20,7 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Scheduler options (common --nats/--etcd/--state-dir are added by actors.runtime)."""
     parser.add_argument("--model", required=True, help="NAME@VERSION scheduled by this process")
     parser.add_argument("--max-queue-len", type=int, default=1024, help="queued requests before 503")
+    parser.add_argument("--max-queue-per-tenant", type=int, default=256, help="queued requests per tenant before 429")
+    parser.add_argument("--fcfs", action="store_true", help="first-come-first-served instead of fair share")
     parser.add_argument("--scheduler-id", default=None, help="id of this replica (default sched-<pid>)")
+
+
+def tenant_weights(tenants: dict[str, dict]) -> dict[str, float]:
+    """Fair-share weight per tenant id from tenant records (``weight``, default 1; non-positive -> 1)."""
+    out = {}
+    for tid, rec in tenants.items():
+        try:
+            w = float((rec or {}).get("weight", 1.0))
+        except (TypeError, ValueError):
+            w = 1.0
+        out[tid] = w if w > 0 else 1.0
+    return out
 
 
 async def sync_workers(reg, svc: SchedulerService, name: str, version: str, period_s: float = 2.0) -> None:
@@ -28,6 +42,7 @@ async def sync_workers(reg, svc: SchedulerService, name: str, version: str, peri
     from control.names import workers_prefix
 
     async def relist() -> None:
+        svc.weights = tenant_weights(await reg.list_tenants())
         live = set(await reg.list_workers(name, version))
         known = {w for w, v in svc.table.workers.items() if v.leased}
         for wid in live - known:
@@ -69,7 +84,8 @@ async def main(args: argparse.Namespace) -> None:
     sid = args.scheduler_id or f"sched-{os.getpid()}"
     async with Registry.connect(etcd_url) as reg:
         bus = await NatsBus.connect(nats_url, name=f"scheduler-{sid}")
-        svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len))
+        svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
+                                                    args.max_queue_per_tenant, args.fcfs))
         await svc.start()
         log.info("scheduler %s active for %s@%s", sid, ref.name, ref.version)
         try:

@@ -1,8 +1,8 @@
-"""Scheduler policy for one model version: bounded FCFS queue, credit-based worker choice, in-flight table.
+"""Scheduler policy for one model version: credit-based worker choice, in-flight table, throughput meter.
 
 Pure module (no torch, no nats, no clock reads): the actor feeds it events (submit, credits, lease
 gone, dispatch result, first token, done) with explicit times and carries out its decisions.
-FCFS for now; fair queueing and priority classes replace ``FcfsQueue`` in a later issue.
+The queue itself (fair share, priority classes, deadlines) is ``actors.scheduler.fair_queue``.
 """
 
 from __future__ import annotations
@@ -10,9 +10,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
-
-R = TypeVar("R")
 
 
 @dataclass
@@ -46,55 +43,28 @@ class WorkerView:
         self.inflight[request_id] = False
 
 
-class FcfsQueue(Generic[R]):
-    """Bounded first-come-first-served queue. ``push`` returns False when full (caller refuses 503)."""
+class ThroughputMeter:
+    """Tokens served per second over a sliding window, from completion records (for deadline admission)."""
 
-    def __init__(self, max_len: int) -> None:
-        if max_len < 1:
-            raise ValueError("max_len must be >= 1")
-        self.max_len = max_len
-        self._q: deque[tuple[str, int, float, R]] = deque()
+    def __init__(self, window_s: float = 10.0, min_records: int = 3) -> None:
+        self.window_s, self.min_records = window_s, min_records
+        self._events: deque[tuple[float, int]] = deque()
 
-    def __len__(self) -> int:
-        return len(self._q)
+    def add(self, now: float, tokens: int) -> None:
+        """Record ``tokens`` (prompt + completion) finished at ``now`` (s, monotonic)."""
+        self._events.append((now, tokens))
+        self._trim(now)
 
-    def can_push(self) -> bool:
-        """Room for one more request."""
-        return len(self._q) < self.max_len
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
 
-    def push(self, request_id: str, num_tokens: int, deadline: float, item: R) -> bool:
-        """Append at the tail; False if full."""
-        if not self.can_push():
-            return False
-        self._q.append((request_id, num_tokens, deadline, item))
-        return True
-
-    def push_front(self, request_id: str, num_tokens: int, deadline: float, item: R) -> None:
-        """Put back at the head (re-dispatch after a refusal or a lost worker); may exceed max_len by design."""
-        self._q.appendleft((request_id, num_tokens, deadline, item))
-
-    def peek(self) -> tuple[str, int, float, R] | None:
-        """Head of the queue or None."""
-        return self._q[0] if self._q else None
-
-    def pop(self) -> tuple[str, int, float, R]:
-        """Remove and return the head (IndexError if empty)."""
-        return self._q.popleft()
-
-    def remove(self, request_id: str) -> R | None:
-        """Remove a queued request by id (cancel); returns its item or None."""
-        for entry in self._q:
-            if entry[0] == request_id:
-                self._q.remove(entry)
-                return entry[3]
-        return None
-
-    def pop_expired(self, now: float) -> list[R]:
-        """Remove and return every queued item whose deadline (epoch s) has passed."""
-        expired = [e for e in self._q if e[2] and e[2] < now]
-        for e in expired:
-            self._q.remove(e)
-        return [e[3] for e in expired]
+    def tokens_per_s(self, now: float) -> float | None:
+        """Measured rate, or None with fewer than ``min_records`` records in the window (unknown)."""
+        self._trim(now)
+        if len(self._events) < self.min_records:
+            return None
+        return sum(t for _, t in self._events) / self.window_s
 
 
 class WorkerTable:
@@ -130,7 +100,7 @@ class WorkerTable:
     def fits_nowhere(self, num_prompt_tokens: int, now: float) -> bool:
         """True when live workers with fresh credits exist and none could ever hold the prompt (+1 token).
 
-        Such a request must be refused (it would otherwise block the FCFS head until its deadline);
+        Such a request must be refused (it would otherwise block the queue head until its deadline);
         with no fresh worker at all the answer is False (wait for capacity instead)."""
         fresh = [w for w in self.workers.values()
                  if w.leased and w.total_blocks and now - w.last_credit_ts <= self.stale_after_s]

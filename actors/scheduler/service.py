@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 
 import orjson
 
-from actors.scheduler.policy import FcfsQueue, WorkerTable
+from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
+                                         FairQueueConfig)
+from actors.scheduler.policy import ThroughputMeter, WorkerTable
 from actors.aio import wait_event
 from bus import subjects
 from bus.base import Bus, BusError, Msg
@@ -31,7 +33,9 @@ class SchedulerConfig:
     name: str
     version: str
     scheduler_id: str = "sched"
-    max_queue_len: int = 1024  # queued requests before 503
+    max_queue_len: int = 1024  # queued requests, all tenants, before 503
+    max_queue_per_tenant: int = 256  # queued requests of one tenant before 429
+    fcfs: bool = False  # first-come-first-served instead of weighted fair share (benchmarks)
     dispatch_timeout_s: float = 2.0  # wait for a worker's dispatch ack
     retry_after_s: float = 1.0  # Retry-After on 503 (s)
     max_attempts: int = 3  # dispatch attempts per request (worker losses before the first token)
@@ -43,12 +47,20 @@ class SchedulerConfig:
             raise ValueError("max_queue_len, dispatch_timeout_s and max_attempts must be positive")
 
 
+def cost_of(req: GenerateRequest) -> int:
+    """Estimated token cost of a request: prompt + max_tokens (corrected by actual usage later)."""
+    return len(req.prompt_token_ids) + int(req.sampling.get("max_tokens") or 0)
+
+
 class SchedulerService:
     """Runs the FCFS policy for one model version over a Bus."""
 
     def __init__(self, bus: Bus, config: SchedulerConfig) -> None:
         self.bus, self.cfg = bus, config
-        self.queue: FcfsQueue[GenerateRequest] = FcfsQueue(config.max_queue_len)
+        self.queue: FairQueue[GenerateRequest] = FairQueue(FairQueueConfig(
+            config.max_queue_len, config.max_queue_per_tenant, config.fcfs))
+        self.weights: dict[str, float] = {}  # tenant -> fair-share weight (tenant records; default 1)
+        self.meter = ThroughputMeter(window_s=10.0)
         self.table = WorkerTable(config.credit_stale_s)
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
         self._kick = asyncio.Event()
@@ -71,8 +83,8 @@ class SchedulerService:
         """Stop taking submits; end queued requests with a retryable 503; stop loops."""
         for sub in self._subs:
             await sub.unsubscribe()
-        while len(self.queue):
-            await self._fail(self.queue.pop()[3], 503, "scheduler is shutting down", "unavailable")
+        while (p := self.queue.pop()) is not None:
+            await self._fail(p.item, 503, "scheduler is shutting down", "unavailable")
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -92,7 +104,7 @@ class SchedulerService:
             else:
                 redo.append(replace(req, attempt=req.attempt + 1))
         for req in reversed(redo):
-            self.queue.push_front(req.request_id, len(req.prompt_token_ids), req.deadline, req)
+            self._push(req, front=True)
         if redo or present:
             self._kick.set()
         return redo
@@ -102,13 +114,29 @@ class SchedulerService:
             req = GenerateRequest.decode(msg.data)
         except ValueError as exc:
             return await self._ack(msg, False, error_dict(400, str(exc)))
-        if not self.queue.push(req.request_id, len(req.prompt_token_ids), req.deadline,
-                               replace(req, marks={**req.marks, "sched_in": time.time()})):
-            return await self._ack(msg, False, error_dict(
-                503, "the model's queue is full; retry later", type_="overloaded", code="queue_full",
-                retryable=True, retry_after=self.cfg.retry_after_s))
+        verdict = self.queue.can_admit(req.tenant, req.priority, cost_of(req), req.deadline, time.time(),
+                                       self.meter.tokens_per_s(time.monotonic()))
+        if verdict != ADMITTED:
+            return await self._ack(msg, False, self._refusal(verdict))
+        self._push(replace(req, marks={**req.marks, "sched_in": time.time()}))
         await self._ack(msg, True)
         self._kick.set()
+
+    def _push(self, req: GenerateRequest, front: bool = False) -> None:
+        self.queue.push(req.request_id, req.tenant, self.weights.get(req.tenant, 1.0), req.priority,
+                        cost_of(req), req.deadline, req, front=front)
+
+    def _refusal(self, verdict: str) -> dict:
+        """Error payload for an admission refusal (429 tenant queue full, 503 otherwise)."""
+        if verdict == QUEUE_FULL_TENANT:
+            return error_dict(429, "too many queued requests for this tenant; retry later", type_="rate_limit",
+                              code="tenant_queue_full", retryable=True, retry_after=self.cfg.retry_after_s)
+        if verdict == DEADLINE_UNMEETABLE:
+            return error_dict(503, "the request cannot finish before its deadline at the current load",
+                              type_="overloaded", code="deadline_unmeetable", retryable=True,
+                              retry_after=self.cfg.retry_after_s)
+        return error_dict(503, "the model's queue is full; retry later", type_="overloaded", code="queue_full",
+                          retryable=True, retry_after=self.cfg.retry_after_s)
 
     async def _ack(self, msg: Msg, ok: bool, error: dict | None = None) -> None:
         if msg.reply:
@@ -135,7 +163,10 @@ class SchedulerService:
         except ValueError:
             return
         self.table.on_done(rec.request_id)
-        self.requests.pop(rec.request_id, None)
+        req = self.requests.pop(rec.request_id, None)
+        self.meter.add(time.monotonic(), rec.prompt_tokens + rec.completion_tokens)
+        if req is not None:
+            self.queue.correct(req.tenant, req.priority, cost_of(req), rec.prompt_tokens + rec.completion_tokens)
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
@@ -157,17 +188,18 @@ class SchedulerService:
         head = self.queue.peek()
         if head is None:
             return False
-        worker = self.table.pick(head[1], time.monotonic())
+        num_prompt = len(self.queue.peek_item().prompt_token_ids)
+        worker = self.table.pick(num_prompt, time.monotonic())
         if worker is None:
-            if self.table.fits_nowhere(head[1], time.monotonic()):
-                await self._refuse_oversized(self.queue.pop()[3])
+            if self.table.fits_nowhere(num_prompt, time.monotonic()):
+                await self._refuse_oversized(self.queue.pop().item)
                 return True
             return False
-        req = self.queue.pop()[3]
-        worker.take(req.request_id, len(req.prompt_token_ids))
+        req = self.queue.pop().item
+        worker.take(req.request_id, num_prompt)
         if not await self._send(worker.worker_id, req):
             self.table.on_refused(worker.worker_id, req.request_id)
-            self.queue.push_front(req.request_id, len(req.prompt_token_ids), req.deadline, req)
+            self._push(req, front=True)
         return True
 
     async def _send(self, worker_id: str, req: GenerateRequest) -> bool:

@@ -126,3 +126,39 @@ async def test_prompt_larger_than_any_kv_cache_is_refused_not_blocking():
     assert err.error["status"] == 400 and err.error["code"] == "context_length_exceeded"
     assert accepted == ["r1"]  # the request behind it was not blocked
     await svc.stop()
+
+
+def treq(rid: str, tenant: str, priority: str = "interactive") -> GenerateRequest:
+    return GenerateRequest(rid, tenant, "m", "1", "_INBOX.t.r", (1, 2, 3), {"max_tokens": 4}, priority,
+                           time.time() + 30)
+
+
+async def test_fair_share_and_priority_decide_dispatch_order():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    for i in range(6):
+        await submit(bus, treq(f"a{i}", "heavy"))
+    await submit(bus, treq("b0", "light"))
+    await submit(bus, treq("x0", "bulk", "batch"))
+    await submit(bus, treq("b1", "light"))
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    for _ in range(9):
+        await heartbeat(bus, "w1", slots=1)
+        await asyncio.sleep(0.05)
+    assert accepted.index("b0") <= 1 and accepted.index("b1") <= 3  # FCFS would put them 7th and 9th
+    assert accepted[-1] == "x0"  # batch class only after every interactive request
+    await svc.stop()
+
+
+async def test_tenant_queue_full_is_429_others_unaffected():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", max_queue_per_tenant=2))
+    await svc.start()
+    acks = [await submit(bus, treq(f"a{i}", "heavy")) for i in range(3)]
+    assert [a["accepted"] for a in acks] == [True, True, False]
+    assert acks[2]["error"]["status"] == 429 and acks[2]["error"]["retry_after"] >= 1
+    assert (await submit(bus, treq("b0", "light")))["accepted"]
+    await svc.stop()

@@ -1,31 +1,17 @@
-"""Pure tests of the scheduler policy: bounded FCFS queue and credit-based worker choice."""
+"""Pure tests of the scheduler policy: credit-based worker choice, in-flight table, throughput meter."""
 
 from __future__ import annotations
 
-import pytest
-
-from actors.scheduler.policy import FcfsQueue, WorkerTable
+from actors.scheduler.policy import ThroughputMeter, WorkerTable
 
 
-def test_queue_is_bounded_fcfs():
-    q: FcfsQueue[str] = FcfsQueue(2)
-    assert q.push("a", 10, 0, "A") and q.push("b", 10, 0, "B")
-    assert not q.push("c", 10, 0, "C")
-    assert q.pop()[3] == "A"
-    q.push_front("a", 10, 0, "A")
-    assert [q.pop()[3], q.pop()[3]] == ["A", "B"]
-    with pytest.raises(ValueError):
-        FcfsQueue(0)
-
-
-def test_queue_remove_and_expiry():
-    q: FcfsQueue[str] = FcfsQueue(5)
-    q.push("a", 1, 100.0, "A")
-    q.push("b", 1, 0.0, "B")  # no deadline
-    q.push("c", 1, 300.0, "C")
-    assert q.remove("c") == "C" and q.remove("zz") is None
-    assert q.pop_expired(200.0) == ["A"]
-    assert len(q) == 1
+def test_throughput_meter_window():
+    m = ThroughputMeter(window_s=10.0, min_records=2)
+    m.add(0.0, 100)
+    assert m.tokens_per_s(0.0) is None  # too few records
+    m.add(5.0, 300)
+    assert m.tokens_per_s(5.0) == 40.0
+    assert m.tokens_per_s(12.0) is None  # first record left the window
 
 
 def _table(now=0.0) -> WorkerTable:
@@ -85,3 +71,9 @@ def test_prompt_no_worker_can_hold_is_detected():
     assert not t.fits_nowhere(16 * 100 - 1, 0.1)  # fits once blocks free up
     assert t.fits_nowhere(16 * 100, 0.1)  # prompt + 1 token needs 101 blocks: never fits
     assert not t.fits_nowhere(16 * 100, 10.0)  # credits stale: no verdict
+
+
+def test_tenant_weights_from_records():
+    from actors.scheduler.actor import tenant_weights
+    assert tenant_weights({"a": {"weight": 3}, "b": {}, "c": {"weight": -1}, "d": {"weight": "x"}}) == {
+        "a": 3.0, "b": 1.0, "c": 1.0, "d": 1.0}
