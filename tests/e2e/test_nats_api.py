@@ -1,0 +1,98 @@
+"""NATS API parity with the HTTP API (issue 4, item 8) and the tested docs/nats-api.md example."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import nats
+import openai
+import orjson
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+STORY = [{"role": "user", "content": "Tell me a short story about a dog."}]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def _ask(url: str, subject: str, body: dict | bytes) -> list[dict]:
+    """Every reply message of one request, up to the one marked final (or the single non-streaming one)."""
+    nc = await nats.connect(url)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    await nc.publish(subject, data, reply=inbox)
+    out = []
+    streaming = isinstance(body, dict) and body.get("stream") is True
+    while True:
+        msg = orjson.loads((await sub.next_msg(timeout=60)).data)
+        out.append(msg)
+        if not streaming or msg.get("final") or "error" in msg:
+            break
+    await nc.close()
+    return out
+
+
+def ask(stack, subject: str, body) -> list[dict]:
+    return asyncio.run(_ask(stack.nats_url, subject, body))
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="dev", timeout=120, max_retries=0)
+
+
+def test_nats_streaming_parity_n_seed_logprobs_usage(stack):
+    body = {"model": MODEL, "messages": STORY, "n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 10,
+            "logprobs": True, "top_logprobs": 1}
+    http = client(stack).chat.completions.create(**body)
+    [full] = ask(stack, "as.api.v1.chat", body)
+    assert [c["message"]["content"] for c in full["choices"]] == [c.message.content for c in http.choices]
+    assert full["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    chunks = ask(stack, "as.api.v1.chat", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["final"] is True and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    texts, finishes = {}, {}
+    for c in chunks:
+        for ch in c["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + (ch["delta"].get("content") or "")
+            if ch["finish_reason"]:
+                finishes[ch["index"]] = finishes.get(ch["index"], 0) + 1
+    assert texts == {c.index: c.message.content for c in http.choices} and finishes == {0: 1, 1: 1}
+    plain = ask(stack, "as.api.v1.completions", {"model": MODEL, "prompt": ["Hi", "Yo"], "max_tokens": 3,
+                                                  "stream": True})
+    assert plain[-1]["final"] is True and "actorserve_timing" in plain[-1]
+    assert all("usage" not in c for c in plain)
+    assert sorted({ch["index"] for c in plain for ch in c["choices"]}) == [0, 1]
+
+
+@pytest.mark.parametrize("endpoint,body", [
+    ("chat", {"model": MODEL, "messages": STORY, "n": 9}),
+    ("chat", {"model": MODEL, "messages": STORY, "top_logprobs": 2}),
+    ("chat", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}),
+    ("chat", {"model": "no-such-model", "messages": STORY}),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 9000}], "stream": True}),
+    ("completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}),
+    ("completions", b"{not json"),
+])
+def test_nats_errors_equal_http_errors(stack, endpoint, body):
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    r = httpx.post(f"{stack.http_url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
+                   content=data, headers={"Content-Type": "application/json"}, timeout=60)
+    [reply] = ask(stack, f"as.api.v1.{endpoint}", data)
+    assert reply["status"] == r.status_code and reply["final"] is True
+    assert reply["error"] == r.json()["error"]
+
+
+def test_docs_example_runs(stack):
+    doc = (ROOT / "docs" / "nats-api.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "ACTORSERVE_NATS": stack.nats_url})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Paris" in proc.stdout and "choice 0:" in proc.stdout and "choice 1:" in proc.stdout
