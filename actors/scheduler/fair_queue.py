@@ -83,10 +83,12 @@ class _ClassQueue(Generic[R]):
         self.num_queued += 1
         self.queued_cost += entry.cost
 
-    def head_tenant(self) -> str | None:
-        """Tenant whose head request has the smallest start tag (its finish tag before charging)."""
+    def head_tenant(self, skip: frozenset[str] = frozenset()) -> str | None:
+        """Tenant (not in ``skip``) whose head request has the smallest start tag."""
         best = None
         for name, t in self.tenants.items():
+            if name in skip:
+                continue
             if t.queue and (best is None or t.finish_tag < self.tenants[best].finish_tag):
                 best = name
         return best
@@ -179,22 +181,22 @@ class FairQueue(Generic[R]):
         self.classes[priority].push(tenant, weight, _Entry(key + (seq,), request_id, cost, deadline, item))
         self._where[request_id] = (priority, tenant)
 
-    def peek(self) -> tuple[str, str, str] | None:
-        """(priority, tenant, request id) of the next request, or None when empty."""
+    def peek(self, skip: frozenset[str] = frozenset()) -> tuple[str, str, str] | None:
+        """(priority, tenant, request id) of the next request of a tenant not in ``skip``; None if none."""
         for p in PRIORITY_ORDER:
-            t = self.classes[p].head_tenant()
+            t = self.classes[p].head_tenant(skip)
             if t is not None:
                 return p, t, self.classes[p].tenants[t].queue[0].request_id
         return None
 
-    def peek_item(self) -> R | None:
-        """The item ``pop`` would return next, or None when empty."""
-        head = self.peek()
+    def peek_item(self, skip: frozenset[str] = frozenset()) -> R | None:
+        """The item ``pop(skip)`` would return next, or None."""
+        head = self.peek(skip)
         return None if head is None else self.classes[head[0]].tenants[head[1]].queue[0].item
 
-    def pop(self) -> Popped[R] | None:
-        """Remove and return the next request, or None when empty."""
-        head = self.peek()
+    def pop(self, skip: frozenset[str] = frozenset()) -> Popped[R] | None:
+        """Remove and return the next request of a tenant not in ``skip``, or None."""
+        head = self.peek(skip)
         if head is None:
             return None
         p, t, _ = head

@@ -20,6 +20,7 @@ class WorkerView:
     free_blocks: int = 0  # free KV blocks at last heartbeat, minus blocks dispatched since
     free_slots: int = 0  # free sequence slots at last heartbeat, minus dispatches since
     total_blocks: int = 0  # KV cache blocks in all (from heartbeats); bounds the longest prompt it can hold
+    total_slots: int = 0  # sequence slots in all (max_num_seqs, from heartbeats)
     block_size: int = 16  # tokens per block
     draining: bool = False
     leased: bool = False  # etcd lease key present
@@ -87,7 +88,7 @@ class WorkerTable:
         return dict(view.inflight) if view else {}
 
     def on_credits(self, worker_id: str, free_blocks: int, free_slots: int, block_size: int,
-                   draining: bool, now: float, total_blocks: int = 0) -> None:
+                   draining: bool, now: float, total_blocks: int = 0, total_slots: int = 0) -> None:
         """Heartbeat: replace the credit view (the worker's own count already includes our dispatches)."""
         if worker_id not in self.workers:
             return  # no lease (yet, or any more): ignore
@@ -96,6 +97,8 @@ class WorkerTable:
             free_blocks, free_slots, block_size, draining, now)
         if total_blocks:
             v.total_blocks = total_blocks
+        if total_slots:
+            v.total_slots = total_slots
 
     def fits_nowhere(self, num_prompt_tokens: int, now: float) -> bool:
         """True when live workers with fresh credits exist and none could ever hold the prompt (+1 token).
@@ -131,6 +134,22 @@ class WorkerTable:
             w.inflight.pop(request_id, None)
             w.free_slots = 0
 
+    def total_slots(self) -> int:
+        """Sequence slots of every leased worker."""
+        return sum(w.total_slots for w in self.workers.values() if w.leased)
+
     def num_inflight(self) -> int:
         """Requests dispatched and not yet done, all workers."""
         return sum(len(w.inflight) for w in self.workers.values())
+
+
+def tenant_cap(total_slots: int, headroom_fraction: float) -> int:
+    """Most in-flight requests one tenant may hold: all slots but a reserved headroom (>= 1 slot).
+
+    Keeps a free slot for a newly arriving tenant so fairness holds in the running batch without
+    preemption (docs/decisions/0009-fair-scheduling.md). With 0 or 1 slots in all, the cap is 1.
+    """
+    if total_slots <= 1:
+        return 1
+    reserve = max(1, math.ceil(total_slots * headroom_fraction))
+    return max(1, total_slots - reserve)

@@ -17,7 +17,7 @@ import orjson
 
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig)
-from actors.scheduler.policy import ThroughputMeter, WorkerTable
+from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap
 from actors.aio import wait_event
 from bus import subjects
 from bus.base import Bus, BusError, Msg
@@ -40,6 +40,8 @@ class SchedulerConfig:
     retry_after_s: float = 1.0  # Retry-After on 503 (s)
     max_attempts: int = 3  # dispatch attempts per request (worker losses before the first token)
     credit_stale_s: float = 2.0  # credits older than this are not trusted
+    headroom_fraction: float = 0.125  # share of all slots one tenant may not take (kept for newcomers)
+    tenant_active_s: float = 60.0  # a tenant that submitted within this window counts as active (s)
 
     def __post_init__(self) -> None:
         subjects.sched_submit(self.name, self.version)
@@ -61,6 +63,7 @@ class SchedulerService:
             config.max_queue_len, config.max_queue_per_tenant, config.fcfs))
         self.weights: dict[str, float] = {}  # tenant -> fair-share weight (tenant records; default 1)
         self.meter = ThroughputMeter(window_s=10.0)
+        self._seen: dict[str, float] = {}  # tenant -> last submit (monotonic s)
         self.table = WorkerTable(config.credit_stale_s)
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
         self._kick = asyncio.Event()
@@ -119,6 +122,7 @@ class SchedulerService:
         if verdict != ADMITTED:
             return await self._ack(msg, False, self._refusal(verdict))
         self._push(replace(req, marks={**req.marks, "sched_in": time.time()}))
+        self._seen[req.tenant] = time.monotonic()
         await self._ack(msg, True)
         self._kick.set()
 
@@ -148,7 +152,7 @@ class SchedulerService:
         except ValueError:
             return
         self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, time.monotonic(),
-                              c.total_blocks)
+                              c.total_blocks, c.total_slots)
         if c.free_slots > 0:
             self._kick.set()
 
@@ -185,22 +189,35 @@ class SchedulerService:
 
     async def _dispatch_head(self) -> bool:
         """Dispatch the head request if a worker can take it; False when nothing was done."""
-        head = self.queue.peek()
+        skip = self._tenants_at_cap()
+        head = self.queue.peek_item(skip)
         if head is None:
             return False
-        num_prompt = len(self.queue.peek_item().prompt_token_ids)
+        num_prompt = len(head.prompt_token_ids)
         worker = self.table.pick(num_prompt, time.monotonic())
         if worker is None:
             if self.table.fits_nowhere(num_prompt, time.monotonic()):
-                await self._refuse_oversized(self.queue.pop().item)
+                await self._refuse_oversized(self.queue.pop(skip).item)
                 return True
             return False
-        req = self.queue.pop().item
+        req = self.queue.pop(skip).item
         worker.take(req.request_id, num_prompt)
         if not await self._send(worker.worker_id, req):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
         return True
+
+    def _tenants_at_cap(self) -> frozenset[str]:
+        """Tenants holding their maximum share of slots (skipped while others wait; fcfs: none)."""
+        now = time.monotonic()
+        active = [t for t, ts in self._seen.items() if now - ts <= self.cfg.tenant_active_s]
+        if self.cfg.fcfs or len(active) < 2:  # one tenant alone may use every slot
+            return frozenset()
+        cap = tenant_cap(self.table.total_slots(), self.cfg.headroom_fraction)
+        held: dict[str, int] = {}
+        for r in self.requests.values():
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        return frozenset(t for t, n in held.items() if n >= cap)
 
     async def _send(self, worker_id: str, req: GenerateRequest) -> bool:
         req = replace(req, marks={**req.marks, "dispatch": time.time()})

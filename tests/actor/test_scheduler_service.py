@@ -10,7 +10,7 @@ import orjson
 from actors.scheduler.service import SchedulerConfig, SchedulerService
 from bus import subjects
 from bus.memory import MemoryBus
-from bus.messages import Chunk, Credits, Dispatch, DispatchAck, GenerateRequest
+from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest
 
 
 def req(i: int, reply: str = "_INBOX.t.r") -> GenerateRequest:
@@ -161,4 +161,44 @@ async def test_tenant_queue_full_is_429_others_unaffected():
     assert [a["accepted"] for a in acks] == [True, True, False]
     assert acks[2]["error"]["status"] == 429 and acks[2]["error"]["retry_after"] >= 1
     assert (await submit(bus, treq("b0", "light")))["accepted"]
+    await svc.stop()
+
+
+async def test_heavy_tenant_leaves_headroom_for_a_newcomer():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 100, 100, 8, 8, 16).encode())
+    await submit(bus, treq("c0", "other"))  # a second tenant was active recently: the cap applies
+    await asyncio.sleep(0.1)
+    await bus.publish(subjects.done("m", "1"), CompletionRecord("c0", "other", "m", "1", "ok", "stop", 3, 4,
+                                                                {}).encode())
+    for i in range(12):
+        await submit(bus, treq(f"a{i}", "heavy"))
+    await asyncio.sleep(0.3)
+    assert accepted == ["c0"] + [f"a{i}" for i in range(7)]  # 8 slots: heavy holds 7, one kept free
+    await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 90, 100, 1, 8, 16).encode())
+    await asyncio.sleep(0.1)
+    assert len(accepted) == 8  # the free slot stays free for others
+    await submit(bus, treq("b0", "light"))
+    await asyncio.sleep(0.3)
+    assert accepted[-1] == "b0"  # the newcomer starts at once, no preemption needed
+    await svc.stop()
+
+
+async def test_single_tenant_may_use_every_slot():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 100, 100, 8, 8, 16).encode())
+    for i in range(10):
+        await submit(bus, treq(f"a{i}", "solo"))
+    await asyncio.sleep(0.3)
+    assert len(accepted) == 8
     await svc.stop()

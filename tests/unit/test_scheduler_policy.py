@@ -77,3 +77,9 @@ def test_tenant_weights_from_records():
     from actors.scheduler.actor import tenant_weights
     assert tenant_weights({"a": {"weight": 3}, "b": {}, "c": {"weight": -1}, "d": {"weight": "x"}}) == {
         "a": 3.0, "b": 1.0, "c": 1.0, "d": 1.0}
+
+
+def test_tenant_cap_keeps_headroom():
+    from actors.scheduler.policy import tenant_cap
+    assert tenant_cap(0, 0.125) == 1 and tenant_cap(1, 0.125) == 1
+    assert tenant_cap(8, 0.125) == 7 and tenant_cap(32, 0.125) == 28 and tenant_cap(2, 0.5) == 1
