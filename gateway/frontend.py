@@ -100,6 +100,9 @@ class Frontend:
             await self._sub.unsubscribe()
 
     async def _on_chunk(self, msg: Msg) -> None:
+        if msg.reply and msg.data.startswith(b'{"probe"'):  # a worker asks whether we still listen
+            rid = msg.subject.rsplit(".", 1)[-1]
+            return await msg.respond(b'{"alive":true}' if self.table.get(rid) else b'{"alive":false}')
         try:
             self.table.deliver(Chunk.decode(msg.data))
         except ValueError as exc:

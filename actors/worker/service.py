@@ -13,10 +13,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
+import orjson
+
 from actors.aio import wait_event
+from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
 from bus import subjects
-from bus.base import Bus, BusError, Msg
+from bus.base import Bus, BusError, Msg, NoResponders
 from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
                           WorkerStats, error_dict)
 
@@ -50,6 +52,7 @@ class WorkerConfig:
     credits_interval_s: float = 0.25  # ~4 Hz heartbeat (ARCHITECTURE.md)
     stats_interval_s: float = 1.0
     idle_wait_s: float = 0.05  # sleep of the step loop when nothing is scheduled
+    probe_interval_s: float = 2.0  # how often live streams check that their receiver still listens (s)
     counters: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,22 @@ def to_sampling(d: dict) -> SamplingParams:
         if k in kw:
             kw[k] = tuple(kw[k])
     return SamplingParams(**kw)
+
+
+async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float = 1.0) -> bool:
+    """Ask the receiver of ``reply`` whether it still waits for ``request_id``.
+
+    NATS gives a publisher no signal when nobody subscribes, so a stream whose gateway died would
+    otherwise run to its end. The gateway answers ``{"alive": bool}`` on its reply subjects; no
+    responders or ``alive: false`` -> False. A timeout (busy receiver) counts as alive.
+    """
+    try:
+        m = await bus.request(reply, b'{"probe":"%s"}' % request_id.encode(), timeout)
+        return bool(orjson.loads(m.data).get("alive", True))
+    except NoResponders:
+        return False
+    except (BusError, ValueError, AttributeError):
+        return True
 
 
 class WorkerService:
@@ -89,7 +108,7 @@ class WorkerService:
         """Subscribe to dispatch and cancel subjects and start the step and heartbeat loops."""
         self._subs.append(await self.bus.subscribe(subjects.work(self.cfg.worker_id), self._on_dispatch))
         self._subs.append(await self.bus.subscribe(subjects.cancel_all(), self._on_cancel))
-        for coro in (self._step_loop(), self._credits_loop(), self._stats_loop()):
+        for coro in (self._step_loop(), self._credits_loop(), self._stats_loop(), self._probe_loop()):
             self._tasks.append(asyncio.create_task(coro))
         await self._publish_credits()
 
@@ -146,6 +165,20 @@ class WorkerService:
             self.live[req.request_id] = _Live(req, time.time())
             self._adds.append(req)
             self._wake.set()
+
+    async def _probe_loop(self) -> None:
+        """Abort streams nobody receives any more (their gateway died): see ``probe_receiver``."""
+        while True:
+            await asyncio.sleep(self.cfg.probe_interval_s)
+            now = time.time()
+            old = [lv for lv in self.live.values() if not lv.aborted and now - lv.t_in >= self.cfg.probe_interval_s]
+            verdicts = await asyncio.gather(*(probe_receiver(self.bus, lv.req.reply, lv.req.request_id)
+                                              for lv in old))
+            for lv, alive in zip(old, verdicts):
+                if not alive and lv.req.request_id in self.live:
+                    log.warning("request %s has no receiver any more; aborting", lv.req.request_id)
+                    self._aborts.append((lv.req.request_id, "orphaned"))
+                    self._wake.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]

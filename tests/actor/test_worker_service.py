@@ -108,3 +108,22 @@ async def test_deadline_aborts_with_retryable_error(tiny_path):
         await wait_final(chunks)
         err = chunks[-1].error
         assert err and err["code"] == "deadline_exceeded" and err["retryable"]
+
+
+async def test_stream_without_receiver_is_aborted(tiny_path):
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1", probe_interval_s=0.2))
+    async with svc:
+        records = await collect(bus, subjects.done("m", "1"), CompletionRecord)
+
+        async def alive(msg):
+            if msg.reply:
+                await msg.respond(b'{"alive":true}')
+        await bus.subscribe("_INBOX.t.kept", alive)
+        assert await dispatch(bus, gen("gone", max_tokens=400))  # nobody subscribes to _INBOX.t.gone
+        assert await dispatch(bus, gen("kept", max_tokens=400))
+        async with asyncio.timeout(10):
+            while not any(r.request_id == "gone" for r in records):
+                await asyncio.sleep(0.05)
+        assert [r.status for r in records if r.request_id == "gone"] == ["cancelled"]
+        assert "kept" in svc.live  # a receiver that answers keeps its stream

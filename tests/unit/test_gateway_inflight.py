@@ -90,3 +90,18 @@ def test_api_error_shape():
     assert e.body() == {"error": {"message": "busy", "type": "overloaded", "param": None, "code": "queue_full"}}
     assert e.http_headers()["Retry-After"] == "1"
     assert ApiError.from_chunk_error(error_dict(499, "gone")).status == 408
+
+
+async def test_gateway_answers_worker_probes():
+    from bus import subjects
+    from bus.memory import MemoryBus
+    from gateway.frontend import Frontend, FrontendConfig
+
+    bus = MemoryBus()
+    fe = Frontend(bus, resolver=None, cfg=FrontendConfig("gw-1"))
+    await fe.start()
+    fe.table.open("abc", time.time() + 5, 5)
+    live = await bus.request(subjects.gateway_reply("t", "gw-1", "abc"), b'{"probe":"abc"}', 1.0)
+    gone = await bus.request(subjects.gateway_reply("t", "gw-1", "zzz"), b'{"probe":"zzz"}', 1.0)
+    assert live.data == b'{"alive":true}' and gone.data == b'{"alive":false}'
+    await fe.stop()
