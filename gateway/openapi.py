@@ -25,7 +25,8 @@ def _error_response(desc: str) -> dict:
 
 
 def _errors(*statuses: int) -> dict:
-    names = {400: "invalid request (param names the field)", 404: "unknown model", 408: "request cancelled",
+    names = {400: "invalid request (param names the field)", 401: "missing or unknown API key",
+             404: "unknown model", 409: "idempotency key reused with a different body", 408: "request cancelled",
              413: "body over the size limit", 429: "quota or tenant queue full", 502: "response stream broken",
              503: "overload, no capacity, or deadline"}
     return {str(s): _error_response(names[s]) for s in statuses}
@@ -108,7 +109,7 @@ def _components() -> dict:
     head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
             "system_fingerprint": _NULLABLE_STR}
     req = ["id", "object", "created", "model", "choices"]
-    return {"schemas": {
+    return {"securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}}, "schemas": {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"],
             "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STR,
@@ -157,7 +158,8 @@ def _generate_op(summary: str, request: dict, response_ref: str) -> dict:
                                   "headers": {"X-Request-Id": {"schema": {"type": "string"}}},
                                   "content": {"application/json": {"schema": {"$ref": response_ref}},
                                               "text/event-stream": {"schema": {"type": "string"}}}},
-                          **_errors(400, 404, 408, 413, 429, 502, 503)}}
+                          **_errors(400, 401, 404, 408, 409, 413, 429, 502, 503)},
+            "security": [{"bearerAuth": []}]}
 
 
 def openapi_document(models: list[str], server_url: str | None = None) -> dict:
@@ -173,9 +175,9 @@ def openapi_document(models: list[str], server_url: str | None = None) -> dict:
                                                           "#/components/schemas/ChatCompletion")},
             "/v1/completions": {"post": _generate_op("Text completion", _completion_request(models),
                                                      "#/components/schemas/Completion")},
-            "/v1/models": {"get": {"summary": "Registered models", "responses": {"200": {
-                "description": "models", "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/ModelList"}}}}}}},
+            "/v1/models": {"get": {"summary": "Registered models", "security": [{"bearerAuth": []}],
+                                   "responses": {"200": {"description": "models", "content": {"application/json": {
+                                       "schema": {"$ref": "#/components/schemas/ModelList"}}}}, **_errors(401)}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {
                 "description": "alive", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}}}}},
