@@ -126,9 +126,9 @@ class ValidatorService:
                 gens = await self._prepare(req)
                 await self._submit_all(gens)
             except RequestError as err:
+                retry = err.status >= 500 or err.status == 429  # overload / quota: try again later
                 await self._fail(req, error_dict(err.status, err.message, type_=err.type, param=err.param,
-                                                 code=err.code, retryable=err.status >= 500,
-                                                 retry_after=1.0 if err.status >= 500 else None))
+                                                 code=err.code, retryable=retry, retry_after=1.0 if retry else None))
             except Exception as exc:  # a bug must answer (500), never leave the client waiting
                 log.exception("validation of %s failed", req.request_id)
                 await self._fail(req, error_dict(500, f"internal error while validating the request: {exc}",
