@@ -24,6 +24,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes
 from .gguf_loader import load_gguf
 from .hardware import DTYPES, resolve_dtype
+from .quant import QUANTIZERS, make_linear_factory
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
 from .model import BatchMetadata, LlamaModel
@@ -48,6 +49,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one forward pass
     max_model_len: int | None = None  # prompt + output cap (tokens); None = GGUF context_length
     progress: bool = False  # tqdm bar while loading
+    enable_prefix_caching: bool = True  # share cached full KV blocks of equal token prefixes
+    quantization: str | None = None  # None | "int8" | "int4" (weight-only, projections; see quant.py)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -59,6 +62,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.quantization not in (None, *QUANTIZERS):
+            raise ValueError(f"quantization must be None or one of {sorted(QUANTIZERS)}")
 
 
 @dataclass
@@ -88,8 +93,9 @@ class LLMEngine:
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
         log.info(self.kv.describe())
         self.max_model_len = self._resolve_max_model_len()
-        self.model = LlamaModel(self.model_config, weights, self.max_model_len)
-        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size)
+        self.model = LlamaModel(self.model_config, weights, self.max_model_len,
+                                make_linear_factory(config.quantization))
+        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.token_bytes = load_token_bytes(config.model_path)
         self.vocab_size = self.model_config.vocab_size
@@ -125,7 +131,7 @@ class LLMEngine:
             req, list(req.prompt_token_ids), make_generator(req.params.seed),
             IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
         )
-        self.scheduler.add(req.request_id, n)
+        self.scheduler.add(req.request_id, n, self._requests[req.request_id].token_ids)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its blocks; next ``step()`` reports it finished ("abort")."""
@@ -242,6 +248,8 @@ class LLMEngine:
         )
         s.max_batch_size_seen = max(s.max_batch_size_seen, len(plan.seqs))
         s.extra["num_preemptions"] = self.scheduler.num_preemptions
+        s.extra["prefix_cache_hit_tokens"] = self.block_manager.prefix_hit_tokens
+        s.extra["prefix_cache_query_tokens"] = self.block_manager.prefix_query_tokens
 
     def _prompt_len(self, seq_id: str) -> int:
         r = self._requests.get(seq_id)
@@ -253,6 +261,10 @@ class LLMEngine:
         s.num_running, s.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         s.num_free_blocks = self.block_manager.num_free_blocks
         return EngineStats(**{**s.__dict__, "extra": dict(s.extra)})
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached prefixes (cold start for the next request); returns blocks dropped."""
+        return self.block_manager.reset_prefix_cache()
 
     def credits(self) -> tuple[int, int]:
         """(free KV blocks, free sequence slots = max_num_seqs - running - waiting, >= 0)."""

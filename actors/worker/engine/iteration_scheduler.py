@@ -12,6 +12,8 @@ Policy per ``schedule()``:
    waiting queue; it is recomputed later).
 2. If nothing was preempted, waiting sequences are admitted FCFS while ``max_num_seqs``,
    ``max_num_batched_tokens`` and free blocks allow (no skipping: the queue head blocks the rest).
+   A sequence whose tokens start with cached full blocks (block manager prefix cache) starts with
+   those tokens computed; only the rest counts against the token budget.
 Sequences join and leave the running set only between steps.
 """
 
@@ -31,6 +33,7 @@ class SchedSeq:
     num_tokens: int  # prompt + generated tokens (tokens)
     num_computed_tokens: int = 0  # tokens whose K/V is cached (tokens)
     num_preemptions: int = 0
+    token_ids: list[int] | None = None  # the engine's token list (prompt + generated), for prefix caching
 
     @property
     def num_pending(self) -> int:
@@ -91,11 +94,16 @@ class IterationScheduler:
         """True while any sequence waits or runs."""
         return bool(self._seqs)
 
-    def add(self, seq_id: str, num_prompt_tokens: int) -> None:
-        """Queue a new sequence at the tail of the waiting queue."""
+    def add(self, seq_id: str, num_prompt_tokens: int, token_ids: list[int] | None = None) -> None:
+        """Queue a new sequence at the tail of the waiting queue.
+
+        ``token_ids``: the sequence's live token list (prompt, then generated tokens appended by the
+        caller); given, the block manager's prefix cache is consulted on admission and filled as
+        blocks complete.
+        """
         if seq_id in self._seqs:
             raise ValueError(f"duplicate sequence id {seq_id!r}")
-        seq = SchedSeq(seq_id, num_prompt_tokens)
+        seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids)
         self._seqs[seq_id] = seq
         self.waiting.append(seq)
 
@@ -126,7 +134,10 @@ class IterationScheduler:
     def commit(self, plan: StepPlan) -> None:
         """Mark the planned tokens computed (call after the forward pass)."""
         for item in plan.seqs:
-            self._seqs[item.seq_id].num_computed_tokens += item.num_new_tokens
+            seq = self._seqs[item.seq_id]
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.token_ids is not None:
+                self.bm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Give running sequences their tokens, preempting the newest on block shortage."""
@@ -149,9 +160,12 @@ class IterationScheduler:
         """Admit waiting sequences FCFS under the seq, token and block budgets."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
-            if self.bm.allocate(seq.seq_id, n) is None:
+            tokens = None if seq.token_ids is None else seq.token_ids[: seq.num_tokens]
+            cached = self.bm.cached_prefix_tokens(tokens) if tokens is not None else 0
+            n = min(seq.num_tokens - cached, budget)
+            if self.bm.allocate(seq.seq_id, cached + n, tokens) is None:
                 return
+            seq.num_computed_tokens = cached  # prefix-cache hit: those tokens' K/V are already there
             self.waiting.popleft()
             self.running.append(seq)
             plan.seqs.append(self._item(seq, n))
