@@ -7,6 +7,7 @@ Verbs::
     actorserve models list [--etcd URL] [--json]
     actorserve models register-default [--etcd URL] [--model-file PATH] [--model-name NAME] [--version V]
     actorserve status [--state-dir DIR] [--json]
+    actorserve tenants {create,list,show,keys,set-quota,allow-models,priority,set-weight} ...
 
 Building the parser imports no actor module (``actorserve --help`` stays fast and torch-free); the
 actor verbs load their module only when that verb is parsed (or its help is shown): the module's
@@ -240,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--context-length", type=_positive_int, default=None, metavar="N",
                     help="override the registered context length")
     mr.set_defaults(func=_cmd_models_register_default)
+
+    # -- tenants ----------------------------------------------------------------------------
+    from control.tenants_cli import add_tenant_commands
+
+    add_tenant_commands(sub)
 
     # -- status -----------------------------------------------------------------------------
     st = sub.add_parser("status", help="show endpoints, processes, models and live workers")

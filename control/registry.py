@@ -401,6 +401,28 @@ class Registry:
         )
         return bool(ok)
 
+    async def get_json_rev(self, key: str) -> tuple[Any | None, int]:
+        """Return ``(decoded value, mod_revision)`` of ``key``; ``(None, 0)`` if it does not exist.
+
+        Pair with put_json_if_rev for a compare-and-swap update. Raises ValueError for non-JSON."""
+        resp = await self._call(self.client.get(_key(key)))
+        if resp is None:
+            return None, 0
+        try:
+            return _loads(resp.value), int(resp.mod_revision)
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"value at {key} is not valid JSON: {e}") from e
+
+    async def put_json_if_rev(self, key: str, value: Any, mod_revision: int) -> bool:
+        """Store ``value`` at ``key`` only if the key's mod_revision is still ``mod_revision``
+        (0: only if the key does not exist). Atomic; returns True if written."""
+        tx = self.client.transactions
+        cmp = tx.create(_key(key)) == 0 if mod_revision == 0 else tx.mod(_key(key)) == int(mod_revision)
+        ok, _ = await self._call(
+            self.client.transaction(compare=[cmp], success=[tx.put(_key(key), _dumps(value))], failure=[])
+        )
+        return bool(ok)
+
     async def grant_lease(self, ttl: int) -> int:
         """Grant a lease of ``ttl`` seconds; return its id (no keepalive is started)."""
         lease = await self._call(self.client.lease(int(ttl)))

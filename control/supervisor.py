@@ -155,6 +155,16 @@ async def register_model(etcd_url: str, manifest: Mapping[str, Any]) -> dict[str
     return stored.to_dict()
 
 
+async def ensure_dev_tenant(etcd_url: str, state_dir: Path) -> str:
+    """Create (or update) the development tenant ``dev``, allowed every registered model name, whose
+    key is kept in ``<state_dir>/dev-api-key`` (created once, reused by later runs). Returns the key."""
+    from control.registry import Registry
+    from control.tenants import TenantAdmin
+
+    async with Registry.connect(etcd_url) as reg:
+        return await TenantAdmin(reg).ensure_dev_tenant(state_dir, sorted(await reg.list_models()))
+
+
 def _run_coro(coro: Any) -> Any:
     """Run ``coro`` to completion from sync code, even when this thread already runs a loop."""
     try:
@@ -315,6 +325,7 @@ class Supervisor:
         self.gateway_ports: list[int] = []
         self.actors: list[ActorProcess] = []
         self.manifest: dict[str, Any] | None = None
+        self.dev_api_key: str | None = None  # key of tenant "dev" (also <state_dir>/dev-api-key), after start()
         self._lock = threading.RLock()
         self._stop_requested = threading.Event()
         self._stopping = False
@@ -436,6 +447,7 @@ class Supervisor:
             write_endpoints(self.state_dir, self.stack.nats_url, self.stack.etcd_url, self.http_url)
             self.manifest = _run_coro(register_model(self.stack.etcd_url, self.manifest))
             log.info("registered %s (%s)", self.model_ref, self.manifest.get("artifact"))
+            self.dev_api_key = _run_coro(ensure_dev_tenant(self.stack.etcd_url, self.state_dir))
             self._check_abort()
             self._build_actors()
             for a in self.actors:
@@ -779,8 +791,11 @@ def main_up(args: argparse.Namespace) -> int:
         print(
             f"\nactorserve is ready: {url}/v1  (model {sup.model_name}, {sup.gateways} gateway(s), "
             f"{sup.workers} worker(s))\n"
-            f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n\n"
+            f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n"
+            f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n\n"
+            f"  export OPENAI_API_KEY=$(cat {sup.state_dir / 'dev-api-key'})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n"
             f"    -d '{{\"model\":\"{sup.model_name}\",\"messages\":[{{\"role\":\"user\","
             f"\"content\":\"What is the capital of France?\"}}],\"temperature\":0}}'\n\n"
             f"Press Ctrl-C to stop.",

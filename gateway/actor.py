@@ -44,17 +44,20 @@ async def main(args: argparse.Namespace) -> None:
         await fe.start()
         api = NatsApi(fe)
         await api.start()
-        runner = web.AppRunner(HttpFront(fe).app(args.max_body_bytes), shutdown_timeout=10.0)
+        from gateway.tenancy import Tenancy
+        tenancy = Tenancy(reg, bus.client.jetstream(), gateway_id=gid)
+        await tenancy.start()
+        runner = web.AppRunner(HttpFront(fe, tenancy).app(args.max_body_bytes), shutdown_timeout=10.0)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         log.info("gateway %s listening on http://%s:%d", gid, args.host, args.port)
         try:
             await asyncio.Event().wait()
         finally:
-            await asyncio.shield(_shutdown(runner, api, fe, resolver, bus))
+            await asyncio.shield(_shutdown(runner, api, fe, resolver, bus, tenancy))
 
 
-async def _shutdown(runner, api, fe, resolver, bus) -> None:
+async def _shutdown(runner, api, fe, resolver, bus, tenancy=None) -> None:
     """Stop listening, wait (<= 10 s) for requests in flight, then close the bus."""
     await api.stop()
     await runner.cleanup()
@@ -62,6 +65,8 @@ async def _shutdown(runner, api, fe, resolver, bus) -> None:
         if not len(fe.table):
             break
         await asyncio.sleep(0.1)
+    if tenancy is not None:
+        await tenancy.stop()
     await fe.stop()
     await resolver.stop()
     await bus.close()

@@ -65,8 +65,9 @@ def client_gone(request: web.Request) -> bool:
 class HttpFront:
     """Handlers bound to one Frontend."""
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, tenancy=None) -> None:
         self.fe = frontend
+        self.tenancy = tenancy  # gateway.tenancy.Tenancy; None = single tenant "dev" without keys
 
     def app(self, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
         """The aiohttp application (``client_max_size`` = body limit, 413 above it)."""
@@ -74,6 +75,8 @@ class HttpFront:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        if self.tenancy is not None:
+            app.router.add_get("/v1/usage", self.tenancy.usage_handler)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/openapi.json", self.openapi)
@@ -101,7 +104,10 @@ class HttpFront:
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: registered models (``name`` and ``name@version``)."""
-        return web.json_response({"object": "list", "data": self.fe.resolver.snapshot.model_list()})
+        data = self.fe.resolver.snapshot.model_list()
+        if self.tenancy is not None:
+            data = self.tenancy.visible_models(request, data)
+        return web.json_response({"object": "list", "data": data})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
@@ -116,18 +122,33 @@ class HttpFront:
         client_rid = request.headers.get("X-Request-Id", "")
         rid = new_request_id()
         echo = {"X-Request-Id": client_rid if _REQUEST_ID.match(client_rid) else rid}
+        tenant, adm = None, None
         try:
+            if self.tenancy is not None:
+                tenant = self.tenancy.authenticate(request)  # 401
             body = await self._json_body(request)
             marks["auth_done"] = time.time()
             deadline_ms = parse_deadline_ms(body.get("deadline_ms"), request.headers.get("x-actorserve-deadline-ms"),
                                             self.fe.cfg)
-            sub = await self.fe.submit(tenant=DEV_TENANT, endpoint=endpoint, body=body, request_id=rid,
-                                       deadline_ms=deadline_ms, marks=marks)
+            idem_key = request.headers.get("Idempotency-Key")
+            if tenant is not None and idem_key is not None and self.tenancy.idempotency is not None:
+                return await self.tenancy.idempotency.handle(self, request, endpoint, tenant, body, rid, echo, marks,
+                                                             deadline_ms, idem_key)
+            if tenant is not None:
+                adm = await self.tenancy.admit(tenant, body, rid, echo)  # 404 not allowed, 429 quota
+            sub = await self.fe.submit(tenant=tenant.id if tenant else DEV_TENANT, endpoint=endpoint, body=body,
+                                       request_id=rid, deadline_ms=deadline_ms, marks=marks)
         except ApiError as err:
+            if adm is not None:
+                await self.tenancy.release(adm)
             return error_response(err, echo)
-        if body.get("stream") is True:
-            return await self._stream(request, sub, body, echo)
-        return await self._collect(request, sub, body, echo)
+        try:
+            if body.get("stream") is True:
+                return await self._stream(request, sub, body, echo)
+            return await self._collect(request, sub, body, echo)
+        finally:
+            if adm is not None:
+                await self.tenancy.release(adm)
 
     async def _json_body(self, request: web.Request) -> dict:
         raw = await request.read()

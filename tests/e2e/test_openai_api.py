@@ -19,7 +19,12 @@ STORY = [{"role": "user", "content": "Tell me a short story about a cat."}]
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="dev", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key=stack.dev_api_key, timeout=120, max_retries=0)
+
+
+def auth(stack) -> dict:
+    """Authorization header with the stack's development key (<state-dir>/dev-api-key)."""
+    return {"Authorization": f"Bearer {stack.dev_api_key}"}
 
 
 def stream_choices(stream) -> tuple[dict[int, str], dict[int, list], list]:
@@ -187,9 +192,10 @@ def test_other_error_statuses(stack):
     with pytest.raises(openai.BadRequestError) as ei:
         c.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1)
     assert ei.value.body["param"] == "echo"
-    r = httpx.post(stack.http_url + "/v1/chat/completions", content=b"{not json", timeout=30)
+    r = httpx.post(stack.http_url + "/v1/chat/completions", content=b"{not json", timeout=30, headers=auth(stack))
     assert r.status_code == 400 and r.json()["error"]["message"]
-    r = httpx.post(stack.http_url + "/v1/chat/completions", content=b"x" * (5 * 1024 * 1024), timeout=30)
+    r = httpx.post(stack.http_url + "/v1/chat/completions", content=b"x" * (5 * 1024 * 1024), timeout=30,
+                   headers=auth(stack))
     assert r.status_code == 413
 
 
@@ -250,7 +256,8 @@ def test_disconnect_cancels_within_two_steps_and_frees_blocks(stack, mode):
         body = {"model": MODEL, "messages": STORY, "max_tokens": 2000, "ignore_eos": True}
     read = 0.3 if mode == "prefill" else 1.5
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(stack.http_url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=read))
+        httpx.post(stack.http_url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=read),
+                   headers=auth(stack))
     after = _wait_aborted(stack, before)
     assert after.max_cancel_steps <= 2
     assert after.num_free_blocks == before.num_free_blocks  # every block of the cancelled request is back

@@ -78,7 +78,11 @@ def _ready(port: int) -> bool:
 def test_readme_curl_example_answers(stack):
     readme = (REPO / "README.md").read_text()
     cmd = next(line for line in readme.splitlines() if line.startswith("curl http://127.0.0.1:8000/v1/chat"))
-    argv = shlex.split(cmd.replace("http://127.0.0.1:8000", stack.http_url))
+    # The README exports OPENAI_API_KEY from <state-dir>/dev-api-key; the stack's state dir is not .actorserve.
+    assert (stack.state_dir / "dev-api-key").read_text().strip() == stack.dev_api_key
+    argv = [a.replace("$OPENAI_API_KEY", stack.dev_api_key)
+            for a in shlex.split(cmd.replace("http://127.0.0.1:8000", stack.http_url))]
+    assert any(a == f"Authorization: Bearer {stack.dev_api_key}" for a in argv)
     out = subprocess.run(argv + ["-sS", "--max-time", "60"], capture_output=True, text=True, check=True).stdout
     body = json.loads(out)
     assert "Paris" in body["choices"][0]["message"]["content"]

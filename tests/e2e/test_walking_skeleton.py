@@ -24,7 +24,12 @@ MODEL = "smollm2-135m-instruct"
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="dev", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key=stack.dev_api_key, timeout=120, max_retries=0)
+
+
+def auth(stack) -> dict:
+    """Authorization header with the stack's development key (<state-dir>/dev-api-key)."""
+    return {"Authorization": f"Bearer {stack.dev_api_key}"}
 
 
 def test_openai_client_chat_and_stream(stack):
@@ -135,7 +140,7 @@ def test_concurrent_streams_are_batched(stack):
 def test_prompt_over_context_is_400_before_sse(stack):
     long = "hello " * 9000  # > 8192 tokens
     body = {"model": MODEL, "messages": [{"role": "user", "content": long}], "stream": True}
-    r = httpx.post(stack.http_url + "/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(stack.http_url + "/v1/chat/completions", json=body, timeout=60, headers=auth(stack))
     assert r.status_code == 400
     assert r.headers["content-type"].startswith("application/json")
     err = r.json()["error"]
@@ -144,13 +149,13 @@ def test_prompt_over_context_is_400_before_sse(stack):
 
 def test_bad_requests_are_4xx(stack):
     url = stack.http_url + "/v1/chat/completions"
-    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json", **auth(stack)})
     assert r.status_code == 400 and "error" in r.json()
-    r = httpx.post(url, json={"model": "nope", "messages": QUESTION})
+    r = httpx.post(url, json={"model": "nope", "messages": QUESTION}, headers=auth(stack))
     assert r.status_code == 404
-    r = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "temperature": "hot"})
+    r = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "temperature": "hot"}, headers=auth(stack))
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "deadline_ms": -5})
+    r = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "deadline_ms": -5}, headers=auth(stack))
     assert r.status_code == 400 and r.json()["error"]["param"] == "deadline_ms"
 
 
@@ -159,6 +164,10 @@ def _register_tiny(stack, tiny_gguf: str) -> None:
         async with Registry.connect(stack.etcd_url) as reg:
             await reg.put_model_version("tiny", "1", {"artifact": tiny_gguf, "format": "gguf",
                                                       "context_length": 512})
+            from control.tenants import DEV_TENANT, TenantAdmin
+            adm = TenantAdmin(reg)
+            dev = await adm.get(DEV_TENANT)
+            await adm.allow_models(DEV_TENANT, [*dev.allowed_models, "tiny"])  # up allowed only its model
     asyncio.run(go())
 
 
@@ -204,7 +213,7 @@ async def _served_by(stack, n: int) -> list[CompletionRecord]:
     bus = await NatsBus.connect(stack.nats_url, name="test-done")
     recs: list[CompletionRecord] = []
     sub = await bus.subscribe(subjects.done("tiny", "1"), lambda m: _append(recs, m))
-    async with httpx.AsyncClient(timeout=60) as hc:
+    async with httpx.AsyncClient(timeout=60, headers=auth(stack)) as hc:
         rs = await asyncio.gather(*[hc.post(stack.http_url + "/v1/completions",
                                             json={"model": "tiny@1", "prompt": f"hi {i}", "max_tokens": 4})
                                     for i in range(n)])
@@ -223,7 +232,8 @@ def test_client_disconnect_cancels_generation(stack):
     before = asyncio.run(_latest_stats(stack.nats_url))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
             "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body, timeout=60,
+                      headers=auth(stack)) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:

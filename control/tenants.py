@@ -1,0 +1,258 @@
+"""Tenants: records in etcd at ``/actorserve/tenants/{id}``, API keys, quotas, model allow-lists.
+
+A tenant record (JSON object) holds::
+
+    {"id": "acme", "created": 1700000000.0,
+     "keys": {"k1a2b3c4d5e6": {"hash": "sha256:<hex>", "prefix": "sk-as-AbCd", "created": ..., "revoked": null}},
+     "quotas": {"rpm": 100, "tpm": null, "concurrency": 4, "daily_tokens": null},   # null = unlimited
+     "priority": "interactive", "weight": 1.0,
+     "allowed_models": ["smollm2-135m-instruct"]}                                  # [] = none
+
+API keys are ``sk-as-`` + 43 url-safe characters (256 random bits from ``secrets``). Only their SHA-256
+is stored: a key has far too much entropy to be brute-forced from its hash, so a slow password hash
+(bcrypt, argon2) would only cost latency on every request (docs/decisions/0008-tenancy.md). A revoked
+key keeps its id and prefix (for audit) and loses its hash.
+
+Every change is a compare-and-swap on the record's etcd mod_revision (:meth:`TenantAdmin.update`), so
+two CLI invocations racing on one tenant never lose each other's edit. Gateways watch the prefix
+(``gateway/auth.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from control import names
+
+PRIORITY_CLASSES = ("interactive", "batch")
+QUOTA_FIELDS = ("rpm", "tpm", "concurrency", "daily_tokens")
+KEY_PREFIX = "sk-as-"
+DEV_TENANT = "dev"
+DEV_KEY_FILE = "dev-api-key"
+
+
+class TenantError(ValueError):
+    """A tenant operation that cannot be done (unknown tenant or key, already exists, bad value)."""
+
+
+def new_api_key() -> tuple[str, str]:
+    """Return ``(key_id, api_key)``: a 12-hex-char public id and a fresh secret key (256 bits)."""
+    return "k" + secrets.token_hex(6), KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(api_key: str) -> str:
+    """``"sha256:<hex>"`` of an API key (what is stored and compared)."""
+    return "sha256:" + hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def parse_bearer(header: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header value; None if absent or malformed."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or " " in token:
+        return None
+    return token
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Parsed tenant record (see the module docstring). Quota values are None for unlimited."""
+
+    id: str
+    keys: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quotas: dict[str, int | None] = field(default_factory=dict)
+    priority: str = "interactive"
+    weight: float = 1.0
+    allowed_models: tuple[str, ...] = ()
+    created: float = 0.0
+
+    @classmethod
+    def from_record(cls, tenant_id: str, rec: Mapping[str, Any]) -> "Tenant":
+        """Build from a stored record; missing fields take defaults. Raises TenantError if malformed."""
+        if not isinstance(rec, Mapping):
+            raise TenantError(f"tenant {tenant_id}: record is not an object")
+        quotas = {k: rec.get("quotas", {}).get(k) for k in QUOTA_FIELDS}
+        for k, v in quotas.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise TenantError(f"tenant {tenant_id}: quota {k} must be a non-negative integer or null")
+        prio = rec.get("priority", "interactive")
+        if prio not in PRIORITY_CLASSES:
+            raise TenantError(f"tenant {tenant_id}: priority must be one of {', '.join(PRIORITY_CLASSES)}")
+        return cls(id=tenant_id, keys={k: dict(v) for k, v in (rec.get("keys") or {}).items()}, quotas=quotas,
+                   priority=prio, weight=float(rec.get("weight", 1.0)),
+                   allowed_models=tuple(rec.get("allowed_models") or ()), created=float(rec.get("created", 0.0)))
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON object stored in etcd."""
+        return {"id": self.id, "created": self.created, "keys": self.keys, "quotas": dict(self.quotas),
+                "priority": self.priority, "weight": self.weight, "allowed_models": list(self.allowed_models)}
+
+    def active_key_hashes(self) -> dict[str, str]:
+        """``{hash: key_id}`` of the keys that are not revoked."""
+        return {k["hash"]: kid for kid, k in self.keys.items() if k.get("hash") and not k.get("revoked")}
+
+    def allows_model(self, model_name: str) -> bool:
+        """True if ``model_name`` (a model name, all its versions) is on the allow-list ([] = none)."""
+        return model_name in self.allowed_models
+
+    def quota(self, name: str) -> int | None:
+        """Quota ``name`` (one of QUOTA_FIELDS), None when unlimited."""
+        return self.quotas.get(name)
+
+
+class TenantAdmin:
+    """Tenant management on a connected :class:`control.registry.Registry` (used by the CLI and ``up``)."""
+
+    def __init__(self, registry) -> None:
+        self.reg = registry
+
+    async def get(self, tenant_id: str) -> Tenant:
+        """The tenant; TenantError if unknown (ValueError for an invalid id)."""
+        rec = await self.reg.get_tenant(tenant_id)
+        if rec is None:
+            raise TenantError(f"no tenant {tenant_id!r}")
+        return Tenant.from_record(tenant_id, rec)
+
+    async def list(self) -> list[Tenant]:
+        """Every tenant, sorted by id (malformed records are skipped)."""
+        out = []
+        for tid, rec in sorted((await self.reg.list_tenants()).items()):
+            try:
+                out.append(Tenant.from_record(tid, rec))
+            except TenantError:
+                continue
+        return out
+
+    async def create(self, tenant_id: str, *, allowed_models: list[str] | tuple[str, ...] = (),
+                     with_key: bool = True) -> tuple[Tenant, str | None, str | None]:
+        """Create a tenant (no quotas, priority interactive, weight 1) and, by default, its first key.
+
+        Returns ``(tenant, key_id, api_key)``; the key is shown only here. Raises TenantError if the
+        tenant exists, ValueError for an invalid id or model name.
+        """
+        names.validate_name("tenant id", tenant_id)
+        for m in allowed_models:
+            names.validate_name("model name", m)
+        rec: dict[str, Any] = {"id": tenant_id, "created": time.time(), "keys": {},
+                               "quotas": {k: None for k in QUOTA_FIELDS}, "priority": "interactive",
+                               "weight": 1.0, "allowed_models": sorted(set(allowed_models))}
+        key_id = api_key = None
+        if with_key:
+            key_id, api_key = new_api_key()
+            rec["keys"][key_id] = _key_entry(api_key)
+        if not await self.reg.put_json_if_rev(names.tenant_key(tenant_id), rec, 0):
+            raise TenantError(f"tenant {tenant_id!r} already exists")
+        return Tenant.from_record(tenant_id, rec), key_id, api_key
+
+    async def update(self, tenant_id: str, change: Callable[[dict[str, Any]], Any], attempts: int = 20) -> Tenant:
+        """Apply ``change`` (mutates the record dict) with compare-and-swap, retrying on races.
+
+        Raises TenantError if the tenant is unknown or the record kept changing under us."""
+        key = names.tenant_key(tenant_id)
+        for _ in range(attempts):
+            rec, rev = await self.reg.get_json_rev(key)
+            if rec is None:
+                raise TenantError(f"no tenant {tenant_id!r}")
+            change(rec)
+            Tenant.from_record(tenant_id, rec)  # validate before writing
+            if await self.reg.put_json_if_rev(key, rec, rev):
+                return Tenant.from_record(tenant_id, rec)
+        raise TenantError(f"tenant {tenant_id!r} changed concurrently {attempts} times; retry")
+
+    async def add_key(self, tenant_id: str, api_key: str | None = None) -> tuple[str, str]:
+        """Add an API key (fresh unless ``api_key`` is given); return ``(key_id, api_key)``."""
+        key_id, fresh = new_api_key()
+        api_key = api_key or fresh
+        await self.update(tenant_id, lambda r: r.setdefault("keys", {}).__setitem__(key_id, _key_entry(api_key)))
+        return key_id, api_key
+
+    async def revoke_key(self, key_id: str) -> str:
+        """Revoke key ``key_id`` (whichever tenant holds it); return the tenant id.
+
+        Raises TenantError if no tenant has an active key with that id."""
+        for t in await self.list():
+            entry = t.keys.get(key_id)
+            if entry is not None and not entry.get("revoked"):
+                def change(r: dict[str, Any]) -> None:
+                    e = r["keys"][key_id]
+                    e.pop("hash", None)
+                    e["revoked"] = time.time()
+                await self.update(t.id, change)
+                return t.id
+        raise TenantError(f"no active key {key_id!r}")
+
+    async def set_quota(self, tenant_id: str, **quotas: int | None) -> Tenant:
+        """Set quotas (rpm, tpm, concurrency, daily_tokens); a value < 0 or None leaves it unchanged,
+        0 for rpm/tpm/concurrency/daily_tokens refuses everything; use ``clear_quota`` to remove."""
+        bad = set(quotas) - set(QUOTA_FIELDS)
+        if bad:
+            raise TenantError(f"unknown quota {', '.join(sorted(bad))}")
+
+        def change(r: dict[str, Any]) -> None:
+            q = r.setdefault("quotas", {})
+            for k, v in quotas.items():
+                if v is not None:
+                    q[k] = None if v < 0 else int(v)
+        return await self.update(tenant_id, change)
+
+    async def allow_models(self, tenant_id: str, models: list[str]) -> Tenant:
+        """Replace the allow-list with ``models`` (model names; [] = none)."""
+        for m in models:
+            names.validate_name("model name", m)
+        return await self.update(tenant_id, lambda r: r.__setitem__("allowed_models", sorted(set(models))))
+
+    async def set_priority(self, tenant_id: str, priority: str) -> Tenant:
+        """Set the priority class (``interactive`` or ``batch``)."""
+        if priority not in PRIORITY_CLASSES:
+            raise TenantError(f"priority must be one of {', '.join(PRIORITY_CLASSES)}")
+        return await self.update(tenant_id, lambda r: r.__setitem__("priority", priority))
+
+    async def set_weight(self, tenant_id: str, weight: float) -> Tenant:
+        """Set the fair-share weight (> 0)."""
+        if not weight > 0:
+            raise TenantError("weight must be > 0")
+        return await self.update(tenant_id, lambda r: r.__setitem__("weight", float(weight)))
+
+    async def ensure_dev_tenant(self, state_dir: str | os.PathLike[str], models: list[str]) -> str:
+        """Make sure tenant ``dev`` exists, allows ``models`` (added to its list) and accepts the key in
+        ``<state_dir>/dev-api-key``; create that key (file mode 0600) on first use. Returns the key."""
+        path = Path(state_dir) / DEV_KEY_FILE
+        key = path.read_text().strip() if path.exists() else ""
+        try:
+            await self.get(DEV_TENANT)
+        except TenantError:
+            await self.create(DEV_TENANT, allowed_models=models, with_key=False)
+        if not key:
+            key = new_api_key()[1]
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(key + "\n")
+            os.replace(tmp, path)
+        h = hash_key(key)
+
+        def change(r: dict[str, Any]) -> None:
+            r["allowed_models"] = sorted(set(r.get("allowed_models") or ()) | set(models))
+            if h not in Tenant.from_record(DEV_TENANT, r).active_key_hashes():
+                r.setdefault("keys", {})["kdev" + secrets.token_hex(4)] = _key_entry(key)
+        await self.update(DEV_TENANT, change)
+        return key
+
+
+def _key_entry(api_key: str) -> dict[str, Any]:
+    return {"hash": hash_key(api_key), "prefix": api_key[:len(KEY_PREFIX) + 4], "created": time.time(),
+            "revoked": None}
+
+
+def key_matches(api_key: str, stored_hash: str) -> bool:
+    """Constant-time check of ``api_key`` against a stored ``sha256:`` hash."""
+    return hmac.compare_digest(hash_key(api_key), stored_hash)

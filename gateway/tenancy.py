@@ -1,0 +1,90 @@
+"""The gateway's tenancy layer, as one object the HTTP front calls: authentication (gateway/auth.py),
+model access, quotas (gateway/quotas.py), usage (gateway/usage.py) and idempotency
+(gateway/idempotency.py).
+
+``HttpFront(frontend, tenancy=None)`` keeps the single-tenant behaviour (tenant ``dev``, no key) for
+tests that build a gateway without etcd; ``gateway/actor.py`` always passes a Tenancy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from control.tenants import Tenant
+from gateway.auth import TenantCache
+from gateway.quotas import Admission, QuotaStore
+from gateway.usage import UsageMeter
+
+log = logging.getLogger(__name__)
+
+
+class Tenancy:
+    """Tenant cache + shared quota store + usage meter (+ idempotency store) of one gateway.
+
+    ``registry``: connected control.registry.Registry; ``js``: nats-py JetStreamContext (None: no
+    quotas, usage or idempotency — authentication and model access only).
+    """
+
+    def __init__(self, registry, js=None, *, gateway_id: str = "gw") -> None:
+        self.cache = TenantCache(registry)
+        self.quotas = QuotaStore(js) if js is not None else None
+        self.usage = UsageMeter(js, self.quotas) if js is not None else None
+        self.idempotency = None
+        if js is not None:
+            from gateway.idempotency import IdempotencyStore
+            self.idempotency = IdempotencyStore(js, gateway_id)
+
+    async def start(self) -> None:
+        """Load tenants, open the JetStream stores and start metering."""
+        await self.cache.start()
+        if self.quotas is not None:
+            await self.quotas.open()
+            await self.usage.open()
+            await self.idempotency.open()
+
+    async def stop(self) -> None:
+        """Stop the watch, the meter and the slot refresher (background idempotent runs are awaited
+        briefly by the idempotency store)."""
+        if self.idempotency is not None:
+            await self.idempotency.close()
+        if self.usage is not None:
+            await self.usage.close()
+        if self.quotas is not None:
+            await self.quotas.close()
+        await self.cache.stop()
+
+    def authenticate(self, request: web.Request) -> Tenant:
+        """Tenant of the request's ``Authorization: Bearer`` key; ApiError 401 otherwise."""
+        return self.cache.authenticate(request.headers.get("Authorization"))
+
+    async def admit(self, tenant: Tenant, body: dict, request_id: str, headers: dict) -> Admission | None:
+        """Model access (ApiError 404, same as unknown), the tenant's priority class (a ``batch`` tenant's
+        requests are batch), then quotas (ApiError 429 + Retry-After).
+
+        Adds the x-ratelimit-* headers to ``headers``. Returns the Admission to release at the end."""
+        self.cache.check_model(tenant, body.get("model"))
+        if tenant.priority == "batch":
+            body["priority"] = "batch"  # a batch-class tenant cannot ask for interactive
+        if self.quotas is None:
+            return None
+        adm = await self.quotas.admit(tenant, request_id)
+        headers.update(adm.headers)
+        return adm
+
+    async def release(self, adm: Admission | None) -> None:
+        """End of an admitted request: free its concurrency slot (no-op for None)."""
+        if adm is not None and self.quotas is not None:
+            await self.quotas.release(adm)
+
+    def visible_models(self, request: web.Request, models: list[dict]) -> list[dict]:
+        """``/v1/models`` entries the caller's tenant may use (401 without a valid key)."""
+        tenant = self.authenticate(request)
+        return [m for m in models if tenant.allows_model(str(m.get("id", "")).split("@")[0].split(":")[0])]
+
+    async def usage_handler(self, request: web.Request) -> web.Response:
+        """``GET /v1/usage``: the caller's own usage per model version (401 without a valid key)."""
+        tenant = self.authenticate(request)
+        rows = await self.usage.usage(tenant.id) if self.usage is not None else []
+        return web.json_response({"object": "usage", "tenant": tenant.id, "data": rows})
