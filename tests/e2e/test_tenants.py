@@ -222,5 +222,71 @@ def test_usage_metered_identically_streamed_or_not(gw3):
         time.sleep(0.2)
     assert rows[0]["model"] == "tiny@1" and rows[0]["completion_tokens"] == 10
     assert rows[0]["prompt_tokens"] % 2 == 0
+    # an abandoned stream is metered too, by the tokens generated before the cancel took effect
+    long = {"model": "tiny", "prompt": "abandon", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url, json=long, headers=bearer(key), timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    t_end = time.time() + 10
+    while True:
+        rows = httpx.get(gw3.gateway_url(1) + "/v1/usage", headers=bearer(key), timeout=10).json()["data"]
+        if rows[0]["requests"] == 3:
+            break
+        assert time.time() < t_end, rows
+        time.sleep(0.2)
+    assert rows[0]["by_status"].get("cancelled") == 1 and 10 < rows[0]["completion_tokens"] < 410
     dev_rows = httpx.get(gw3.gateway_url(0) + "/v1/usage", headers=bearer(gw3.dev_api_key)).json()
     assert dev_rows["tenant"] == "dev"  # own tenant only
+
+
+def test_idempotency_survives_gateway_restart_and_crash(gw3, tmp_path):
+    """A replayed result outlives its gateway process; a run whose gateway was SIGKILLed is taken over
+    by another replica once the owner's heartbeat is stale (and runs once more)."""
+    import signal
+
+    from control.ports import free_port
+    from tests.e2e.conftest import ActorProcs
+
+    _, _, key = new_tenant(gw3)
+    procs = ActorProcs(gw3, tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def start_gateway():
+        procs.start(f"gw-extra-{time.monotonic_ns()}", "gateway", "--port", str(port), "--gateway-id", "gw-extra")
+        t_end = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    time.sleep(0.5)  # tenants loaded right after the listener in practice; be safe
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.time() < t_end, "extra gateway did not start"
+            time.sleep(0.2)
+    try:
+        start_gateway()
+        body = {"model": "tiny", "prompt": "restart", "max_tokens": 4}
+        headers = {**bearer(key), "Idempotency-Key": "restart-1"}
+        first = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert first.status_code == 200
+        procs.stop_all()
+        start_gateway()
+        again = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert again.json() == first.json() and again.headers["Idempotent-Replayed"] == "true"
+
+        # crash mid-run: the owner dies, gateway 0 takes over after the stale heartbeat
+        long = {"model": "tiny", "prompt": "crash", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        headers = {**bearer(key), "Idempotency-Key": "crash-1"}
+        with httpx.stream("POST", url + "/v1/completions", json=long, headers=headers, timeout=60) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+            for p in procs.procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        r = httpx.post(gw3.gateway_url(0) + "/v1/completions", json=long, headers=headers, timeout=60)
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        print(f"takeover after a crashed owner answered in {time.monotonic() - t0:.1f} s")
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+    finally:
+        procs.stop_all()
