@@ -148,19 +148,33 @@ class FairQueue(Generic[R]):
         """Requests of ``tenant`` waiting, all classes."""
         return sum(len(c.tenants[tenant].queue) for c in self.classes.values() if tenant in c.tenants)
 
-    def tokens_ahead(self, priority: str) -> float:
-        """Estimated tokens queued at ``priority`` or higher (served before a new request of it)."""
+    def tokens_ahead(self, priority: str, tenant: str | None = None, weight: float = 1.0,
+                     cost: float = 0.0) -> float:
+        """Estimated tokens served before a new request of ``tenant`` (cost ``cost``) at ``priority``.
+
+        Higher classes count whole. In its own class the fair order counts the tenant's own backlog
+        ``q`` plus, from each other tenant ``o``, at most ``(q + cost) * w_o / w`` tokens (what fair
+        share serves of ``o`` meanwhile). ``tenant`` None (FCFS view): the whole class counts.
+        """
         rank = PRIORITY_ORDER.index(priority)
-        return sum(self.classes[p].queued_cost for p in PRIORITY_ORDER[:rank + 1])
+        ahead = sum(self.classes[p].queued_cost for p in PRIORITY_ORDER[:rank])
+        cls = self.classes[priority]
+        if tenant is None or self.cfg.fcfs:
+            return ahead + cls.queued_cost
+        own = sum(e.cost for e in cls.tenants[tenant].queue) if tenant in cls.tenants else 0.0
+        for name, t in cls.tenants.items():
+            if name != tenant:
+                ahead += min(sum(e.cost for e in t.queue), (own + cost) * t.weight / weight)
+        return ahead + own
 
     def can_admit(self, tenant: str, priority: str, cost: float, deadline: float, now: float,
-                  tokens_per_s: float | None) -> str:
+                  tokens_per_s: float | None, weight: float = 1.0) -> str:
         """ADMITTED or the refusal reason. ``tokens_per_s``: measured service rate (None = unknown)."""
         if self.num_queued(tenant) >= self.cfg.max_per_tenant:
             return QUEUE_FULL_TENANT
         if len(self) >= self.cfg.max_total:
             return QUEUE_FULL
-        ahead = self.tokens_ahead(priority)
+        ahead = self.tokens_ahead(priority, tenant, weight, cost)
         if deadline and tokens_per_s and ahead > 0:  # only a backlog makes the measured rate a capacity estimate
             if now + ahead / tokens_per_s > deadline:
                 return DEADLINE_UNMEETABLE

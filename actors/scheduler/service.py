@@ -118,7 +118,7 @@ class SchedulerService:
         except ValueError as exc:
             return await self._ack(msg, False, error_dict(400, str(exc)))
         verdict = self.queue.can_admit(req.tenant, req.priority, cost_of(req), req.deadline, time.time(),
-                                       self.meter.tokens_per_s(time.monotonic()))
+                                       self.meter.tokens_per_s(time.monotonic()), self.weights.get(req.tenant, 1.0))
         if verdict != ADMITTED:
             return await self._ack(msg, False, self._refusal(verdict))
         self._push(replace(req, marks={**req.marks, "sched_in": time.time()}))

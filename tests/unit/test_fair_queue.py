@@ -96,11 +96,12 @@ def test_bounds_and_deadline_admission():
     q.push("b0", "B", 1.0, "batch", 10, 0, "b0")
     assert q.can_admit("C", "interactive", 10, 0, 0.0, None) == QUEUE_FULL
     q.remove("b0")
-    # 2000 tokens ahead at 1000 tok/s: a request due in 1 s cannot make it, one due in 5 s can
-    assert q.can_admit("C", "interactive", 100, 1.0, 0.0, 1000.0) == DEADLINE_UNMEETABLE
+    # A's own 2000 tokens are ahead of its next request at 1000 tok/s: due in 1 s cannot make it, 5 s can
+    q.cfg = FairQueueConfig(max_total=3, max_per_tenant=3)
+    assert q.can_admit("A", "interactive", 100, 1.0, 0.0, 1000.0) == DEADLINE_UNMEETABLE
+    assert q.can_admit("A", "interactive", 100, 5.0, 0.0, 1000.0) == ADMITTED
     assert FairQueue().can_admit("C", "interactive", 10**6, 1.0, 0.0, 1.0) == ADMITTED  # no backlog: no verdict
-    assert q.can_admit("C", "interactive", 100, 5.0, 0.0, 1000.0) == ADMITTED
-    assert q.can_admit("C", "batch", 100, 5.0, 0.0, 1000.0) == ADMITTED
+    assert q.can_admit("C", "interactive", 100, 1.0, 0.0, 1000.0) == ADMITTED  # fair share: C goes next
 
 
 def test_remove_expiry_and_correction():
@@ -118,3 +119,18 @@ def test_remove_expiry_and_correction():
         q.push("z", "A", 0.0, "interactive", 1, 0, "z")
     with pytest.raises(ValueError):
         q.push("z", "A", 1.0, "urgent", 1, 0, "z")
+
+
+def test_deadline_admission_uses_fair_position_not_whole_backlog():
+    q: FairQueue[str] = FairQueue()
+    for i in range(50):
+        q.push(f"a{i}", "A", 1.0, "interactive", 100, 0, "A")  # 5,000 tokens of A queued
+    # at 1,000 tok/s B's 100-token request is served after ~100 of A's tokens, not after all 5,000
+    assert q.tokens_ahead("interactive", "B", 1.0, 100) == 100
+    assert q.can_admit("B", "interactive", 100, 1.0, 0.0, 1000.0) == ADMITTED
+    assert q.can_admit("A", "interactive", 100, 1.0, 0.0, 1000.0) == DEADLINE_UNMEETABLE
+    q.push("x", "C", 1.0, "batch", 10, 0, "x")
+    assert q.tokens_ahead("batch", "C", 1.0, 10) == 5000 + 10  # every interactive token first
+    fcfs: FairQueue[str] = FairQueue(FairQueueConfig(fcfs=True))
+    fcfs.push("a", "A", 1.0, "interactive", 100, 0, "a")
+    assert fcfs.tokens_ahead("interactive", "B", 1.0, 100) == 100
