@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_cmd_status)
 
     # -- bench ------------------------------------------------------------------------------
-    bench = sub.add_parser("bench", help="benchmarks (offline engine benchmark)")
+    bench = sub.add_parser("bench", help="benchmarks (engine, fairness)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     be = bsub.add_parser(
         "engine", help="offline engine benchmark against transformers (table + JSON)",
@@ -263,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bench_engine_arguments(be)
     be.set_defaults(func=_cmd_bench_engine)
+    bf = bsub.add_parser(
+        "fairness", help="tenant B's TTFT alone / fair share / FCFS, and a 3:1 weighted split (table + JSON)",
+        description="Starts its own stack (default model) and two tenants; see bench/fairness_bench.py.",
+    )
+    from bench.fairness_bench import add_arguments as _fairness_arguments
+    _fairness_arguments(bf)
+    bf.set_defaults(func=_cmd_bench_fairness)
     return parser
 
 
@@ -275,6 +282,12 @@ def _bench_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weight-only quantization")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+
+
+def _cmd_bench_fairness(args: argparse.Namespace) -> int:
+    from bench.fairness_bench import main as fairness_main
+
+    return fairness_main(args)
 
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
