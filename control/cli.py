@@ -39,12 +39,14 @@ ACTOR_MODULES = {
     "validator": "actors.validator.actor",
     "scheduler": "actors.scheduler.actor",
     "worker": "actors.worker.actor",
+    "jobs": "actors.jobs.actor",
 }
 ACTOR_HELP = {
     "gateway": "HTTP (OpenAI-compatible) and NATS API edge",
     "validator": "chat templating, tokenization and request validation (queue group)",
     "scheduler": "fair queues, admission and dispatch for one model version",
     "worker": "loads one model version and runs the engine",
+    "jobs": "runs durable async jobs (JetStream) at batch priority",
 }
 MODEL_ACTORS = ("scheduler", "worker")
 

@@ -51,9 +51,9 @@ DEFAULT_CONTEXT_LENGTH = 8192
 PIDS_FILE = "pids.json"
 
 # Stop order: the edges first (no new traffic), then the pipeline front to back.
-STOP_ORDER = ("gateway", "validator", "scheduler", "worker")
+STOP_ORDER = ("gateway", "jobs", "validator", "scheduler", "worker")
 # Start order: the slow loaders first, the edges last.
-START_ORDER = ("worker", "scheduler", "validator", "gateway")
+START_ORDER = ("worker", "scheduler", "validator", "jobs", "gateway")
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -482,7 +482,7 @@ class Supervisor:
                     actors.append(self._actor(kind, n, argv))
             elif kind == "scheduler":
                 actors.append(self._actor(kind, 0, self._base_argv(kind) + ["--model", ref]))
-            elif kind == "validator":
+            elif kind in ("validator", "jobs"):
                 actors.append(self._actor(kind, 0, self._base_argv(kind)))
             else:
                 for n in range(self.gateways):
@@ -747,7 +747,7 @@ def main_up(args: argparse.Namespace) -> int:
     level = log_level_of(args)
     setup_logging("supervisor", level)
     actor_args: dict[str, list[str]] = {}
-    for kind in ("gateway", "validator", "scheduler", "worker"):
+    for kind in ("gateway", "validator", "scheduler", "worker", "jobs"):
         extra = getattr(args, f"{kind}_args", None)
         if extra:
             actor_args[kind] = shlex.split(extra)

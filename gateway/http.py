@@ -76,7 +76,7 @@ class HttpFront:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         if self.tenancy is not None:
-            app.router.add_get("/v1/usage", self.tenancy.usage_handler)
+            self.tenancy.add_routes(app)  # /v1/usage, /v1/jobs
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/openapi.json", self.openapi)

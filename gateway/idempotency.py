@@ -91,7 +91,7 @@ class IdempotencyStore:
             self.kv = await self.js.key_value(BUCKET)
         except Exception:
             self.kv = await self.js.create_key_value(KeyValueConfig(
-                bucket=BUCKET, history=1, ttl=TTL_S, storage=StorageType.FILE, max_bytes=256 * 1024 * 1024))
+                bucket=BUCKET, history=1, ttl=TTL_S, storage=StorageType.FILE, max_bytes=128 * 1024 * 1024))
 
     async def close(self, grace_s: float = 10.0) -> None:
         """Let background runs finish and store their results (at most ``grace_s`` seconds)."""

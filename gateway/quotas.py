@@ -99,7 +99,7 @@ class QuotaStore:
             self.kv = await self.js.key_value(BUCKET)
         except Exception:
             self.kv = await self.js.create_key_value(KeyValueConfig(
-                bucket=BUCKET, history=1, storage=StorageType.FILE, max_bytes=64 * 1024 * 1024))
+                bucket=BUCKET, history=1, storage=StorageType.FILE, max_bytes=16 * 1024 * 1024))
         self._refresher = asyncio.create_task(self._refresh_slots(), name="quota-slot-refresh")
 
     async def close(self) -> None:

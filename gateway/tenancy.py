@@ -31,10 +31,12 @@ class Tenancy:
         self.cache = TenantCache(registry)
         self.quotas = QuotaStore(js) if js is not None else None
         self.usage = UsageMeter(js, self.quotas) if js is not None else None
-        self.idempotency = None
+        self.idempotency = self.jobs = None
         if js is not None:
             from gateway.idempotency import IdempotencyStore
+            from gateway.jobs_api import JobsApi
             self.idempotency = IdempotencyStore(js, gateway_id)
+            self.jobs = JobsApi(self, js)
 
     async def start(self) -> None:
         """Load tenants, open the JetStream stores and start metering."""
@@ -43,6 +45,7 @@ class Tenancy:
             await self.quotas.open()
             await self.usage.open()
             await self.idempotency.open()
+            await self.jobs.open()
 
     async def stop(self) -> None:
         """Stop the watch, the meter and the slot refresher (background idempotent runs are awaited
@@ -54,6 +57,12 @@ class Tenancy:
         if self.quotas is not None:
             await self.quotas.close()
         await self.cache.stop()
+
+    def add_routes(self, app: web.Application) -> None:
+        """Routes of the tenancy layer: ``GET /v1/usage`` and the jobs API (when JetStream is there)."""
+        app.router.add_get("/v1/usage", self.usage_handler)
+        if self.jobs is not None:
+            self.jobs.add_routes(app)
 
     def authenticate(self, request: web.Request) -> Tenant:
         """Tenant of the request's ``Authorization: Bearer`` key; ApiError 401 otherwise."""

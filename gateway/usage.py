@@ -7,7 +7,8 @@ dies between applying and acking can make one record count twice; never zero tim
 
 Applying a record: the tenant's token windows are charged (``QuotaStore.charge_tokens``: prompt +
 generated tokens) and the tenant's record ``u.<tenant>`` in KV bucket ``as_usage``
-(``{"name@version": {"requests", "prompt_tokens", "completion_tokens", "by_status"}}``) grows. One request fanned out into ``n`` choices
+(``{"name@version": {"requests", "prompt_tokens", "completion_tokens", "by_status"}}``) grows.
+One request fanned out into ``n`` choices
 produces ``n`` records (ids ``<id>-<i>``): it counts as one request and its prompt once.
 Streamed, non-streamed and abandoned requests all end in exactly such a record.
 """
@@ -58,11 +59,12 @@ class UsageMeter:
             await self.js.stream_info(STREAM)
         except Exception:
             await self.js.add_stream(StreamConfig(name=STREAM, subjects=["as.int.done.>"], storage=StorageType.FILE,
-                                                  max_age=7 * 86400, max_bytes=256 * 1024 * 1024))
+                                                  max_age=7 * 86400, max_bytes=64 * 1024 * 1024))
         try:
             self.kv = await self.js.key_value(BUCKET)
         except Exception:
             self.kv = await self.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1,
+                                                                    max_bytes=16 * 1024 * 1024,
                                                                     storage=StorageType.FILE))
         if consume:
             self._sub = await self.js.pull_subscribe(

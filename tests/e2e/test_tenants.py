@@ -290,3 +290,89 @@ def test_idempotency_survives_gateway_restart_and_crash(gw3, tmp_path):
         assert r.status_code == 200 and events[-1] == "[DONE]"
     finally:
         procs.stop_all()
+
+
+# -- async jobs -------------------------------------------------------------------------------------
+
+
+def _wait_job(sup, key: str, job_id: str, statuses: tuple[str, ...], timeout: float = 60) -> dict:
+    t_end = time.time() + timeout
+    while True:
+        job = httpx.get(sup.gateway_url(0) + f"/v1/jobs/{job_id}", headers=bearer(key), timeout=10).json()
+        if job.get("status") in statuses:
+            return job
+        assert time.time() < t_end, job
+        time.sleep(0.2)
+
+
+def test_job_lifecycle_batch_and_isolation(gw3):
+    _, _, key = new_tenant(gw3)
+    _, _, other = new_tenant(gw3)
+    url = gw3.gateway_url(1) + "/v1/jobs"
+    r = httpx.post(url, json={"endpoint": "/v1/completions",
+                              "body": {"model": "tiny", "prompt": "job", "max_tokens": 3}}, headers=bearer(key))
+    assert r.status_code == 202 and r.json()["status"] == "validating" and r.json()["id"].startswith("job_")
+    job_id = r.json()["id"]
+    job = _wait_job(gw3, key, job_id, ("completed", "failed"))
+    assert job["status"] == "completed" and job["result"]["object"] == "text_completion"
+    assert job["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    # another tenant sees nothing: not the job, not its results, not in its list, cannot cancel it
+    for method, path in (("GET", f"/v1/jobs/{job_id}"), ("GET", f"/v1/jobs/{job_id}/results"),
+                         ("DELETE", f"/v1/jobs/{job_id}")):
+        resp = httpx.request(method, gw3.gateway_url(2) + path, headers=bearer(other))
+        assert resp.status_code == 404 and job_id not in resp.text.replace(f"'{job_id}'", "")
+    assert httpx.get(url, headers=bearer(other)).json()["data"] == []
+    assert [j["id"] for j in httpx.get(url, headers=bearer(key)).json()["data"]] == [job_id]
+    # the batch form: JSONL in, JSONL out
+    lines = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}],
+                                           "max_tokens": 2}}) for i in range(3))
+    r = httpx.post(url, content=lines, headers={**bearer(key), "Content-Type": "application/jsonl"})
+    assert r.status_code == 202, r.text
+    batch = _wait_job(gw3, key, r.json()["id"], ("completed", "failed"))
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    out = httpx.get(gw3.gateway_url(2) + f"/v1/jobs/{batch['id']}/results", headers=bearer(key)).text
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert [x["custom_id"] for x in rows] == ["c0", "c1", "c2"]
+    assert all(x["response"]["body"]["object"] == "chat.completion" for x in rows)
+    page = httpx.get(url + "?limit=1", headers=bearer(key)).json()
+    assert page["has_more"] and page["data"][0]["id"] == batch["id"]
+    # idempotent submission
+    body = {"endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "once", "max_tokens": 2}}
+    h = {**bearer(key), "Idempotency-Key": "job-1"}
+    a, b = httpx.post(url, json=body, headers=h), httpx.post(gw3.gateway_url(2) + "/v1/jobs", json=body, headers=h)
+    assert a.status_code == b.status_code == 202 and a.json()["id"] == b.json()["id"]
+    assert httpx.post(url, json={**body, "deadline_ms": 5000}, headers=h).status_code == 409
+
+
+def test_job_cancel_and_survives_jobs_actor_crash(gw3, tmp_path):
+    import signal
+
+    from tests.e2e.conftest import ActorProcs
+
+    _, _, key = new_tenant(gw3)
+    url = gw3.gateway_url(0) + "/v1/jobs"
+    long = {"endpoint": "/v1/completions",
+            "body": {"model": "tiny", "prompt": "long", "max_tokens": 450, "ignore_eos": True}}
+    job_id = httpx.post(url, json=long, headers=bearer(key)).json()["id"]
+    _wait_job(gw3, key, job_id, ("in_progress",))
+    assert httpx.delete(url + f"/{job_id}", headers=bearer(key)).json()["status"] in ("cancelling", "cancelled")
+    job = _wait_job(gw3, key, job_id, ("cancelled", "completed"), timeout=30)
+    assert job["status"] == "cancelled"
+
+    # the jobs actor dies mid-job: the job is redelivered (ack wait) to its replacement and completes
+    job_id = httpx.post(url, json=long, headers=bearer(key)).json()["id"]
+    _wait_job(gw3, key, job_id, ("in_progress",))
+    actor = gw3.actor("jobs-0")
+    actor.proc.send_signal(signal.SIGKILL)
+    actor.proc.wait(10)
+    procs = ActorProcs(gw3, tmp_path)
+    try:
+        procs.start("jobs-replacement", "jobs")
+        t0 = time.monotonic()
+        job = _wait_job(gw3, key, job_id, ("completed", "failed"), timeout=60)
+        print(f"job recovered after a jobs-actor crash in {time.monotonic() - t0:.1f} s (attempts {job['attempts']})")
+        assert job["status"] == "completed" and job["attempts"] == 2
+        assert job["result"]["usage"]["completion_tokens"] == 450
+    finally:
+        procs.stop_all()

@@ -164,7 +164,7 @@ def test_supervisor_actor_commands_parse(tmp_path):
     sup.gateway_ports = [8100, 8101]
     sup._build_actors()
     names = [a.name for a in sup.actors]
-    assert names == ["worker-0", "worker-1", "scheduler-0", "validator-0", "gateway-0", "gateway-1"]
+    assert names == ["worker-0", "worker-1", "scheduler-0", "validator-0", "jobs-0", "gateway-0", "gateway-1"]
     for a in sup.actors:
         assert a.argv[:3] == [sys.executable, "-m", "control.cli"]
         args = _parse(*a.argv[3:])
