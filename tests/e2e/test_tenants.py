@@ -376,3 +376,22 @@ def test_job_cancel_and_survives_jobs_actor_crash(gw3, tmp_path):
         assert job["result"]["usage"]["completion_tokens"] == 450
     finally:
         procs.stop_all()
+
+
+def test_jobs_survive_nats_server_restart(gw3):
+    """nats-server SIGKILLed and restarted (same port, same file storage) while jobs are queued and one
+    is running: every accepted job still completes. (Last in this module: it restarts the bus.)"""
+    _, _, key = new_tenant(gw3)
+    url = gw3.gateway_url(0) + "/v1/jobs"
+    body = {"endpoint": "/v1/completions",
+            "body": {"model": "tiny", "prompt": "survive", "max_tokens": 300, "ignore_eos": True}}
+    ids = [httpx.post(url, json=body, headers=bearer(key)).json()["id"] for _ in range(6)]
+    _wait_job(gw3, key, ids[0], ("in_progress",))
+    gw3.stack.nats.kill()
+    time.sleep(1.0)
+    gw3.stack.nats.start()
+    t0 = time.monotonic()
+    for job_id in ids:
+        job = _wait_job(gw3, key, job_id, ("completed", "failed", "expired"), timeout=90)
+        assert job["status"] == "completed" and job["result"]["usage"]["completion_tokens"] == 300, job
+    print(f"6 jobs completed {time.monotonic() - t0:.1f} s after a nats-server restart")
