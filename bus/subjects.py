@@ -102,3 +102,13 @@ def gateway_reply(tenant: str, gateway_id: str, request_id: str) -> str:
 def gateway_replies(gateway_id: str) -> str:
     """Wildcard over every reply subject of one gateway (all tenants)."""
     return f"_INBOX.*.gw.{_token(gateway_id, 'gateway id')}.*"
+
+
+def sched_journal(name: str, version: str) -> str:
+    """``as.int.sched.<name>.<version>.journal``: JetStream subject of the scheduler's durable queue journal."""
+    return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.journal"
+
+
+def sched_leader(name: str, version: str) -> str:
+    """``as.int.sched.<name>.<version>.leader``: announced by a scheduler replica when it becomes active."""
+    return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.leader"

@@ -524,6 +524,23 @@ class Registry:
         self._leases.add(wl)
         return wl
 
+    async def acquire_leased(self, key: str, info: Mapping[str, Any], ttl: int = 2) -> WorkerLease | None:
+        """Create ``key`` under a fresh lease of ``ttl`` s (1..5) only if it does not exist; keep it alive.
+
+        Returns the lease (``lost`` is set if it expires behind our back; ``revoke()`` to resign), or
+        None when someone else holds the key. Used for elections (e.g. the active scheduler)."""
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= 5:
+            raise ValueError(f"ttl must be an integer number of seconds in 1..5, got {ttl!r}")
+        lease = await self._call(self.client.lease(ttl))
+        if not await self.put_if_absent(key, dict(info), lease=int(lease.id)):
+            with contextlib.suppress(Exception):
+                await self._call(self.client.revoke_lease(lease.id))
+            return None
+        wl = WorkerLease(self, key, lease, ttl)
+        wl._start()
+        self._leases.add(wl)
+        return wl
+
     async def list_workers(self, name: str, version: str) -> dict[str, dict[str, Any]]:
         """Return ``{worker_id: info}`` for the live workers of ``name@version``."""
         prefix = names.workers_prefix(name, version)

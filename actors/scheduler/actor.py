@@ -1,5 +1,9 @@
 """``actorserve actor scheduler --model NAME@VERSION``: the scheduler of one model version.
 
+Replicas elect one active per version on ``/actorserve/schedulers/{name}/{version}`` (etcd lease,
+TTL 2 s); the others stand by. The active one journals its queue in JetStream, so a standby that
+takes over re-queues what was accepted and not yet dispatched (docs/decisions/0010-scheduler-ha.md).
+
 Feeds tenant weights (``/actorserve/tenants/``) and worker lease events from etcd (``/actorserve/workers/{name}/{version}/``: initial listing,
 then a watch, reconciled by a periodic re-list) into ``SchedulerService``.
 """
@@ -10,8 +14,12 @@ import argparse
 import asyncio
 import logging
 import os
+import time
+
+import orjson
 
 from actors.scheduler.service import SchedulerConfig, SchedulerService
+from bus import subjects
 
 log = logging.getLogger("actorserve.scheduler")
 
@@ -23,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-per-tenant", type=int, default=256, help="queued requests per tenant before 429")
     parser.add_argument("--fcfs", action="store_true", help="first-come-first-served instead of fair share")
     parser.add_argument("--scheduler-id", default=None, help="id of this replica (default sched-<pid>)")
+    parser.add_argument("--lease-ttl", type=int, default=2, help="election lease TTL in seconds (1..5)")
 
 
 def tenant_weights(tenants: dict[str, dict]) -> dict[str, float]:
@@ -71,7 +80,7 @@ async def sync_workers(reg, svc: SchedulerService, name: str, version: str, peri
 
 
 async def main(args: argparse.Namespace) -> None:
-    """Run the scheduler until cancelled."""
+    """Stand by until elected active for the version, then schedule until cancelled or the lease is lost."""
     from actors.runtime import resolve_endpoints
     from bus.nats_bus import NatsBus
     from control.names import parse_model_ref
@@ -84,16 +93,43 @@ async def main(args: argparse.Namespace) -> None:
     sid = args.scheduler_id or f"sched-{os.getpid()}"
     async with Registry.connect(etcd_url) as reg:
         bus = await NatsBus.connect(nats_url, name=f"scheduler-{sid}")
-        svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
-                                                    args.max_queue_per_tenant, args.fcfs))
-        await svc.start()
-        log.info("scheduler %s active for %s@%s", sid, ref.name, ref.version)
         try:
-            await sync_workers(reg, svc, ref.name, ref.version)
+            while True:  # each turn: win the election, serve until the lease is lost
+                await serve_term(reg, bus, ref, sid, args)
         finally:
-            await asyncio.shield(_shutdown(svc, bus))
+            await asyncio.shield(bus.close())
 
 
-async def _shutdown(svc: SchedulerService, bus) -> None:
-    await asyncio.wait_for(svc.stop(), 5.0)
-    await bus.close()
+async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
+    """One term as the active scheduler: campaign, recover the journal, schedule until the lease is lost."""
+    from bus.journal import JetStreamJournal
+    from control.election import campaign
+    from control.names import scheduler_key
+
+    lease = await campaign(reg, scheduler_key(ref.name, ref.version), {"scheduler_id": sid, "pid": os.getpid()},
+                           ttl=args.lease_ttl)
+    svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
+                                                args.max_queue_per_tenant, args.fcfs),
+                           await JetStreamJournal.open(bus, ref.name, ref.version))
+    await svc.start()
+    recovered = await svc.recover()
+    await bus.publish(subjects.sched_leader(ref.name, ref.version),
+                      orjson.dumps({"scheduler_id": sid, "ts": time.time(), "recovered": recovered}))
+    log.info("scheduler %s active for %s@%s (recovered %d queued requests)", sid, ref.name, ref.version, recovered)
+    sync = asyncio.create_task(sync_workers(reg, svc, ref.name, ref.version))
+    lost = asyncio.create_task(lease.lost.wait())
+    try:
+        await asyncio.wait([sync, lost], return_when=asyncio.FIRST_COMPLETED)
+        log.error("scheduler %s lost its lease; standing down", sid)
+    finally:
+        sync.cancel()
+        lost.cancel()
+        await asyncio.shield(_shutdown(svc, lease))
+
+
+async def _shutdown(svc: SchedulerService, lease) -> None:
+    """Stop scheduling (bounded), then resign so a standby takes over at once."""
+    try:
+        await asyncio.wait_for(svc.stop(), 5.0)
+    finally:
+        await asyncio.wait_for(lease.revoke(), 3.0)

@@ -144,6 +144,10 @@ class FairQueue(Generic[R]):
     def __len__(self) -> int:
         return len(self._where)
 
+    def contains(self, request_id: str) -> bool:
+        """Whether ``request_id`` is queued."""
+        return request_id in self._where
+
     def num_queued(self, tenant: str) -> int:
         """Requests of ``tenant`` waiting, all classes."""
         return sum(len(c.tenants[tenant].queue) for c in self.classes.values() if tenant in c.tenants)

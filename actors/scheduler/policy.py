@@ -47,12 +47,15 @@ class WorkerView:
 class ThroughputMeter:
     """Tokens served per second over a sliding window, from completion records (for deadline admission)."""
 
-    def __init__(self, window_s: float = 10.0, min_records: int = 3) -> None:
+    def __init__(self, window_s: float = 10.0, min_records: int = 3, started: float | None = None) -> None:
         self.window_s, self.min_records = window_s, min_records
+        self.started = started  # first observation time (s); the rate divides by min(window, time since)
         self._events: deque[tuple[float, int]] = deque()
 
     def add(self, now: float, tokens: int) -> None:
         """Record ``tokens`` (prompt + completion) finished at ``now`` (s, monotonic)."""
+        if self.started is None:
+            self.started = now
         self._events.append((now, tokens))
         self._trim(now)
 
@@ -65,7 +68,8 @@ class ThroughputMeter:
         self._trim(now)
         if len(self._events) < self.min_records:
             return None
-        return sum(t for _, t in self._events) / self.window_s
+        span = min(self.window_s, max(1.0, now - (self.started if self.started is not None else now)))
+        return sum(t for _, t in self._events) / span
 
 
 class WorkerTable:

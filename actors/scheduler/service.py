@@ -21,6 +21,7 @@ from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap
 from actors.aio import wait_event
 from bus import subjects
 from bus.base import Bus, BusError, Msg
+from bus.journal import Journal, MemoryJournal
 from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, error_dict
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,13 @@ def cost_of(req: GenerateRequest) -> int:
 class SchedulerService:
     """Runs the FCFS policy for one model version over a Bus."""
 
-    def __init__(self, bus: Bus, config: SchedulerConfig) -> None:
+    def __init__(self, bus: Bus, config: SchedulerConfig, journal: Journal | None = None) -> None:
         self.bus, self.cfg = bus, config
+        self.journal: Journal = journal or MemoryJournal()  # queued requests, for failover recovery
         self.queue: FairQueue[GenerateRequest] = FairQueue(FairQueueConfig(
             config.max_queue_len, config.max_queue_per_tenant, config.fcfs))
         self.weights: dict[str, float] = {}  # tenant -> fair-share weight (tenant records; default 1)
-        self.meter = ThroughputMeter(window_s=10.0)
+        self.meter = ThroughputMeter(window_s=10.0, started=time.monotonic())
         self._seen: dict[str, float] = {}  # tenant -> last submit (monotonic s)
         self.table = WorkerTable(config.credit_stale_s)
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
@@ -107,7 +109,7 @@ class SchedulerService:
             else:
                 redo.append(replace(req, attempt=req.attempt + 1))
         for req in reversed(redo):
-            self._push(req, front=True)
+            self._push(req, front=True)  # not re-journaled: re-dispatched at once (failover in between: see 0010)
         if redo or present:
             self._kick.set()
         return redo
@@ -121,10 +123,33 @@ class SchedulerService:
                                        self.meter.tokens_per_s(time.monotonic()), self.weights.get(req.tenant, 1.0))
         if verdict != ADMITTED:
             return await self._ack(msg, False, self._refusal(verdict))
-        self._push(replace(req, marks={**req.marks, "sched_in": time.time()}))
+        req = replace(req, marks={**req.marks, "sched_in": time.time()})
+        try:
+            await self.journal.append(req)
+        except Exception as exc:  # no durable record: refuse rather than accept what a failover would lose
+            log.warning("journal append failed: %s", exc)
+            return await self._ack(msg, False, error_dict(503, "the scheduler cannot persist requests right now",
+                                                          type_="unavailable", code="journal_unavailable",
+                                                          retryable=True, retry_after=self.cfg.retry_after_s))
+        self._push(req)
         self._seen[req.tenant] = time.monotonic()
         await self._ack(msg, True)
         self._kick.set()
+
+    async def recover(self) -> int:
+        """Re-queue what the journal holds (a failed-over predecessor's queue). Returns how many."""
+        n = 0
+        for req in await self.journal.replay():
+            if req.request_id in self.requests or self.queue.contains(req.request_id):
+                continue
+            if req.deadline and req.deadline < time.time():
+                await self._fail(req, 503, "the request's deadline passed during a scheduler failover",
+                                 "deadline_exceeded")
+                continue
+            self._push(req)
+            n += 1
+        self._kick.set()
+        return n
 
     def _push(self, req: GenerateRequest, front: bool = False) -> None:
         self.queue.push(req.request_id, req.tenant, self.weights.get(req.tenant, 1.0), req.priority,
@@ -231,6 +256,7 @@ class SchedulerService:
             ok = False
         if ok:
             self.num_dispatched += 1
+            await self.journal.remove(req.request_id)
         else:
             self.requests.pop(req.request_id, None)
         return ok
@@ -245,6 +271,7 @@ class SchedulerService:
     async def _fail(self, req: GenerateRequest, status: int, message: str, code: str,
                     retryable: bool = True) -> None:
         """End ``req`` with a final error chunk and a completion record."""
+        await self.journal.remove(req.request_id)
         kind = "unavailable" if status >= 500 else "cancelled" if status == 499 else "invalid_request_error"
         err = error_dict(status, message, type_=kind, code=code,
                          retryable=retryable, retry_after=self.cfg.retry_after_s if retryable else None)

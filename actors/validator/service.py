@@ -54,6 +54,7 @@ class ValidatorConfig:
     max_tokens_cap: int = 4096  # server-side cap on generated tokens per request
     max_concurrency: int = 64  # requests processed at once
     scheduler_ack_s: float = 2.0  # wait for the scheduler to take a request (s)
+    failover_wait_s: float = 4.0  # keep retrying while no scheduler is active (election in progress) (s)
     max_n: int = MAX_N  # server cap on `n`
     max_choices: int = MAX_CHOICES  # server cap on n x prompts (engine requests per API request)
 
@@ -188,10 +189,22 @@ class ValidatorService:
                 raise
 
     async def _submit(self, gen: GenerateRequest) -> None:
-        """Hand to the active scheduler; RequestError 503 if none answers or it refuses."""
+        """Hand to the active scheduler; RequestError 503 if none answers or it refuses.
+
+        No responders (no active scheduler: a failover in progress) is retried every 0.2 s for up to
+        ``failover_wait_s``, within the request's deadline: nobody received it, so a retry cannot
+        duplicate it. A timeout is not retried (the scheduler may have taken the request)."""
+        give_up = min(time.time() + self.cfg.failover_wait_s, gen.deadline or float("inf"))
         try:
-            reply = await self.bus.request(subjects.sched_submit(gen.name, gen.version), gen.encode(),
-                                           self.cfg.scheduler_ack_s)
+            while True:
+                try:
+                    reply = await self.bus.request(subjects.sched_submit(gen.name, gen.version), gen.encode(),
+                                                   self.cfg.scheduler_ack_s)
+                    break
+                except NoResponders:
+                    if time.time() + 0.2 >= give_up:
+                        raise
+                    await asyncio.sleep(0.2)
             ack = orjson.loads(reply.data)
         except (NoResponders, BusTimeout, BusDisconnected, BusError, ValueError) as exc:
             raise RequestError(503, f"no scheduler is available for {gen.model_ref}; retry later",

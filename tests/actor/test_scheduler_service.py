@@ -202,3 +202,30 @@ async def test_single_tenant_may_use_every_slot():
     await asyncio.sleep(0.3)
     assert len(accepted) == 8
     await svc.stop()
+
+
+async def test_standby_recovers_queued_requests_from_the_journal():
+    from bus.journal import MemoryJournal
+    bus, journal = MemoryBus(), MemoryJournal()
+    first = SchedulerService(bus, SchedulerConfig("m", "1"), journal)
+    await first.start()
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    first.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=1)
+    for i in range(3):
+        await submit(bus, req(i))
+    await asyncio.sleep(0.2)
+    assert accepted == ["r0"] and set(journal.entries) == {"r1", "r2"}  # dispatched ones leave the journal
+    for t in first._tasks:  # the active dies (no graceful stop)
+        t.cancel()
+    for s in first._subs:
+        await s.unsubscribe()
+    second = SchedulerService(bus, SchedulerConfig("m", "1"), journal)
+    await second.start()
+    assert await second.recover() == 2
+    second.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=2)
+    await asyncio.sleep(0.3)
+    assert accepted == ["r0", "r1", "r2"] and not journal.entries
+    await second.stop()

@@ -6,12 +6,15 @@ from actors.scheduler.policy import ThroughputMeter, WorkerTable
 
 
 def test_throughput_meter_window():
-    m = ThroughputMeter(window_s=10.0, min_records=2)
+    m = ThroughputMeter(window_s=10.0, min_records=2, started=0.0)
     m.add(0.0, 100)
     assert m.tokens_per_s(0.0) is None  # too few records
     m.add(5.0, 300)
-    assert m.tokens_per_s(5.0) == 40.0
-    assert m.tokens_per_s(12.0) is None  # first record left the window
+    assert m.tokens_per_s(5.0) == 80.0  # 400 tokens over the 5 s observed so far, not the 10 s window
+    m.add(20.0, 100)
+    m.add(21.0, 100)
+    assert m.tokens_per_s(21.0) == 20.0  # full window: 200 tokens / 10 s
+    assert m.tokens_per_s(40.0) is None  # records left the window
 
 
 def _table(now=0.0) -> WorkerTable:
