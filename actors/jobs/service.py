@@ -190,6 +190,7 @@ class JobsService:
                                            marks={"gateway_in": time.time(), "auth_done": time.time()})
             except ApiError as err:
                 if err.status in (429, 503):
+                    log.info("job %s: %s %s; retrying", job_id, err.status, err.code)
                     await asyncio.sleep(min(max(err.retry_after or 1.0, 0.5), 10.0))
                     continue
                 return err.status, err.body()
@@ -212,6 +213,7 @@ class JobsService:
             if watcher.done() and not watcher.cancelled() and watcher.result():
                 return -1, None
             if error.status in (429, 503) and time.time() < rec["expires_at"]:
+                log.info("job %s: request %s ended with %s %s; retrying", job_id, rid, error.status, error.code)
                 await asyncio.sleep(min(max(error.retry_after or 1.0, 0.5), 10.0))
                 continue
             return error.status, error.body()
