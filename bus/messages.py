@@ -187,6 +187,8 @@ class WorkerStats(Message):
     num_aborted: int = 0  # requests cancelled
     ts: float = 0.0
     max_cancel_steps: int = 0  # most engine steps between a cancel's arrival and its request's end
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
 
 
 @dataclass(frozen=True)

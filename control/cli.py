@@ -272,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.fairness_bench import add_arguments as _fairness_arguments
     _fairness_arguments(bf)
     bf.set_defaults(func=_cmd_bench_fairness)
+    bp = bsub.add_parser(
+        "prefix-routing", help="prefix-cache hit rate: affinity routing vs random routing (2 workers)",
+        description="Starts a 2-worker stack per routing policy; see bench/prefix_routing_bench.py.",
+    )
+    from bench.prefix_routing_bench import add_arguments as _prefix_arguments
+    _prefix_arguments(bp)
+    bp.set_defaults(func=_cmd_bench_prefix_routing)
     return parser
 
 
@@ -284,6 +291,12 @@ def _bench_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weight-only quantization")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+
+
+def _cmd_bench_prefix_routing(args: argparse.Namespace) -> int:
+    from bench.prefix_routing_bench import main as prefix_main
+
+    return prefix_main(args)
 
 
 def _cmd_bench_fairness(args: argparse.Namespace) -> int:

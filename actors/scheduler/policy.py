@@ -113,12 +113,21 @@ class WorkerTable:
                  if w.leased and w.total_blocks and now - w.last_credit_ts <= self.stale_after_s]
         return bool(fresh) and all(w.total_blocks < w.blocks_for(num_prompt_tokens + 1) for w in fresh)
 
-    def pick(self, num_prompt_tokens: int, now: float) -> WorkerView | None:
-        """Least-loaded worker (most free slots, then blocks) that can take the request; None = no room."""
+    def pick(self, num_prompt_tokens: int, now: float, affinity=None) -> WorkerView | None:
+        """Worker that can take the request, or None = no room.
+
+        ``affinity(worker) -> int`` (e.g. cached prefix blocks) ranks first when given; ties and the
+        default go to the least loaded (most free slots, then blocks)."""
         able = [w for w in self.workers.values() if w.can_take(num_prompt_tokens, now, self.stale_after_s)]
         if not able:
             return None
-        return max(able, key=lambda w: (w.free_slots, w.free_blocks))
+        score = affinity or (lambda w: 0)
+        return max(able, key=lambda w: (score(w), w.free_slots, w.free_blocks))
+
+    def pick_random(self, num_prompt_tokens: int, now: float, rng) -> WorkerView | None:
+        """A uniformly random worker among those that can take the request (benchmark baseline)."""
+        able = [w for w in self.workers.values() if w.can_take(num_prompt_tokens, now, self.stale_after_s)]
+        return rng.choice(able) if able else None
 
     def on_first_token(self, request_id: str) -> None:
         """Mark a request as having streamed a token (no re-dispatch after a worker loss)."""

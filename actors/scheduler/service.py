@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass, replace
 
 import orjson
 
+from actors.aio import wait_event
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig)
 from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap
-from actors.aio import wait_event
+from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
 from bus import subjects
 from bus.base import Bus, BusError, Msg
 from bus.journal import Journal, MemoryJournal
@@ -42,10 +44,13 @@ class SchedulerConfig:
     max_attempts: int = 3  # dispatch attempts per request (worker losses before the first token)
     credit_stale_s: float = 2.0  # credits older than this are not trusted
     headroom_fraction: float = 0.125  # share of all slots one tenant may not take (kept for newcomers)
+    routing: str = "affinity"  # "affinity" (prefix cache, then least loaded) | "least_loaded" | "random"
     tenant_active_s: float = 60.0  # a tenant that submitted within this window counts as active (s)
 
     def __post_init__(self) -> None:
         subjects.sched_submit(self.name, self.version)
+        if self.routing not in ("affinity", "least_loaded", "random"):
+            raise ValueError(f"routing must be affinity, least_loaded or random, not {self.routing!r}")
         if self.max_queue_len < 1 or self.dispatch_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("max_queue_len, dispatch_timeout_s and max_attempts must be positive")
 
@@ -66,6 +71,8 @@ class SchedulerService:
         self.weights: dict[str, float] = {}  # tenant -> fair-share weight (tenant records; default 1)
         self.meter = ThroughputMeter(window_s=10.0, started=time.monotonic())
         self._seen: dict[str, float] = {}  # tenant -> last submit (monotonic s)
+        self.prefixes = PrefixIndex()  # which worker holds which prompt prefix (affinity routing)
+        self._rng = random.Random(0)
         self.table = WorkerTable(config.credit_stale_s)
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
         self._kick = asyncio.Event()
@@ -98,6 +105,8 @@ class SchedulerService:
     def on_worker_lease(self, worker_id: str, present: bool) -> list[GenerateRequest]:
         """Lease put/delete from etcd. Returns requests to re-dispatch; fails the ones already streaming."""
         lost = self.table.on_lease(worker_id, present)
+        if not present:
+            self.prefixes.forget_worker(worker_id)
         redo = []
         for rid, started in lost.items():
             req = self.requests.pop(rid, None)
@@ -219,7 +228,7 @@ class SchedulerService:
         if head is None:
             return False
         num_prompt = len(head.prompt_token_ids)
-        worker = self.table.pick(num_prompt, time.monotonic())
+        worker, hashes = self._route(head)
         if worker is None:
             if self.table.fits_nowhere(num_prompt, time.monotonic()):
                 await self._refuse_oversized(self.queue.pop(skip).item)
@@ -230,7 +239,20 @@ class SchedulerService:
         if not await self._send(worker.worker_id, req):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
+        else:
+            self.prefixes.record(hashes, worker.worker_id)
         return True
+
+    def _route(self, req: GenerateRequest):
+        """(worker or None, prompt block hashes) by the configured routing policy."""
+        now, n = time.monotonic(), len(req.prompt_token_ids)
+        if self.cfg.routing == "random":
+            return self.table.pick_random(n, now, self._rng), []
+        if self.cfg.routing == "least_loaded":
+            return self.table.pick(n, now), []
+        bs = next((w.block_size for w in self.table.workers.values()), 16)
+        hashes = block_hashes(req.prompt_token_ids, bs)
+        return self.table.pick(n, now, lambda w: self.prefixes.matched_blocks(hashes, w.worker_id)), hashes
 
     def _tenants_at_cap(self) -> frozenset[str]:
         """Tenants holding their maximum share of slots (skipped while others wait; fcfs: none)."""

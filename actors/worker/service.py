@@ -375,7 +375,9 @@ class WorkerService:
         return WorkerStats(self.cfg.worker_id, self.cfg.name, self.cfg.version, st.num_steps,
                            st.num_generated_tokens, st.num_prompt_tokens, st.num_running, st.num_waiting,
                            st.num_free_blocks, st.num_total_blocks, st.max_batch_size_seen, self.num_finished,
-                           self.num_aborted, time.time(), self.max_cancel_steps)
+                           self.num_aborted, time.time(), self.max_cancel_steps,
+                           int(st.extra.get("prefix_cache_hit_tokens", 0)),
+                           int(st.extra.get("prefix_cache_query_tokens", 0)))
 
     async def _stats_loop(self) -> None:
         while True:

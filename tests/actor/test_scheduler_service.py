@@ -229,3 +229,24 @@ async def test_standby_recovers_queued_requests_from_the_journal():
     await asyncio.sleep(0.3)
     assert accepted == ["r0", "r1", "r2"] and not journal.entries
     await second.stop()
+
+
+async def test_shared_prefixes_stick_to_one_worker():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    on: dict[str, list] = {"w1": [], "w2": []}
+    for wid in on:
+        await fake_worker(bus, wid, on[wid])
+        svc.on_worker_lease(wid, True)
+        await heartbeat(bus, wid, slots=8)
+    prefixes = {"p": tuple(range(64)), "q": tuple(range(100, 164))}
+    for i in range(8):
+        name = "pq"[i % 2]
+        r = GenerateRequest(f"{name}{i}", "t", "m", "1", "_INBOX.t.r", prefixes[name] + (i,), {"max_tokens": 4},
+                            deadline=time.time() + 30)
+        await submit(bus, r)
+        await asyncio.sleep(0.05)
+    homes = {name: {w for w, got in on.items() if any(g.startswith(name) for g in got)} for name in "pq"}
+    assert len(homes["p"]) == 1 and len(homes["q"]) == 1  # every request of a prefix on one worker
+    await svc.stop()

@@ -35,7 +35,7 @@ def test_config_and_shapes(tiny, capsys):
 
 
 def test_q8_0_tensor_close_to_f32_original(tiny):
-    from tests.engine_fixtures import _tensors
+    from bench.tiny_model import _tensors
 
     _, w = load_gguf(tiny)
     orig = _tensors(np.random.default_rng(0), 2, 64, 4, 2, 128, 269)["blk.0.ffn_down.weight"]
