@@ -144,12 +144,21 @@ class Frontend:
             raise ApiError(503, "no validator is available; retry later", type="unavailable",
                            code="validator_unavailable", retry_after=1.0)
 
+    async def next(self, sub: Submitted, poll_s: float | None = None) -> Chunk | None:
+        """``next_chunk`` of the request; when it fails (deadline, silence, gap, bus loss) the generation is
+        cancelled too, so no worker keeps producing tokens nobody will read. Raises StreamError."""
+        try:
+            return await next_chunk(sub.entry, poll_s)
+        except StreamError:
+            await self.cancel(sub.request_id, "gateway_gave_up")
+            raise
+
     async def stream(self, sub: Submitted) -> AsyncIterator[Chunk]:
         """Yield chunks in order until every choice's final one (or an error chunk). Raises StreamError."""
         finals: set[str] = set()
         try:
             while True:
-                chunk = await next_chunk(sub.entry)
+                chunk = await self.next(sub)
                 if chunk is None:
                     continue
                 yield chunk

@@ -19,7 +19,7 @@ from aiohttp import web
 from bus import subjects
 from bus.base import BusError
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
-from gateway.inflight import StreamError, next_chunk
+from gateway.inflight import StreamError
 from gateway.merge import ChoiceMerger
 from gateway.openapi import openapi_document
 from gateway.openai_format import ApiError
@@ -167,7 +167,7 @@ class HttpFront:
                 await self.fe.cancel(sub.request_id, "disconnect")
                 self.fe.table.close(sub.request_id)
                 raise ConnectionResetError("client disconnected")
-            chunk = await next_chunk(sub.entry, POLL_S)
+            chunk = await self.fe.next(sub, POLL_S)
             if chunk is not None:
                 return chunk
 

@@ -105,3 +105,19 @@ async def test_gateway_answers_worker_probes():
     gone = await bus.request(subjects.gateway_reply("t", "gw-1", "zzz"), b'{"probe":"zzz"}', 1.0)
     assert live.data == b'{"alive":true}' and gone.data == b'{"alive":false}'
     await fe.stop()
+
+
+async def test_gateway_cancels_generation_when_it_gives_up():
+    from bus import subjects
+    from bus.memory import MemoryBus
+    from gateway.frontend import Frontend, FrontendConfig, Submitted
+
+    bus = MemoryBus()
+    fe = Frontend(bus, resolver=None, cfg=FrontendConfig("gw-1"))
+    await fe.start()
+    entry = fe.table.open("slow", time.time() + 5, 0.1)  # 0.1 s inactivity timeout
+    sub = Submitted(entry, "slow", "chat", "m", "1", {}, 1)
+    with pytest.raises(StreamError):
+        await fe.next(sub)
+    assert (subjects.cancel("slow"), ) == tuple(s for s, _ in bus.published if s.startswith("as.int.cancel"))
+    await fe.stop()
