@@ -296,7 +296,9 @@ def run(model: str | None = None, quick: bool = False, dtype: str = "auto", quan
         f"{torch.get_num_threads()} threads")
     mm = matmul_gflops(sz.matmul, sz.matmul_reps)
     log(f"  matmul {sz.matmul}^3: bf16 {mm['bf16']:.0f} GFLOP/s, fp32 {mm['fp32']:.0f} GFLOP/s")
+    n_threads = torch.get_num_threads()
     eng = bench_engine(path, sz, dtype, quantization, log)
+    torch.set_num_threads(n_threads)  # the engine may have dropped to 1 thread for its last tiny step
     base = bench_baseline(path, sz, log) if baseline else {"baseline_decode_tok_s": {}, "baseline_runs": {}}
     fm = eng.pop("flops")
     lvl, pre = str(sz.roofline_level), str(sz.roofline_prefill)

@@ -51,6 +51,8 @@ class EngineConfig:
     progress: bool = False  # tqdm bar while loading
     enable_prefix_caching: bool = True  # share cached full KV blocks of equal token prefixes
     quantization: str | None = None  # None | "int8" | "int4" (weight-only, projections; see quant.py)
+    num_threads: int | None = None  # torch threads for large steps; None = torch's default (all cores)
+    small_step_tokens: int = 4  # steps with <= this many tokens run on one thread (0 = never); see 0006
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -103,6 +105,11 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._aborted: list[StepOutput] = []
         self._stats = EngineStats(num_total_blocks=self.kv.num_blocks)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self._threads = torch.get_num_threads()
+        log.info("engine: dtype %s, quantization %s, %d torch threads", self.dtype_name, config.quantization,
+                 self._threads)
 
     def _resolve_max_model_len(self) -> int:
         """min(configured or GGUF context length, KV capacity) so one sequence always fits alone."""
@@ -153,7 +160,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty():
             return outputs
+        lowered = self._set_threads(plan)
         logits = self._forward(plan)
+        if lowered:  # threads are process-wide: give them back
+            torch.set_num_threads(self._threads)
         self.scheduler.commit(plan)
         sampling = [s for s in plan.seqs if s.samples]
         reqs = [self._requests[s.seq_id] for s in sampling]
@@ -164,6 +174,14 @@ class LLMEngine:
                for i, (r, t) in enumerate(zip(reqs, tokens))]
         outputs += [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
         return outputs
+
+    def _set_threads(self, plan: StepPlan) -> bool:
+        """One thread for tiny steps (memory-bound GEMVs: a second thread gains little and, on a
+        shared CPU, makes every op wait for a descheduled sibling), all threads otherwise."""
+        if self.config.device != "cpu" or self._threads <= 1 or plan.num_batched_tokens > self.config.small_step_tokens:
+            return False
+        torch.set_num_threads(1)
+        return True
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Build the packed batch for ``plan`` and run the model; logits [num sampling seqs, V]."""

@@ -172,6 +172,35 @@ class Linear:
         return F.linear(x, self.weight)
 
 
+class PackedLinear(Linear):
+    """Dense ``y = x @ W^T`` with the weight pre-packed once into oneDNN's blocked layout (CPU bf16).
+
+    Measured against ``F.linear`` on this model's shapes (bf16): 2-3x faster at 1 row, 1.4-1.7x at
+    32 rows, equal at 512 (oneDNN otherwise re-packs the plain weight on every call).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.weight = None  # the plain copy is not kept
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+
+
+def dense_linear_factory(dtype: torch.dtype, device: str):
+    """``PackedLinear`` for bf16 on CPU with oneDNN (checked by a trial product), else ``Linear``."""
+    if device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        try:
+            w = torch.randn(8, 32, dtype=dtype)
+            x = torch.randn(2, 32, dtype=dtype)
+            if torch.allclose(PackedLinear(w)(x).float(), F.linear(x, w).float(), atol=1e-2):
+                return lambda weight, name: PackedLinear(weight)
+        except (RuntimeError, AttributeError):  # op missing in this build
+            pass
+    return lambda weight, name: Linear(weight)
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
@@ -192,12 +221,14 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  make_linear=None) -> None:
         self.config = config
-        make_linear = make_linear or (lambda w, name: Linear(w))
         self.embed = weights["embed"]
         self.norm = weights["norm"]
-        self.lm_head = Linear(weights["lm_head"])
         self.dtype = self.embed.dtype
         device = str(self.embed.device)
+        dense = dense_linear_factory(self.dtype, device)
+        make_linear = make_linear or dense
+        self.lm_head = Linear(weights["lm_head"])  # plain: [V, d] @ h^T for many rows (see forward)
+        self.lm_head_1 = dense(weights["lm_head"], "lm_head")  # packed where possible: 1 row
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             w = lambda n: weights.pop(f"layers.{i}.{n}")  # noqa: E731
@@ -229,10 +260,10 @@ class LlamaModel:
             f = gu.shape[-1] // 2
             h = h + lw.down(F.silu(gu[:, :f]) * gu[:, f:])
         h = rms_norm(h[meta.logits_indices], self.norm, cfg.rms_eps)
-        if h.shape[0] > 1 and isinstance(self.lm_head, Linear):
+        if h.shape[0] > 1:
             # [V, d] @ [d, S]: measured 1.7x faster than x @ W^T for the 49152x576 head at S=32..64 (bf16)
             return (self.lm_head.weight @ h.t()).t().float()
-        return self.lm_head(h).float()
+        return self.lm_head_1(h).float()
 
     def _attention(self, lw: _Layer, h: torch.Tensor, meta: BatchMetadata, cache: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
