@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import importlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any

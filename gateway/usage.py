@@ -20,7 +20,6 @@ import logging
 import re
 import time
 
-import orjson
 
 from bus.messages import CompletionRecord
 

@@ -12,31 +12,9 @@ except ``blk.0.ffn_down.weight``, stored as Q8_0 to exercise dequantization.
 
 from __future__ import annotations
 
+from bench.hf_reference import load_hf_llama  # noqa: F401 (re-export: the transformers reference model)
 from bench.tiny_model import (CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, tiny_vocab,  # noqa: F401 (re-exports)
                                write_tiny_llama_gguf)
-
-
-def load_hf_llama(gguf_path: str):
-    """Hugging Face ``LlamaForCausalLM`` (float32, eval) built from a GGUF file by transformers.
-
-    ``from_pretrained(dir, gguf_file=...)`` requires ``accelerate`` for GGUF; to avoid that extra
-    dependency we do its steps ourselves: config from ``AutoConfig.from_pretrained(gguf_file=...)``,
-    weights from transformers' own ``load_gguf_checkpoint`` (its dequantization and Q/K un-permute),
-    then ``tie_weights`` (the GGUF has no ``output.weight``).
-    """
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    dirname, filename = os.path.split(gguf_path)
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(dirname, gguf_file=filename)).float().eval()
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
-    missing = model.load_state_dict(tensors, strict=False).missing_keys
-    assert set(missing) <= {"lm_head.weight"}, missing
-    model.tie_weights()
-    return model
 
 
 def prefill_logits(engine, prompt: list[int]):

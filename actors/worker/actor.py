@@ -75,11 +75,28 @@ async def main(args: argparse.Namespace) -> None:
         await svc.start()
         info = {"worker_id": worker_id, "pid": os.getpid(), "device": args.device, "dtype": args.dtype,
                 "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
-        lease = await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)
+        holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
         try:
-            await asyncio.Event().wait()
+            await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
         finally:
-            await asyncio.shield(_shutdown(lease, svc, bus))
+            await asyncio.shield(_shutdown(holder[0], svc, bus))
+
+
+async def keep_registered(reg, holder: list, ref, worker_id: str, info: dict, ttl: int) -> None:
+    """Re-register whenever the lease is lost (etcd restart, a stall longer than the TTL); runs until cancelled.
+
+    ``holder[0]`` is the current lease (so shutdown revokes the live one). Retries every second."""
+    while True:
+        await holder[0].lost.wait()
+        log.error("worker %s lost its etcd lease; re-registering", worker_id)
+        while True:
+            try:
+                holder[0] = await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=ttl)
+                log.info("worker %s registered again", worker_id)
+                break
+            except Exception as exc:  # etcd still away: keep trying, the service keeps running
+                log.warning("re-registration failed: %s", exc)
+                await asyncio.sleep(1.0)
 
 
 async def _shutdown(lease, svc: WorkerService, bus) -> None:

@@ -10,9 +10,8 @@ import httpx
 import openai
 import pytest
 
-from bus import subjects
 from bus.messages import WorkerStats
-from bus.nats_bus import NatsBus
+from tests.e2e.helpers import latest_worker_stats
 
 MODEL = "smollm2-135m-instruct"
 STORY = [{"role": "user", "content": "Tell me a short story about a cat."}]
@@ -221,26 +220,10 @@ def test_bad_requests_do_not_disturb_good_ones(stack):
 
 
 # ------------------------------------------------------------------ disconnects free KV blocks within two steps
-async def _stats(nats_url: str) -> WorkerStats:
-    bus = await NatsBus.connect(nats_url, name="test-stats-api")
-    got: list[WorkerStats] = []
-    ev = asyncio.Event()
-
-    async def on(msg):
-        got.append(WorkerStats.decode(msg.data))
-        ev.set()
-    sub = await bus.subscribe(subjects.stats("worker-0"), on)
-    async with asyncio.timeout(10):
-        await ev.wait()
-    await sub.unsubscribe()
-    await bus.close()
-    return got[-1]
-
-
 def _wait_aborted(stack, before: WorkerStats) -> WorkerStats:
     t_end = time.time() + 15
     while True:
-        after = asyncio.run(_stats(stack.nats_url))
+        after = asyncio.run(latest_worker_stats(stack.nats_url))
         if after.num_aborted > before.num_aborted and after.num_running == 0 and after.num_waiting == 0:
             return after
         assert time.time() < t_end, "disconnect did not cancel the generation"
@@ -248,7 +231,7 @@ def _wait_aborted(stack, before: WorkerStats) -> WorkerStats:
 
 @pytest.mark.parametrize("mode", ["prefill", "non_streaming"])
 def test_disconnect_cancels_within_two_steps_and_frees_blocks(stack, mode):
-    before = asyncio.run(_stats(stack.nats_url))
+    before = asyncio.run(latest_worker_stats(stack.nats_url))
     if mode == "prefill":  # a long prompt: hang up before the first token
         body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me more " * 600}],
                 "max_tokens": 500, "stream": True}

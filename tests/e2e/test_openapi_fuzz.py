@@ -7,7 +7,6 @@ operation and must find no 5xx and no response that violates the document.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -17,21 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.helpers import tiny_deployment
+
 
 @pytest.fixture(scope="module")
 def tiny_stack(tmp_path_factory, tiny_gguf):
-    from control.supervisor import Supervisor
-
-    sup = Supervisor(tmp_path_factory.mktemp("fuzz-state"), port=0, supervise=False, model_file=tiny_gguf,
-                     model_name="tiny",
-                     actor_args={"worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
-                                 "validator": ["--max-tokens-cap", "4", "--max-n", "2", "--max-choices", "4"]})
-    sup.start()
-    try:
-        sup.wait_ready(timeout=120)
+    with tiny_deployment(tmp_path_factory.mktemp("fuzz-state"), tiny_gguf, {
+            "worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
+            "validator": ["--max-tokens-cap", "4", "--max-n", "2", "--max-choices", "4"]}) as sup:
         yield sup
-    finally:
-        sup.stop()
 
 
 def test_openapi_document(tiny_stack):

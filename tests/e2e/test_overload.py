@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.helpers import tiny_deployment
+
 DEADLINE_MS = 5000
 DURATION_S = 60.0
 MAX_RATE = 60.0  # req/s cap of the load generator: at 150 req/s (9.4x) on 2 shared cores the client+gateway lag passed deadline+5 s
@@ -34,18 +36,10 @@ def auth_headers(sup) -> dict:
 
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory, tiny_gguf):
-    from control.supervisor import Supervisor
-
-    sup = Supervisor(tmp_path_factory.mktemp("overload"), port=0, model_file=tiny_gguf, model_name="tiny",
-                     supervise=False, actor_args={"worker": ["--kv-cache-bytes", "8000000", "--max-num-seqs", "4",
-                                                             "--no-progress"],
-                                                  "scheduler": ["--max-queue-len", "32", "--max-queue-per-tenant", "32"]})
-    sup.start()
-    try:
-        sup.wait_ready(timeout=120)
+    with tiny_deployment(tmp_path_factory.mktemp("overload"), tiny_gguf, {
+            "worker": ["--kv-cache-bytes", "8000000", "--max-num-seqs", "4", "--no-progress"],
+            "scheduler": ["--max-queue-len", "32", "--max-queue-per-tenant", "32"]}) as sup:
         yield sup
-    finally:
-        sup.stop()
 
 
 async def one(client: httpx.AsyncClient, url: str, headers: dict, i: int) -> tuple[int, float, bool]:

@@ -16,6 +16,7 @@ import pytest
 
 from control.names import scheduler_key
 from control.registry import Registry
+from tests.e2e.helpers import tiny_deployment
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_MS = 30_000
@@ -23,16 +24,9 @@ DEADLINE_MS = 30_000
 
 @pytest.fixture(scope="module")
 def ha_stack(tmp_path_factory, tiny_gguf):
-    from control.supervisor import Supervisor
-
-    sup = Supervisor(tmp_path_factory.mktemp("ha"), port=0, model_file=tiny_gguf, model_name="tiny", supervise=False,
-                     actor_args={"worker": ["--kv-cache-bytes", "8000000", "--max-num-seqs", "2", "--no-progress"]})
-    sup.start()
-    try:
-        sup.wait_ready(timeout=120)
+    with tiny_deployment(tmp_path_factory.mktemp("ha"), tiny_gguf, {
+            "worker": ["--kv-cache-bytes", "8000000", "--max-num-seqs", "2", "--no-progress"]}) as sup:
         yield sup
-    finally:
-        sup.stop()
 
 
 async def holder(etcd_url: str) -> dict | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -15,9 +14,10 @@ import orjson
 import pytest
 
 from bus import subjects
-from bus.messages import CompletionRecord, WorkerStats
+from bus.messages import CompletionRecord
 from bus.nats_bus import NatsBus
 from control.registry import Registry
+from tests.e2e.helpers import latest_worker_stats
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "smollm2-135m-instruct"
@@ -94,24 +94,8 @@ def test_nats_api_errors(stack):
     assert reply["status"] == 400 and reply["error"]["param"] == "messages"
 
 
-async def _latest_stats(nats_url: str) -> WorkerStats:
-    bus = await NatsBus.connect(nats_url, name="test-stats")
-    got: list[WorkerStats] = []
-    ev = asyncio.Event()
-
-    async def on(msg):
-        got.append(WorkerStats.decode(msg.data))
-        ev.set()
-    sub = await bus.subscribe(subjects.stats("worker-0"), on)
-    async with asyncio.timeout(10):
-        await ev.wait()
-    await sub.unsubscribe()
-    await bus.close()
-    return got[-1]
-
-
 def test_concurrent_streams_are_batched(stack):
-    before = asyncio.run(_latest_stats(stack.nats_url))
+    before = asyncio.run(latest_worker_stats(stack.nats_url))
     results: list[int] = []
 
     def one(i: int) -> None:
@@ -130,7 +114,7 @@ def test_concurrent_streams_are_batched(stack):
         t.join(180)
     assert results == [64] * 8
     time.sleep(1.5)  # one stats period
-    after = asyncio.run(_latest_stats(stack.nats_url))
+    after = asyncio.run(latest_worker_stats(stack.nats_url))
     steps = after.num_steps - before.num_steps
     tokens = after.num_generated_tokens - before.num_generated_tokens
     assert tokens >= 8 * 64
@@ -229,7 +213,7 @@ async def _append(recs: list, msg) -> None:
 
 
 def test_client_disconnect_cancels_generation(stack):
-    before = asyncio.run(_latest_stats(stack.nats_url))
+    before = asyncio.run(latest_worker_stats(stack.nats_url))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
             "max_tokens": 2000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body, timeout=60,
@@ -240,7 +224,7 @@ def test_client_disconnect_cancels_generation(stack):
                 break  # got generated text: now hang up
     t_end = time.time() + 10
     while True:
-        after = asyncio.run(_latest_stats(stack.nats_url))
+        after = asyncio.run(latest_worker_stats(stack.nats_url))
         if after.num_aborted > before.num_aborted:
             break
         assert time.time() < t_end, "disconnect did not cancel the generation"
