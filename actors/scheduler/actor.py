@@ -122,16 +122,16 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
     lost = asyncio.create_task(lease.lost.wait())
     try:
         await asyncio.wait([sync, lost], return_when=asyncio.FIRST_COMPLETED)
-        log.error("scheduler %s lost its lease; standing down", sid)
+        log.error("scheduler %s lost its lease; standing down (its queue stays journaled)", sid)
     finally:
         sync.cancel()
         lost.cancel()
-        await asyncio.shield(_shutdown(svc, lease))
+        await asyncio.shield(_shutdown(svc, lease, fail_queued=not lease.lost.is_set()))
 
 
-async def _shutdown(svc: SchedulerService, lease) -> None:
+async def _shutdown(svc: SchedulerService, lease, fail_queued: bool = True) -> None:
     """Stop scheduling (bounded), then resign so a standby takes over at once."""
     try:
-        await asyncio.wait_for(svc.stop(), 5.0)
+        await asyncio.wait_for(svc.stop(fail_queued), 5.0)
     finally:
         await asyncio.wait_for(lease.revoke(), 3.0)

@@ -91,11 +91,12 @@ class SchedulerService:
             await self.bus.subscribe(subjects.cancel_all(), self._on_cancel)]
         self._tasks.append(asyncio.create_task(self._dispatch_loop()))
 
-    async def stop(self) -> None:
-        """Stop taking submits; end queued requests with a retryable 503; stop loops."""
+    async def stop(self, fail_queued: bool = True) -> None:
+        """Stop taking submits and stop loops. Queued requests end with a retryable 503, or, with
+        ``fail_queued=False`` (lease lost: another replica takes over), stay in the journal for it."""
         for sub in self._subs:
             await sub.unsubscribe()
-        while (p := self.queue.pop()) is not None:
+        while fail_queued and (p := self.queue.pop()) is not None:
             await self._fail(p.item, 503, "scheduler is shutting down", "unavailable")
         for t in self._tasks:
             t.cancel()
