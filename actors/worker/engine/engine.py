@@ -52,7 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share cached full KV blocks of equal token prefixes
     quantization: str | None = None  # None | "int8" | "int4" (weight-only, projections; see quant.py)
     num_threads: int | None = None  # torch threads for large steps; None = torch's default (all cores)
-    small_step_tokens: int = 4  # steps with <= this many tokens run on one thread (0 = never); see 0006
+    small_step_tokens: int = 0  # steps with <= this many tokens run on one thread (0 = never; see 0006)
 
     def __post_init__(self) -> None:
         if not self.model_path:
