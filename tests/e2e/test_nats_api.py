@@ -43,7 +43,7 @@ def ask(stack, subject: str, body) -> list[dict]:
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="dev", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key=stack.dev_api_key, timeout=120, max_retries=0)
 
 
 def test_nats_streaming_parity_n_seed_logprobs_usage(stack):
@@ -83,7 +83,8 @@ def test_nats_streaming_parity_n_seed_logprobs_usage(stack):
 def test_nats_errors_equal_http_errors(stack, endpoint, body):
     data = body if isinstance(body, bytes) else orjson.dumps(body)
     r = httpx.post(f"{stack.http_url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
-                   content=data, headers={"Content-Type": "application/json"}, timeout=60)
+                   content=data, headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {stack.dev_api_key}"}, timeout=60)
     [reply] = ask(stack, f"as.api.v1.{endpoint}", data)
     assert reply["status"] == r.status_code and reply["final"] is True
     assert reply["error"] == r.json()["error"]
