@@ -226,9 +226,29 @@ class WorkerService:
                 self._wake.clear()
                 await wait_event(self._wake, self.cfg.idle_wait_s * 20)
                 continue
-            outputs = await asyncio.to_thread(self.engine.step)
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as exc:  # an engine bug must end the batch with an error, never stall the worker
+                log.exception("engine step failed; ending the %d requests in the batch", len(self.live))
+                await self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
+                continue
             self.num_steps += 1
             await self._publish_outputs(outputs)
+
+    async def _fail_all(self, message: str) -> None:
+        """Abort every live request in the engine and end each with a retryable 500."""
+        for rid, lv in list(self.live.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # keep ending the others
+                log.exception("abort of %s failed", rid)
+            lv.aborted = lv.aborted or "engine_error"
+            await self._finish_error(lv, error_dict(500, message, type_="server_error", code="engine_error",
+                                                    retryable=True, retry_after=1.0))
+        try:  # drain the abort notices the engine queued, so they do not reach the next batch
+            await asyncio.to_thread(self.engine.step)
+        except Exception:
+            log.exception("engine step after failure failed")
 
     async def _flush_aborted(self) -> None:
         """Finish requests aborted but not yet reported (engine may not report aborts itself)."""

@@ -127,3 +127,35 @@ async def test_stream_without_receiver_is_aborted(tiny_path):
                 await asyncio.sleep(0.05)
         assert [r.status for r in records if r.request_id == "gone"] == ["cancelled"]
         assert "kept" in svc.live  # a receiver that answers keeps its stream
+
+
+async def test_engine_failure_ends_the_batch_and_the_worker_goes_on(tiny_path, monkeypatch):
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    async with svc:
+        chunks = await collect(bus, "_INBOX.t.bad")
+        real_step = svc.engine.step
+        calls = {"n": 0}
+
+        def failing_step():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("boom")
+            return real_step()
+        monkeypatch.setattr(svc.engine, "step", failing_step)
+        assert await dispatch(bus, gen("bad", max_tokens=50))
+        await wait_final(chunks)
+        assert chunks[-1].error["status"] == 500 and chunks[-1].error["retryable"]
+        later = await collect(bus, "_INBOX.t.good")
+        assert await dispatch(bus, gen("good", max_tokens=4))
+        await wait_final(later)
+        assert later[-1].finish_reason == "length" and not later[-1].error
+
+
+def test_tiny_top_p_keeps_the_top_token():
+    import torch
+    from actors.worker.engine.sampler import make_generator, sample_batch
+    from actors.worker.engine.types import SamplingParams
+    logits = torch.randn(1, 300)
+    [tok] = sample_batch(logits, [SamplingParams(top_p=4.6e-284, temperature=2.0)], [make_generator(1)])
+    assert tok == int(torch.argmax(logits[0]))

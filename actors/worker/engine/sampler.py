@@ -38,7 +38,8 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True)
     probs = sorted_logits.softmax(-1)
     mass_before = probs.cumsum(-1) - probs  # mass of strictly higher-ranked tokens
-    drop_sorted = mass_before >= top_p  # the first token is never dropped (mass_before = 0)
+    drop_sorted = mass_before >= top_p
+    drop_sorted[0] = False  # the top token always stays (a top_p below float32's range rounds to 0)
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
