@@ -194,6 +194,8 @@ def choice_count(endpoint: str, body: Any) -> int:
 
     Pure and cheap (no validation): for a body that passes validation it equals
     ``ValidatedRequest.num_choices``; the gateway uses it to know how many final chunks to expect.
+    Capped at ``MAX_CHOICES`` + 1: an absurd ``n`` (the validator refuses it) must not make the gateway
+    build billions of per-choice entries (found by the schemathesis run: ``n = 10000000001``).
     """
     if not isinstance(body, dict):
         return 1
@@ -204,7 +206,7 @@ def choice_count(endpoint: str, body: Any) -> int:
     if endpoint in ("completion", "completions") and isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
             prompts = len(p)
-    return n * prompts
+    return min(n * prompts, MAX_CHOICES + 1)
 
 
 def _common(body: dict, max_n: int = MAX_N) -> dict[str, Any]:

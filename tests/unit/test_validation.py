@@ -363,3 +363,9 @@ def test_completion_prompt_lists_and_echo():
 def test_choice_count_matches_validation(endpoint, body):
     v = validate_request(endpoint, body)
     assert choice_count(endpoint, body) == v.num_choices
+
+
+def test_choice_count_is_bounded_for_absurd_n():
+    from actors.validator.validation import MAX_CHOICES
+    assert choice_count("chat", {"n": 10000000001}) == MAX_CHOICES + 1
+    assert choice_count("completions", {"n": 3, "prompt": ["a", "b"]}) == 6
