@@ -134,8 +134,22 @@ def replace_scheduler(sup, current: subprocess.Popen | None, fcfs: bool, log_dir
            "--nats", sup.nats_url, "--etcd", sup.etcd_url] + (["--fcfs"] if fcfs else [])
     log = open(log_dir / f"bench-scheduler-{'fcfs' if fcfs else 'fair'}.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    time.sleep(3)  # subscribe + first worker re-list
+    asyncio.run(wait_active(sup.etcd_url, proc.pid))
     return proc
+
+
+async def wait_active(etcd_url: str, pid: int, timeout_s: float = 60.0) -> None:
+    """Wait until the scheduler process ``pid`` holds the version's election key (it is then subscribed
+    and has listed the workers once). RuntimeError after ``timeout_s``."""
+    from control.names import scheduler_key
+    from control.registry import Registry
+    async with Registry.connect(etcd_url) as reg:
+        t_end = time.monotonic() + timeout_s
+        while ((await reg.get_json(scheduler_key(MODEL, "1"))) or {}).get("pid") != pid:
+            if time.monotonic() > t_end:
+                raise RuntimeError(f"scheduler {pid} did not become active in {timeout_s:.0f} s")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # its first credit heartbeats (4 Hz) arrive
 
 
 def run(args: argparse.Namespace) -> dict:

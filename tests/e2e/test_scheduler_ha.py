@@ -69,7 +69,10 @@ def test_kill_active_scheduler_under_load(ha_stack, tmp_path):
                                cwd=REPO, stdout=open(tmp_path / "standby.log", "wb"), stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
-        time.sleep(2)
+        t_end = time.monotonic() + 30  # the standby has campaigned once it logs that it stands by
+        while b"standing by" not in (tmp_path / "standby.log").read_bytes():
+            assert standby.poll() is None and time.monotonic() < t_end, "standby did not start campaigning"
+            time.sleep(0.1)
         active = asyncio.run(holder(sup.etcd_url))
         assert active and active["scheduler_id"] != "standby" and active["pid"] == sup.pids["scheduler-0"]
 
