@@ -53,8 +53,17 @@ def new_tenant(sup, models=("tiny",), **quotas) -> tuple[str, str, str]:
             await adm.set_quota(name, **quotas)
         return name, key_id, key
     out = admin(sup, fn)
-    time.sleep(0.3)  # the gateways' watch
+    wait_until(lambda: all(httpx.get(sup.gateway_url(i) + "/v1/models", headers=bearer(out[2]),
+                                     timeout=10).status_code == 200 for i in range(sup.gateways)))
     return out
+
+
+def wait_until(cond, timeout_s: float = 5.0) -> None:
+    """Poll ``cond()`` every 50 ms until true (every gateway saw an etcd edit); AssertionError after the timeout."""
+    t_end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < t_end, "gateways did not pick up the tenant edit"
+        time.sleep(0.05)
 
 
 def bearer(key: str) -> dict:
@@ -85,9 +94,8 @@ def test_model_access_and_revocation_on_every_gateway(gw3):
     assert denied.json()["error"]["message"].replace("tiny", "X") == unknown.json()["error"]["message"].replace(
         "nope", "X")
     admin(gw3, lambda adm: adm.allow_models(name, ["tiny"]))
-    time.sleep(0.5)
-    ids = {m["id"] for m in httpx.get(urls[2] + "/v1/models", headers=bearer(key)).json()["data"]}
-    assert ids == {"tiny", "tiny@1"}
+    wait_until(lambda: {m["id"] for m in httpx.get(urls[2] + "/v1/models", headers=bearer(key)).json()["data"]}
+               == {"tiny", "tiny@1"})
     assert httpx.post(urls[2] + "/v1/completions", json=BODY, headers=bearer(key), timeout=60).status_code == 200
     t0 = time.monotonic()
     admin(gw3, lambda adm: adm.revoke_key(key_id))
