@@ -73,15 +73,26 @@ class ValidatorService:
         self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         self._tasks: set[asyncio.Task] = set()
         self._sub = None
+        self._cancel_sub = None
+        self._working: set[str] = set()  # request ids being validated here
+        self._cancelled: set[str] = set()  # ... of which a cancel was heard
 
     async def start(self) -> None:
         """Join the validators queue group."""
         self._sub = await self.bus.subscribe(subjects.VALIDATE, self._on_msg, queue=subjects.VALIDATORS_QUEUE)
+        self._cancel_sub = await self.bus.subscribe(subjects.cancel_all(), self._on_cancel)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        """Remember cancels of requests being validated here (a client may hang up during tokenization)."""
+        rid = msg.subject.rsplit(".", 1)[-1]
+        if rid in self._working:
+            self._cancelled.add(rid)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Leave the queue group and finish requests already taken (bounded)."""
-        if self._sub:
-            await self._sub.unsubscribe()
+        for sub in (self._sub, self._cancel_sub):
+            if sub:
+                await sub.unsubscribe()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
@@ -122,9 +133,20 @@ class ValidatorService:
                                type="unavailable") from exc
 
     async def _process(self, req: ApiRequest) -> None:
+        self._working.add(req.request_id)
+        try:
+            await self._process_one(req)
+        finally:
+            self._working.discard(req.request_id)
+            self._cancelled.discard(req.request_id)
+
+    async def _process_one(self, req: ApiRequest) -> None:
         async with self._sem:
             try:
                 gens = await self._prepare(req)
+                if req.request_id in self._cancelled:  # the client left while we tokenized: never schedule it
+                    return await self._fail(req, error_dict(499, "request cancelled", type_="cancelled",
+                                                            code="cancelled"))
                 await self._submit_all(gens)
             except RequestError as err:
                 retry = err.status >= 500 or err.status == 429  # overload / quota: try again later
