@@ -114,7 +114,7 @@ class Frontend:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "you must provide a model parameter", param="model")
-        name, version = self.resolver.snapshot.resolve(model)
+        name, version = self.resolver.snapshot.resolve(model, tenant=tenant, request_key=request_id)
         priority = body.get("priority", "interactive")
         if priority not in PRIORITIES:
             raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")

@@ -2,8 +2,13 @@
 
 Reads the registry (models, versions, routing, leased workers) from etcd and keeps a snapshot
 refreshed by a watch on ``/actorserve/models/`` plus a periodic re-read, so a request never waits
-on etcd. Resolution of ``name``: the routing table's stable version when set, else the highest
-active version (numeric order when versions are integers). Canary weights come in a later issue.
+on etcd. A routing edit seen by the watch is applied at once (a rollback takes effect in
+milliseconds); other edits trigger a re-read.
+
+Resolution of ``name`` (control/routing.py ``choose_version``): the routing table's canary for the
+requests its weight and stickiness select, else the table's stable version; with no usable stable,
+the highest active version that has live workers (else the highest active one), so registering a
+new version does not move traffic to it before it is served. ``name@version`` pins an active version.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from control.routing import RoutingTable, choose_version
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
@@ -38,26 +44,47 @@ class ModelSnapshot:
     workers: dict[tuple[str, str], int] = field(default_factory=dict)  # (name, version) -> live workers
     read_at: float = 0.0  # time.time() of the read
 
-    def resolve(self, ref: str) -> tuple[str, str]:
-        """(name, version) for a model reference; ApiError 404 when unknown. Adapters: later issue."""
+    def resolve(self, ref: str, *, tenant: str = "", request_key: str = "") -> tuple[str, str]:
+        """(name, version) for a model reference; ApiError 404 when unknown. Adapters: later issue.
+
+        ``tenant`` and ``request_key`` (the request id) feed the canary split's stickiness.
+        """
         from control.names import parse_model_ref
         try:
             parsed = parse_model_ref(ref)
         except (ValueError, TypeError):
             raise not_found(str(ref)) from None
-        active = {v: m for v, m in self.versions.get(parsed.name, {}).items() if m.get("status", "active") == "active"}
+        active = self.active_versions(parsed.name)
         if parsed.adapter:
             raise not_found(ref)
         if parsed.version:
             if parsed.version not in active:
                 raise not_found(ref)
             return parsed.name, parsed.version
-        stable = self.routing.get(parsed.name, {}).get("stable")
-        if stable in active:
-            return parsed.name, stable
-        if not active:
+        version = choose_version(parsed.name, self.table(parsed.name), active, tenant=tenant,
+                                 request_key=request_key, fallback=self.fallback_version(parsed.name))
+        if version is None:
             raise not_found(ref)
-        return parsed.name, max(active, key=version_order)
+        return parsed.name, version
+
+    def active_versions(self, name: str) -> frozenset[str]:
+        """Versions of ``name`` whose manifest status is active."""
+        return frozenset(v for v, m in self.versions.get(name, {}).items() if m.get("status", "active") == "active")
+
+    def table(self, name: str) -> RoutingTable:
+        """The model's routing table (empty when unset or unreadable)."""
+        try:
+            return RoutingTable.from_dict(self.routing.get(name))
+        except (ValueError, TypeError) as exc:
+            log.warning("routing table of %s is invalid (%s); using defaults", name, exc)
+            return RoutingTable()
+
+    def fallback_version(self, name: str) -> str | None:
+        """Highest active version with live workers, else the highest active one, else None."""
+        active = self.active_versions(name)
+        served = [v for v in active if self.workers.get((name, v), 0) > 0]
+        pool = served or list(active)
+        return max(pool, key=version_order) if pool else None
 
     def model_list(self) -> list[dict]:
         """``/v1/models`` entries: one per model name (``name``) and per version (``name@version``)."""
@@ -69,52 +96,105 @@ class ModelSnapshot:
                 out.append({"id": f"{name}@{v}", "object": "model", "created": created, "owned_by": "actorserve"})
         return out
 
+    def routed_versions(self) -> list[tuple[str, str]]:
+        """(name, version) pairs that unpinned traffic can reach now: each model's stable (or fallback)
+        version and the canary of a running rollout."""
+        out = []
+        for name in self.versions:
+            t, active = self.table(name), self.active_versions(name)
+            stable = t.stable if t.stable in active else self.fallback_version(name)
+            out += [(name, v) for v in {stable, t.canary if t.rollout_active else None} if v in active]
+        return out
+
     def all_versions_served(self) -> bool:
-        """Every active version has at least one leased worker (readiness)."""
-        active = [(n, v) for n, vs in self.versions.items() for v, m in vs.items()
-                  if m.get("status", "active") == "active"]
-        return bool(active) and all(self.workers.get(k, 0) > 0 for k in active)
+        """Every version unpinned traffic can reach has at least one leased worker (readiness). A version
+        being brought up or drained alongside does not make the gateway unready."""
+        routed = self.routed_versions()
+        return bool(routed) and all(self.workers.get(k, 0) > 0 for k in routed)
 
 
 class ModelResolver:
-    """Keeps a ModelSnapshot fresh from etcd. ``snapshot`` is always usable (possibly stale)."""
+    """Keeps a ModelSnapshot fresh from etcd. ``snapshot`` is always usable (possibly stale).
+
+    A watch on ``/actorserve/models/`` applies routing edits to the snapshot as they arrive and wakes
+    a re-read for any other edit; a periodic re-read every ``refresh_s`` seconds also picks up worker
+    leases and heals a broken watch.
+    """
 
     def __init__(self, registry, refresh_s: float = 1.0) -> None:
         self.registry = registry
         self.refresh_s = refresh_s
         self.snapshot = ModelSnapshot()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
+        self._seq = 0  # number of routing records applied from the watch
+        self._watched: dict[str, tuple[int, dict | None]] = {}  # name -> (seq, record) of the last one
 
     async def start(self) -> None:
-        """First read (bounded), then background refresh."""
+        """First read (bounded), then background refresh and watch."""
         try:
             await asyncio.wait_for(self.refresh(), 5.0)
         except Exception as exc:
             log.warning("initial registry read failed: %s", exc)
-        self._task = asyncio.create_task(self._loop())
+        self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._watch())]
 
     async def stop(self) -> None:
         """Stop refreshing."""
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def refresh(self) -> None:
-        """Re-read models, routing and worker counts."""
+        """Re-read models, routing and worker counts. A routing record the watch applied while this
+        read was under way wins over the (older) one read here."""
+        seq0 = self._seq
         models = await self.registry.list_models()
         routing, workers = {}, {}
         for name, vers in models.items():
             routing[name] = await self.registry.get_routing(name) or {}
             for v in vers:
                 workers[(name, v)] = len(await self.registry.list_workers(name, v))
+        for name, (seq, record) in self._watched.items():
+            if seq > seq0:
+                routing[name] = record or {}
         self.snapshot = ModelSnapshot(models, routing, workers, time.time())
+
+    def apply_routing(self, name: str, record: dict | None) -> None:
+        """Install one model's routing record in the snapshot now (from the watch)."""
+        self._seq += 1
+        self._watched[name] = (self._seq, record)
+        snap = self.snapshot
+        routing = {**snap.routing, name: record or {}}
+        self.snapshot = ModelSnapshot(snap.versions, routing, snap.workers, snap.read_at)
+
+    async def _watch(self) -> None:
+        from control.names import models_prefix, routing_key
+        prefix = models_prefix()
+        while True:
+            try:
+                async for event, key, value in self.registry.watch_prefix(prefix):
+                    name = key[len(prefix):].split("/", 1)[0]
+                    if key == routing_key(name):
+                        self.apply_routing(name, value if event == "put" else None)
+                    else:
+                        self._changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("registry watch failed: %s; retrying", exc)
+                await asyncio.sleep(1.0)
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
             try:
-                await asyncio.wait_for(self.refresh(), 5.0)
+                async with asyncio.timeout(self.refresh_s):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(5.0):
+                    await self.refresh()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep serving from the last snapshot while etcd is away
