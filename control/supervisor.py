@@ -50,10 +50,14 @@ DEFAULT_QUANTIZATION = "Q4_1"
 DEFAULT_CONTEXT_LENGTH = 8192
 PIDS_FILE = "pids.json"
 
-# Stop order: the edges first (no new traffic), then the pipeline front to back.
-STOP_ORDER = ("gateway", "jobs", "validator", "scheduler", "worker")
-# Start order: the slow loaders first, the edges last.
-START_ORDER = ("worker", "scheduler", "validator", "jobs", "gateway")
+# Stop order: the rollout controller first (no decisions while the stack goes away), then the edges
+# (no new traffic), then the pipeline front to back.
+STOP_ORDER = ("rollout", "gateway", "jobs", "validator", "scheduler", "worker")
+# Start order: the slow loaders first, the edges last. A kind missing from control.cli.ACTOR_MODULES
+# (e.g. "rollout" before its actor exists) is skipped.
+START_ORDER = ("worker", "scheduler", "validator", "jobs", "rollout", "gateway")
+# Actors that serve one model version (started and drained as versions come and go).
+MODEL_KINDS = ("scheduler", "worker")
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,6 +195,25 @@ def _run_coro(coro: Any) -> Any:
 # helpers
 
 
+def manifest_fingerprint(manifest: Mapping[str, Any]) -> str:
+    """A stable digest of a manifest (all keys but ``status``): a change means the version's
+    processes must be restarted to pick it up."""
+    data = {k: v for k, v in manifest.items() if k != "status"}
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def version_worker_count(manifest: Mapping[str, Any], default: int) -> int:
+    """Workers to run for a version: the manifest's extra key ``workers`` (an integer >= 0), else
+    ``default``."""
+    n = manifest.get("workers")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        return n
+    if n is not None:
+        log.warning("manifest of %s@%s: workers=%r is not an integer >= 0; using %d",
+                    manifest.get("name"), manifest.get("version"), n, default)
+    return default
+
+
 def tail_file(path: str | os.PathLike[str], max_bytes: int = 4000) -> str:
     """The last ``max_bytes`` of a text file (decoded leniently), or a note if unreadable."""
     try:
@@ -244,6 +267,8 @@ class ActorProcess:
     proc: subprocess.Popen[bytes] | None = None
     restarts: collections.deque[float] = field(default_factory=collections.deque)
     given_up: bool = False
+    model: str | None = None  # "name@version" for schedulers and workers
+    dynamic: bool = False  # started by the registry watch (its death is not fatal during wait_ready)
 
     @property
     def pid(self) -> int | None:
@@ -268,6 +293,15 @@ class Supervisor:
     while waiting for readiness, so its loading progress bar shows), ``supervise`` (restart
     actors that die after :meth:`wait_ready` succeeded, at most ``max_restarts`` per
     ``restart_window_s`` each), ``stop_timeout_s`` (grace per kind before SIGKILL).
+
+    ``watch_registry`` (default True): a thread polls the registry every ``registry_poll_s`` seconds
+    and, for every active version it does not run yet, starts its scheduler and workers (as many as
+    the manifest's extra key ``workers``, else ``workers``; named ``scheduler-<name>-<version>`` and
+    ``worker-<name>-<version>-<n>``, while the version registered by :meth:`start` keeps
+    ``scheduler-0`` / ``worker-<n>``); a version that becomes retired or disabled, is deleted, or
+    whose manifest changes, has its processes drained (SIGTERM, SIGKILL after ``stop_timeout_s``)
+    and, if still active, started again. Other actors are never restarted for a registry edit.
+    ``pids.json`` is rewritten on every change; new model names are added to the dev tenant.
     """
 
     def __init__(
@@ -292,6 +326,8 @@ class Supervisor:
         restart_window_s: float = 60.0,
         stop_timeout_s: float = 10.0,
         python: str | None = None,
+        watch_registry: bool = True,
+        registry_poll_s: float = 0.5,
     ) -> None:
         from control.names import validate_name
 
@@ -320,6 +356,8 @@ class Supervisor:
         self.restart_window_s = float(restart_window_s)
         self.stop_timeout_s = float(stop_timeout_s)
         self.python = python or sys.executable
+        self.watch_registry = bool(watch_registry)
+        self.registry_poll_s = float(registry_poll_s)
 
         self.stack: Any = None  # control.embedded.EmbeddedStack once started
         self.gateway_ports: list[int] = []
@@ -332,6 +370,10 @@ class Supervisor:
         self._ready = False
         self._monitor: threading.Thread | None = None
         self._events: list[str] = []
+        self._watcher: threading.Thread | None = None
+        self._versions: dict[str, str] = {}  # "name@version" running -> fingerprint of its manifest
+        self._draining: list[ActorProcess] = []  # removed from self.actors, being stopped
+        self._bad_manifests: set[str] = set()  # invalid active versions already reported
 
     # -- properties ------------------------------------------------------------------------
 
@@ -452,10 +494,15 @@ class Supervisor:
             self._build_actors()
             for a in self.actors:
                 self._spawn(a)
+            self._versions[self.model_ref] = manifest_fingerprint(self.manifest)
             self._write_pids()
         except BaseException:
             self.stop()
             raise
+        if self.watch_registry:
+            self._watcher = threading.Thread(target=self._watch_thread, name="actorserve-registry-watch",
+                                             daemon=True)
+            self._watcher.start()
         if self.supervise:
             self._monitor = threading.Thread(target=self._monitor_loop, name="actorserve-supervisor", daemon=True)
             self._monitor.start()
@@ -473,16 +520,18 @@ class Supervisor:
         return argv
 
     def _build_actors(self) -> None:
+        from control.cli import ACTOR_MODULES
+
         ref = self.model_ref
         actors: list[ActorProcess] = []
         for kind in START_ORDER:
+            if kind not in ACTOR_MODULES:
+                continue
             if kind == "worker":
-                for n in range(self.workers):
-                    argv = self._base_argv(kind) + ["--model", ref, "--worker-id", f"worker-{n}"]
-                    actors.append(self._actor(kind, n, argv))
+                actors += [a for a in self._version_actors(ref, self.workers) if a.kind == "worker"]
             elif kind == "scheduler":
-                actors.append(self._actor(kind, 0, self._base_argv(kind) + ["--model", ref]))
-            elif kind in ("validator", "jobs"):
+                actors += [a for a in self._version_actors(ref, self.workers) if a.kind == "scheduler"]
+            elif kind in ("validator", "jobs", "rollout"):
                 actors.append(self._actor(kind, 0, self._base_argv(kind)))
             else:
                 for n in range(self.gateways):
@@ -493,8 +542,28 @@ class Supervisor:
         self.actors = actors
 
     def _actor(self, kind: str, n: int, argv: list[str]) -> ActorProcess:
-        name = f"{kind}-{n}"
-        return ActorProcess(name, kind, argv + self.actor_args.get(kind, []), self.logs_dir / f"{name}.log")
+        return self._named_actor(f"{kind}-{n}", kind, argv)
+
+    def _named_actor(self, name: str, kind: str, argv: list[str], model: str | None = None) -> ActorProcess:
+        return ActorProcess(name, kind, argv + self.actor_args.get(kind, []), self.logs_dir / f"{name}.log",
+                            model=model)
+
+    def _version_actors(self, ref: str, workers: int) -> list[ActorProcess]:
+        """The scheduler and ``workers`` workers of model version ``ref`` (not started), workers first.
+
+        The version registered by :meth:`start` keeps the names ``scheduler-0`` / ``worker-<n>``;
+        any other gets ``scheduler-<name>-<version>`` / ``worker-<name>-<version>-<n>`` (also the
+        worker ids)."""
+        name, _, version = ref.partition("@")
+        initial = ref == self.model_ref
+        out: list[ActorProcess] = []
+        for n in range(workers):
+            wid = f"worker-{n}" if initial else f"worker-{name}-{version}-{n}"
+            argv = self._base_argv("worker") + ["--model", ref, "--worker-id", wid]
+            out.append(self._named_actor(wid, "worker", argv, model=ref))
+        sname = "scheduler-0" if initial else f"scheduler-{name}-{version}"
+        out.append(self._named_actor(sname, "scheduler", self._base_argv("scheduler") + ["--model", ref], model=ref))
+        return out
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -559,7 +628,7 @@ class Supervisor:
                     echo()
                 with self._lock:
                     for a in self.actors:
-                        if a.proc is not None and a.proc.poll() is not None:
+                        if not a.dynamic and a.proc is not None and a.proc.poll() is not None:
                             raise self._died_error(a)
                 pending = [n for n in pending if http_status(f"{self._probe_url(n)}/readyz") != 200]
                 if not pending:
@@ -675,6 +744,136 @@ class Supervisor:
         """Block until :meth:`request_stop` is called (True) or ``timeout`` passes (False)."""
         return self._stop_requested.wait(timeout)
 
+    # -- registry watch: versions come and go live ------------------------------------------
+
+    def _watch_thread(self) -> None:
+        try:
+            asyncio.run(self._watch_registry())
+        except Exception:  # pragma: no cover - logged, the rest of the stack keeps running
+            log.exception("registry watch stopped")
+
+    async def _watch_registry(self) -> None:
+        """Poll the registry every ``registry_poll_s`` s (one connection, reopened after errors) and
+        reconcile the running model versions with it until :meth:`stop`."""
+        from control.registry import Registry
+
+        reg = None
+        allowed: set[str] | None = None  # model names the dev tenant was given (start() did the first)
+        warned = False
+        try:
+            while not self._stop_requested.is_set():
+                try:
+                    if reg is None:
+                        reg = await Registry.open(self.stack.etcd_url, timeout=3.0)
+                    models = await reg.list_models()
+                    warned = False
+                except Exception as e:
+                    if not warned and not self._stop_requested.is_set():
+                        log.warning("registry watch: cannot read the registry (%r); retrying", e)
+                        warned = True
+                    if reg is not None:
+                        await reg.close()
+                        reg = None
+                    await asyncio.sleep(self.registry_poll_s)
+                    continue
+                if allowed is None:
+                    allowed = set(models)
+                new_names = set(models) - allowed
+                if new_names and self.dev_api_key:
+                    try:
+                        from control.tenants import TenantAdmin
+
+                        await TenantAdmin(reg).ensure_dev_tenant(self.state_dir, sorted(new_names))
+                        allowed |= new_names
+                    except Exception as e:
+                        log.warning("registry watch: could not allow %s for the dev tenant: %r",
+                                    ", ".join(sorted(new_names)), e)
+                # Spawning is quick; draining may wait up to stop_timeout_s: keep it off the loop.
+                await asyncio.to_thread(self.reconcile, models)
+                await asyncio.sleep(self.registry_poll_s)
+        finally:
+            if reg is not None:
+                await reg.close()
+
+    def reconcile(self, models: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> tuple[list[str], list[str]]:
+        """Make the running model versions match the registry listing ``models``
+        (``{name: {version: manifest}}``, as :meth:`control.registry.Registry.list_models` returns).
+
+        Starts the scheduler and workers of every valid active version not running yet; drains (and
+        forgets) those of versions that are gone, no longer active or whose manifest changed (a
+        changed active one is then started again). Returns ``(started, stopped)`` refs. Called by the
+        registry watch; safe to call from any thread. Does nothing once :meth:`stop` began.
+        """
+        from control.registry import ModelManifest
+
+        desired: dict[str, tuple[str, int]] = {}
+        for name, versions in models.items():
+            for version, manifest in versions.items():
+                if not isinstance(manifest, Mapping) or manifest.get("status", "active") != "active":
+                    continue
+                ref = f"{name}@{version}"
+                try:
+                    ModelManifest.from_dict({"name": name, "version": version, **manifest})
+                except ValueError as e:
+                    if ref not in self._bad_manifests:
+                        log.error("not starting %s: invalid manifest: %s", ref, e)
+                        self._bad_manifests.add(ref)
+                    continue
+                self._bad_manifests.discard(ref)
+                desired[ref] = (manifest_fingerprint(manifest), version_worker_count(manifest, self.workers))
+        with self._lock:
+            if self._stopping:
+                return [], []
+            stop_refs = [r for r, fp in self._versions.items() if r not in desired or desired[r][0] != fp]
+            draining: list[ActorProcess] = []
+            for ref in stop_refs:
+                del self._versions[ref]
+                group = [a for a in self.actors if a.model == ref]
+                self.actors = [a for a in self.actors if a.model != ref]
+                draining += group
+                msg = f"{ref} left the registry's active versions (or changed): draining " + \
+                    (", ".join(a.name for a in group) or "nothing")
+                log.info(msg)
+                self._events.append(msg)
+            self._draining += draining
+            if draining:
+                self._write_pids()
+        if draining:
+            for kind in STOP_ORDER:
+                self._terminate([a for a in draining if a.kind == kind])
+            with self._lock:
+                gone = {id(a) for a in draining}
+                self._draining = [a for a in self._draining if id(a) not in gone]
+        started: list[str] = []
+        with self._lock:
+            if self._stopping:
+                return started, stop_refs
+            for ref, (fp, workers) in sorted(desired.items()):
+                if ref in self._versions:
+                    continue
+                group = self._version_actors(ref, workers)
+                for a in group:
+                    a.dynamic = True
+                    self.actors.append(a)
+                    try:
+                        self._spawn(a)
+                    except OSError as e:
+                        log.error("could not start %s: %s", a.name, e)
+                self._versions[ref] = fp
+                started.append(ref)
+                msg = f"{ref} registered: started " + ", ".join(a.name for a in group)
+                log.info(msg)
+                self._events.append(msg)
+            if started:
+                self._write_pids()
+        return started, stop_refs
+
+    @property
+    def running_versions(self) -> list[str]:
+        """``name@version`` of every model version whose processes this supervisor runs, sorted."""
+        with self._lock:
+            return sorted(self._versions)
+
     # -- stop ------------------------------------------------------------------------------
 
     def _terminate(self, group: list[ActorProcess]) -> None:
@@ -715,9 +914,12 @@ class Supervisor:
             self._stopping = True
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=5)
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=self.stop_timeout_s + 15)
         with self._lock:
+            group = self.actors + self._draining
             for kind in STOP_ORDER:
-                self._terminate([a for a in self.actors if a.kind == kind])
+                self._terminate([a for a in group if a.kind == kind])
         if self.stack is not None:
             self.stack.stop()
         try:
@@ -747,7 +949,7 @@ def main_up(args: argparse.Namespace) -> int:
     level = log_level_of(args)
     setup_logging("supervisor", level)
     actor_args: dict[str, list[str]] = {}
-    for kind in ("gateway", "validator", "scheduler", "worker", "jobs"):
+    for kind in START_ORDER:
         extra = getattr(args, f"{kind}_args", None)
         if extra:
             actor_args[kind] = shlex.split(extra)

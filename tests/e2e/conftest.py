@@ -23,7 +23,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     """The default deployment: 1 gateway, validator, scheduler, worker (SmolLM2)."""
     from control.supervisor import Supervisor
 
-    sup = Supervisor(tmp_path_factory.mktemp("e2e-state"), port=0, supervise=False,
+    # watch_registry=False: tests on this stack register tiny@1 and start its actors themselves.
+    sup = Supervisor(tmp_path_factory.mktemp("e2e-state"), port=0, supervise=False, watch_registry=False,
                      actor_args={"worker": ["--kv-cache-bytes", str(128 * 1024 * 1024)]})
     sup.start()
     try:

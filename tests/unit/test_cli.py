@@ -164,7 +164,8 @@ def test_supervisor_actor_commands_parse(tmp_path):
     sup.gateway_ports = [8100, 8101]
     sup._build_actors()
     names = [a.name for a in sup.actors]
-    assert names == ["worker-0", "worker-1", "scheduler-0", "validator-0", "jobs-0", "gateway-0", "gateway-1"]
+    rollout = ["rollout-0"] if "rollout" in ACTOR_MODULES else []  # the rollout controller, one process
+    assert names == ["worker-0", "worker-1", "scheduler-0", "validator-0", "jobs-0", *rollout, "gateway-0", "gateway-1"]
     for a in sup.actors:
         assert a.argv[:3] == [sys.executable, "-m", "control.cli"]
         args = _parse(*a.argv[3:])
