@@ -7,6 +7,7 @@ Verbs::
     actorserve models {register,list,show,retire,register-default} ...   (control/models_cli.py)
     actorserve status [--state-dir DIR] [--json]
     actorserve tenants {create,list,show,keys,set-quota,allow-models,priority,set-weight} ...
+    actorserve rollout {start,set-weight,promote,rollback,status} NAME ...   (control/rollout_cli.py)
 
 Building the parser imports no actor module (``actorserve --help`` stays fast and torch-free); the
 actor verbs load their module only when that verb is parsed (or its help is shown): the module's
@@ -38,6 +39,7 @@ ACTOR_MODULES = {
     "scheduler": "actors.scheduler.actor",
     "worker": "actors.worker.actor",
     "jobs": "actors.jobs.actor",
+    "rollout": "control.rollout_controller",
 }
 ACTOR_HELP = {
     "gateway": "HTTP (OpenAI-compatible) and NATS API edge",
@@ -45,6 +47,7 @@ ACTOR_HELP = {
     "scheduler": "fair queues, admission and dispatch for one model version",
     "worker": "loads one model version and runs the engine",
     "jobs": "runs durable async jobs (JetStream) at batch priority",
+    "rollout": "canary analysis: steps, promotes or rolls back rollouts (etcd election, one active)",
 }
 MODEL_ACTORS = ("scheduler", "worker")
 
@@ -230,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     from control.tenants_cli import add_tenant_commands
 
     add_tenant_commands(sub)
+
+    # -- rollout ----------------------------------------------------------------------------
+    from control.rollout_cli import add_rollout_commands
+
+    add_rollout_commands(sub)
 
     # -- status -----------------------------------------------------------------------------
     st = sub.add_parser("status", help="show endpoints, processes, models and live workers")

@@ -169,6 +169,16 @@ def scheduler_key(name: str, version: str) -> str:
     )
 
 
+def controllers_prefix() -> str:
+    """Prefix of the control-plane controllers' election keys: ``/actorserve/controllers/``."""
+    return f"{ROOT}/controllers/"
+
+
+def controller_key(kind: str) -> str:
+    """Leased election key of one controller kind, e.g. ``/actorserve/controllers/rollout``."""
+    return f"{controllers_prefix()}{validate_name('controller kind', kind)}"
+
+
 def pools_prefix() -> str:
     """Prefix of every pool record: ``/actorserve/pools/``."""
     return f"{ROOT}/pools/"

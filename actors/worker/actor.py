@@ -71,7 +71,9 @@ async def main(args: argparse.Namespace) -> None:
         log.info("worker %s loaded %s@%s; KV cache: %s", worker_id, ref.name, ref.version,
                  engine.kv.describe() if hasattr(engine, "kv") else "?")
         bus = await NatsBus.connect(nats_url, name=f"worker-{worker_id}")
-        svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version))
+        from actors.worker.faults import from_manifest as faults_from_manifest
+        svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version),
+                            faults=faults_from_manifest(manifest))  # None unless ACTORSERVE_TEST_FAULTS=1
         await svc.start()
         info = {"worker_id": worker_id, "pid": os.getpid(), "device": args.device, "dtype": args.dtype,
                 "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}

@@ -89,8 +89,10 @@ async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float =
 class WorkerService:
     """Runs the engine for one model version on one bus. Use ``async with`` or ``start()/stop()``."""
 
-    def __init__(self, bus: Bus, engine, config: WorkerConfig) -> None:
+    def __init__(self, bus: Bus, engine, config: WorkerConfig, faults=None) -> None:
         self.bus, self.engine, self.cfg = bus, engine, config
+        self.faults = faults  # test-only FaultInjector (actors/worker/faults.py), None in production
+        self._fault_tasks: set[asyncio.Task] = set()
         self.live: dict[str, _Live] = {}
         self._adds: list[GenerateRequest] = []
         self._aborts: list[tuple[str, str]] = []
@@ -129,7 +131,7 @@ class WorkerService:
         """Cancel loops and subscriptions (no drain; call ``drain`` first for a graceful stop)."""
         for sub in self._subs:
             await sub.unsubscribe()
-        for t in self._tasks:
+        for t in (*self._tasks, *self._fault_tasks):
             t.cancel()
         _, pending = await asyncio.wait(self._tasks, timeout=5.0)
         for t in pending:
@@ -162,7 +164,14 @@ class WorkerService:
         if msg.reply:
             await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
         if ok:
-            self.live[req.request_id] = _Live(req, time.time())
+            lv = self.live[req.request_id] = _Live(req, time.time())
+            if self.faults is not None:  # test-only fault injection: delays or fails it off the engine loop
+                t = asyncio.create_task(self.faults.admit(
+                    lambda: self.live.get(req.request_id) is lv and not lv.aborted,
+                    lambda: (self._adds.append(req), self._wake.set()), lambda err: self._finish_error(lv, err)))
+                self._fault_tasks.add(t)
+                t.add_done_callback(self._fault_tasks.discard)
+                return
             self._adds.append(req)
             self._wake.set()
 
