@@ -132,7 +132,11 @@ def run(func, args: argparse.Namespace) -> int:
     except (RolloutError, ValueError) as e:
         print(f"actorserve: {e}", file=sys.stderr)
         return 2
-    except (TimeoutError, OSError, ConnectionError) as e:
+    except Exception as e:  # etcd unreachable (TimeoutError, aetcd ClientError, OSError)
+        import aetcd.exceptions
+
+        if not isinstance(e, (TimeoutError, OSError, aetcd.exceptions.ClientError)):
+            raise
         print(f"actorserve: etcd unreachable: {e or type(e).__name__}", file=sys.stderr)
         return 2
 
