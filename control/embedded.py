@@ -330,15 +330,42 @@ class EmbeddedNats(_ServerProcess):
         startup_timeout: float = 30.0,
         max_file_store: str = DEFAULT_JS_MAX_FILE_STORE,
         max_memory_store: str = DEFAULT_JS_MAX_MEMORY_STORE,
+        auth: bool = False,
     ) -> None:
         super().__init__(state_dir, startup_timeout=startup_timeout)
         self.max_file_store = max_file_store
         self.max_memory_store = max_memory_store
+        self.auth = auth  # users: the internal one (actors) plus one per tenant key (control/nats_auth.py)
+        self.tenant_users: list[dict[str, Any]] = []
+        self.reloads = 0  # config reloads sent (SIGHUP) after a tenant user change
 
     @property
     def url(self) -> str:
         """Client URL, ``nats://127.0.0.1:PORT``."""
         return f"nats://{LOOPBACK}:{self.port}"
+
+    @property
+    def client_url(self) -> str:
+        """URL the actors use: ``url`` with the internal user's credentials when ``auth`` is on."""
+        if not self.auth:
+            return self.url
+        from control.nats_auth import INTERNAL_USER, internal_password, with_credentials
+        return with_credentials(self.url, INTERNAL_USER, internal_password(self.state_dir))
+
+    def set_tenant_users(self, users: list[dict[str, Any]]) -> bool:
+        """Install tenant NATS users (control.nats_auth.tenant_users); when they changed and the server
+        runs, rewrite the config and reload it (SIGHUP: nats-server re-checks connected clients, so a
+        removed user is disconnected). Returns True when a reload was sent."""
+        with self._lock:
+            if users == self.tenant_users:
+                return False
+            self.tenant_users = list(users)
+            if not (self.auth and self.running and self.ports):
+                return False
+            self._write_config()
+            os.kill(self._proc.pid, signal.SIGHUP)
+            self.reloads += 1
+            return True
 
     @property
     def monitor_port(self) -> int:
@@ -370,7 +397,14 @@ class EmbeddedNats(_ServerProcess):
             f"  max_file_store: {self.max_file_store}\n"
             f"  max_memory_store: {self.max_memory_store}\n"
             "}\n"
+            + self._auth_section()
         )
+
+    def _auth_section(self) -> str:
+        if not self.auth:
+            return ""
+        from control.nats_auth import authorization_block, internal_password
+        return authorization_block(internal_password(self.state_dir), self.tenant_users)
 
     def _argv(self, binary: str) -> list[str]:
         self._write_config()
@@ -445,18 +479,21 @@ class EmbeddedStack:
     """Both embedded servers (etcd and nats-server) under one state directory.
 
     ``start()`` starts etcd then NATS (if NATS fails, etcd is stopped again before raising);
-    ``stop()`` stops NATS then etcd. Usable as ``with`` / ``async with``.
+    ``stop()`` stops NATS then etcd. Usable as ``with`` / ``async with``. ``nats_auth``: NATS users on
+    (an internal user for the actors, tenant users via ``nats.set_tenant_users``; control/nats_auth.py).
     """
 
-    def __init__(self, state_dir: str | os.PathLike[str], *, startup_timeout: float = 30.0) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], *, startup_timeout: float = 30.0,
+                 nats_auth: bool = False) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.etcd = EmbeddedEtcd(self.state_dir, startup_timeout=startup_timeout)
-        self.nats = EmbeddedNats(self.state_dir, startup_timeout=startup_timeout)
+        self.nats = EmbeddedNats(self.state_dir, startup_timeout=startup_timeout, auth=nats_auth)
 
     @property
     def nats_url(self) -> str:
-        """``nats://127.0.0.1:PORT`` of the embedded NATS server."""
-        return self.nats.url
+        """``nats://127.0.0.1:PORT`` of the embedded NATS server, with the internal user's credentials
+        (``nats://actorserve:PASSWORD@...``) when ``nats_auth`` is on."""
+        return self.nats.client_url
 
     @property
     def etcd_url(self) -> str:
@@ -509,14 +546,17 @@ def write_endpoints(
 ) -> Path:
     """Atomically write ``<state-dir>/endpoints.json`` with nats_url, etcd_url, http_url.
 
-    ``http_url`` may be None (written as null) when no gateway runs. Returns the file's path.
+    ``http_url`` may be None (written as null) when no gateway runs. The file is mode 0600: ``nats_url``
+    carries the internal NATS user's password when NATS users are on. Returns the file's path.
     """
     d = Path(state_dir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / ENDPOINTS_FILE
     tmp = path.with_name(f".{ENDPOINTS_FILE}.{os.getpid()}.tmp")
     data = {"nats_url": nats_url, "etcd_url": etcd_url, "http_url": http_url}
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -169,6 +169,21 @@ async def ensure_dev_tenant(etcd_url: str, state_dir: Path) -> str:
         return await TenantAdmin(reg).ensure_dev_tenant(state_dir, sorted(await reg.list_models()))
 
 
+async def _tenant_records(etcd_url: str) -> dict[str, Any]:
+    from control.registry import Registry
+
+    async with Registry.connect(etcd_url) as reg:
+        return await reg.list_tenants()
+
+
+def start_nats_user_sync(stack: Any) -> Any:
+    """Keep the embedded nats-server's tenant users in step with etcd (control/nats_auth.py); returns
+    the running TenantUserSync (``stop()`` it)."""
+    from control.nats_auth import TenantUserSync
+
+    return TenantUserSync(lambda: _run_coro(_tenant_records(stack.etcd_url)), stack.nats.set_tenant_users).start()
+
+
 def _run_coro(coro: Any) -> Any:
     """Run ``coro`` to completion from sync code, even when this thread already runs a loop."""
     try:
@@ -483,13 +498,14 @@ class Supervisor:
                 self.model_name, self.model_version, self.model_file, context_length=self.context_length
             )
             self._check_abort()
-            self.stack = EmbeddedStack(self.state_dir)
+            self.stack = EmbeddedStack(self.state_dir, nats_auth=True)
             self.stack.start()
             self._check_abort()
             write_endpoints(self.state_dir, self.stack.nats_url, self.stack.etcd_url, self.http_url)
             self.manifest = _run_coro(register_model(self.stack.etcd_url, self.manifest))
             log.info("registered %s (%s)", self.model_ref, self.manifest.get("artifact"))
             self.dev_api_key = _run_coro(ensure_dev_tenant(self.stack.etcd_url, self.state_dir))
+            self._user_sync = start_nats_user_sync(self.stack)
             self._check_abort()
             self._build_actors()
             for a in self.actors:
@@ -920,6 +936,8 @@ class Supervisor:
             group = self.actors + self._draining
             for kind in STOP_ORDER:
                 self._terminate([a for a in group if a.kind == kind])
+        if getattr(self, "_user_sync", None) is not None:
+            self._user_sync.stop()
         if self.stack is not None:
             self.stack.stop()
         try:

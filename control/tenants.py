@@ -36,6 +36,8 @@ QUOTA_FIELDS = ("rpm", "tpm", "concurrency", "daily_tokens")
 KEY_PREFIX = "sk-as-"
 DEV_TENANT = "dev"
 DEV_KEY_FILE = "dev-api-key"
+DEV_NATS_USER_FILE = "dev-nats-user"  # NATS user name (= key id) of the dev key, for the NATS API
+NATS_BCRYPT_COST = 10  # ~50 ms per NATS connect; the key itself has 256 random bits
 
 
 class TenantError(ValueError):
@@ -185,6 +187,7 @@ class TenantAdmin:
                 def change(r: dict[str, Any]) -> None:
                     e = r["keys"][key_id]
                     e.pop("hash", None)
+                    e.pop("nats_hash", None)
                     e["revoked"] = time.time()
                 await self.update(t.id, change)
                 return t.id
@@ -224,7 +227,8 @@ class TenantAdmin:
 
     async def ensure_dev_tenant(self, state_dir: str | os.PathLike[str], models: list[str]) -> str:
         """Make sure tenant ``dev`` exists, allows ``models`` (added to its list) and accepts the key in
-        ``<state_dir>/dev-api-key``; create that key (file mode 0600) on first use. Returns the key."""
+        ``<state_dir>/dev-api-key``; create that key (file mode 0600) on first use. Writes the key's NATS user
+        name (its key id) to ``<state_dir>/dev-nats-user``. Returns the key."""
         path = Path(state_dir) / DEV_KEY_FILE
         key = path.read_text().strip() if path.exists() else ""
         try:
@@ -233,24 +237,41 @@ class TenantAdmin:
             await self.create(DEV_TENANT, allowed_models=models, with_key=False)
         if not key:
             key = new_api_key()[1]
-            tmp = path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(key + "\n")
-            os.replace(tmp, path)
+            _write_private(path, key)
         h = hash_key(key)
 
         def change(r: dict[str, Any]) -> None:
             r["allowed_models"] = sorted(set(r.get("allowed_models") or ()) | set(models))
-            if h not in Tenant.from_record(DEV_TENANT, r).active_key_hashes():
+            kid = Tenant.from_record(DEV_TENANT, r).active_key_hashes().get(h)
+            if kid is None:
                 r.setdefault("keys", {})["kdev" + secrets.token_hex(4)] = _key_entry(key)
-        await self.update(DEV_TENANT, change)
+            elif not r["keys"][kid].get("nats_hash"):  # a state dir from before NATS users existed
+                r["keys"][kid]["nats_hash"] = nats_password_hash(key)
+        tenant = await self.update(DEV_TENANT, change)
+        kid = tenant.active_key_hashes()[h]
+        _write_private(Path(state_dir) / DEV_NATS_USER_FILE, kid)
         return key
 
 
 def _key_entry(api_key: str) -> dict[str, Any]:
-    return {"hash": hash_key(api_key), "prefix": api_key[:len(KEY_PREFIX) + 4], "created": time.time(),
-            "revoked": None}
+    return {"hash": hash_key(api_key), "nats_hash": nats_password_hash(api_key),
+            "prefix": api_key[:len(KEY_PREFIX) + 4], "created": time.time(), "revoked": None}
+
+
+def nats_password_hash(api_key: str) -> str:
+    """bcrypt hash (cost NATS_BCRYPT_COST) of an API key: the password of the key's NATS user in the
+    embedded nats-server's config (nats-server accepts bcrypt hashes as passwords; docs.nats.io,
+    "Username/Password": bcrypted passwords). The user name is the key id."""
+    import bcrypt
+    return bcrypt.hashpw(api_key.encode("utf-8"), bcrypt.gensalt(NATS_BCRYPT_COST)).decode("ascii")
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
 
 
 def key_matches(api_key: str, stored_hash: str) -> bool:

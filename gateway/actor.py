@@ -42,11 +42,11 @@ async def main(args: argparse.Namespace) -> None:
         await resolver.start()
         fe = Frontend(bus, resolver, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms))
         await fe.start()
-        api = NatsApi(fe)
-        await api.start()
         from gateway.tenancy import Tenancy
         tenancy = Tenancy(reg, bus.client.jetstream(), gateway_id=gid)
         await tenancy.start()
+        api = NatsApi(fe, tenancy)
+        await api.start()
         runner = web.AppRunner(HttpFront(fe, tenancy).app(args.max_body_bytes), shutdown_timeout=10.0)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

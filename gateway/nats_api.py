@@ -1,13 +1,17 @@
 """Public NATS API: ``as.api.v1.chat``, ``as.api.v1.completions`` (queue group "gateways") and ``as.api.v1.cancel``.
 
-Request: the OpenAI JSON body, published with a reply subject (the caller's inbox). Optional headers:
-``x-actorserve-deadline-ms``. Replies, all JSON on the caller's inbox:
+Request: the OpenAI JSON body, published with a reply subject (the caller's inbox). Headers:
+``Authorization: Bearer <api key>`` (required when the gateway has a tenancy layer, i.e. always in a
+deployed stack: 401 otherwise) and optional ``x-actorserve-deadline-ms``. The reply subject must lie
+under the key's tenant inbox prefix ``_INBOX.<tenant>.`` (403 otherwise: a tenant cannot direct output,
+or charges, into another tenant's inbox). Model access and quotas apply as over HTTP. Replies, all JSON on the caller's inbox:
 - non-streaming: one message, the chat.completion / text_completion object, or
   ``{"error": {...}, "status": N, "final": true}``;
 - streaming (``"stream": true``): the same chunk objects as the SSE stream, one per message; the last
   one carries ``"final": true`` (it is the finish chunk, the usage chunk, or an error object).
 Cancel: publish ``{"request_id": "<id>"}`` (the id, or the response id ``chatcmpl-<id>``) to
-``as.api.v1.cancel``.
+``as.api.v1.cancel`` with the same ``Authorization`` header; the cancel carries the tenant, and a
+worker ignores a cancel from another tenant.
 """
 
 from __future__ import annotations
@@ -34,11 +38,26 @@ def error_reply(err: ApiError) -> bytes:
     return orjson.dumps({**err.body(), "status": err.status, "retry_after": err.retry_after, "final": True})
 
 
-class NatsApi:
-    """Serves the public NATS API on one Frontend."""
+def _header(msg: Msg, name: str) -> str | None:
+    headers = msg.headers or {}
+    return headers.get(name) or headers.get(name.lower()) or headers.get(name.title())
 
-    def __init__(self, frontend: Frontend) -> None:
+
+def forbidden_reply_subject(tenant: str) -> ApiError:
+    """403 for a reply subject outside the tenant's inbox prefix. The reply goes to that foreign inbox, so
+    it names no tenant."""
+    return ApiError(403, "the reply subject must lie under your tenant's inbox prefix _INBOX.<tenant>. "
+                    "(nats-py: connect with inbox_prefix=\"_INBOX.<tenant>\")",
+                    type="permission_error", param="reply", code="reply_subject_not_allowed")
+
+
+class NatsApi:
+    """Serves the public NATS API on one Frontend; ``tenancy`` (gateway.tenancy.Tenancy) authenticates
+    and admits like the HTTP front (None: single-tenant ``dev``, for tests without etcd)."""
+
+    def __init__(self, frontend: Frontend, tenancy=None) -> None:
         self.fe = frontend
+        self.tenancy = tenancy
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
 
@@ -69,22 +88,56 @@ class NatsApi:
         except BusError as exc:
             log.warning("NATS API reply to %s failed: %s", msg.reply, exc)
 
+    def _tenant(self, msg: Msg, check_reply: bool = True) -> str:
+        """Tenant id of the message's key (ApiError 401) whose inbox holds the reply subject (403)."""
+        if self.tenancy is None:
+            return DEV_TENANT
+        tenant = self.tenancy.cache.authenticate(_header(msg, "Authorization")).id
+        if check_reply and not (msg.reply or "").startswith(subjects.tenant_inbox_prefix(tenant) + "."):
+            raise forbidden_reply_subject(tenant)
+        return tenant
+
+    async def _admit(self, tenant_id: str, body: dict, request_id: str):
+        if self.tenancy is None:
+            return None
+        tenant = self.tenancy.cache.tenants[tenant_id]
+        return await self.tenancy.admit(tenant, body, request_id, {})
+
     async def _handle(self, endpoint: str, msg: Msg) -> None:
         if not msg.reply:
             return
-        marks = {"gateway_in": time.time(), "auth_done": time.time()}
+        marks = {"gateway_in": time.time()}
+        adm, rid = None, new_request_id()
         try:
+            tenant = self._tenant(msg)
+            marks["auth_done"] = time.time()
             body = orjson.loads(msg.data)
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
-            deadline_ms = parse_deadline_ms(body.get("deadline_ms"),
-                                            (msg.headers or {}).get("x-actorserve-deadline-ms"), self.fe.cfg)
-            sub = await self.fe.submit(tenant=DEV_TENANT, endpoint=endpoint, body=body,
-                                       request_id=new_request_id(), deadline_ms=deadline_ms, marks=marks)
+            deadline_ms = parse_deadline_ms(body.get("deadline_ms"), _header(msg, "x-actorserve-deadline-ms"),
+                                            self.fe.cfg)
+            adm = await self._admit(tenant, body, rid)
+            sub = await self.fe.submit(tenant=tenant, endpoint=endpoint, body=body,
+                                       request_id=rid, deadline_ms=deadline_ms, marks=marks)
         except orjson.JSONDecodeError as exc:
+            await self._release(adm)
             return await self._reply(msg, error_reply(invalid_json(exc)))
         except ApiError as err:
+            await self._release(adm)
             return await self._reply(msg, error_reply(err))
+        except BaseException:
+            await self._release(adm)
+            raise
+        try:
+            await self._serve(msg, sub, body)
+        finally:
+            await self._release(adm)
+
+    async def _release(self, adm) -> None:
+        if self.tenancy is not None:
+            await self.tenancy.release(adm)
+
+    async def _serve(self, msg: Msg, sub: Submitted, body: dict) -> None:
         try:
             if body.get("stream") is True:
                 await self._stream(msg, sub, body)
@@ -119,6 +172,12 @@ class NatsApi:
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
+            tenant = self._tenant(msg, check_reply=bool(msg.reply))
+        except ApiError as err:
+            if msg.reply:
+                await self._reply(msg, error_reply(err))
+            return
+        try:
             rid = str(orjson.loads(msg.data).get("request_id", ""))
         except (orjson.JSONDecodeError, AttributeError):
             rid = ""
@@ -128,7 +187,7 @@ class NatsApi:
         except ValueError:
             ok = False
         else:
-            await self.fe.cancel(rid, "client")
+            await self.fe.cancel(rid, "client", tenant=tenant)
             ok = True
         if msg.reply:
             await self._reply(msg, orjson.dumps({"cancelled": ok}))

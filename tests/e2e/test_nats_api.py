@@ -20,13 +20,26 @@ STORY = [{"role": "user", "content": "Tell me a short story about a dog."}]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def _ask(url: str, subject: str, body: dict | bytes) -> list[dict]:
-    """Every reply message of one request, up to the one marked final (or the single non-streaming one)."""
-    nc = await nats.connect(url)
+def public_url(nats_url: str) -> str:
+    """The NATS URL without the internal user's credentials."""
+    scheme, _, rest = nats_url.partition("://")
+    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
+
+
+def dev_credentials(stack) -> dict:
+    """nats.connect keyword arguments of the dev tenant's NATS user (user = key id, password = API key)."""
+    user = (Path(stack.state_dir) / "dev-nats-user").read_text().strip()
+    return {"user": user, "password": stack.dev_api_key, "inbox_prefix": "_INBOX.dev"}
+
+
+async def _ask(stack, subject: str, body: dict | bytes) -> list[dict]:
+    """Every reply message of one request, up to the one marked final (or the single non-streaming one),
+    sent as the dev tenant's NATS user with its API key."""
+    nc = await nats.connect(public_url(stack.nats_url), **dev_credentials(stack))
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     data = body if isinstance(body, bytes) else orjson.dumps(body)
-    await nc.publish(subject, data, reply=inbox)
+    await nc.publish(subject, data, reply=inbox, headers={"Authorization": f"Bearer {stack.dev_api_key}"})
     out = []
     streaming = isinstance(body, dict) and body.get("stream") is True
     while True:
@@ -39,7 +52,7 @@ async def _ask(url: str, subject: str, body: dict | bytes) -> list[dict]:
 
 
 def ask(stack, subject: str, body) -> list[dict]:
-    return asyncio.run(_ask(stack.nats_url, subject, body))
+    return asyncio.run(_ask(stack, subject, body))
 
 
 def client(stack) -> openai.OpenAI:
@@ -94,6 +107,8 @@ def test_docs_example_runs(stack):
     doc = (ROOT / "docs" / "nats-api.md").read_text()
     code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "ACTORSERVE_NATS": stack.nats_url})
+                          env={**os.environ, "ACTORSERVE_NATS": public_url(stack.nats_url),
+                               "ACTORSERVE_API_KEY": stack.dev_api_key,
+                               "ACTORSERVE_NATS_USER": dev_credentials(stack)["user"], "ACTORSERVE_TENANT": "dev"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Paris" in proc.stdout and "choice 0:" in proc.stdout and "choice 1:" in proc.stdout

@@ -417,3 +417,84 @@ def _nats_restart_with_jobs(gw3) -> None:
               f"ran {job['completed_at'] - job['in_progress_at']:.1f} s")
         assert job["status"] == "completed" and job["result"]["usage"]["completion_tokens"] == 300, job
     print(f"6 jobs completed {time.monotonic() - t0:.1f} s after a nats-server restart")
+
+
+async def _nats_tenant(sup, key_id: str, key: str, tenant: str):
+    """A tenant's own NATS connection (user = key id, password = key) and the errors it receives."""
+    import nats
+    errors: list[str] = []
+
+    async def on_error(e):
+        errors.append(str(e))
+    scheme, _, rest = sup.nats_url.partition("://")
+    nc = await nats.connect(f"{scheme}://{rest.rsplit('@', 1)[-1]}", user=key_id, password=key,
+                            inbox_prefix=f"_INBOX.{tenant}", allow_reconnect=False, connect_timeout=5,
+                            error_cb=on_error)
+    return nc, errors
+
+
+async def _nats_ask(nc, body: dict, key: str | None, reply: str | None = None) -> list[dict]:
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    await nc.publish("as.api.v1.completions", json.dumps(body).encode(), reply=reply or inbox, headers=headers)
+    out = []
+    if reply:  # sent elsewhere: nothing may come back here
+        with pytest.raises(Exception):
+            await sub.next_msg(timeout=1.0)
+        return out
+    while True:
+        msg = json.loads((await sub.next_msg(timeout=30)).data)
+        out.append(msg)
+        if not body.get("stream") or msg.get("final") or "error" in msg:
+            return out
+
+
+def test_nats_users_isolate_tenants(gw3):
+    """Issue #5 item 7: per-tenant NATS users. A tenant reads only its own inbox, publishes only to the API,
+    cannot direct replies into another tenant's inbox, and a revoked key is cut off."""
+    a, a_kid, a_key = new_tenant(gw3)
+    b, b_kid, b_key = new_tenant(gw3)
+    body = {"model": "tiny", "prompt": "secret of a", "max_tokens": 6, "ignore_eos": True, "stream": True}
+
+    async def scenario():
+        t_end = time.monotonic() + 10
+        while True:  # the supervisor installs the new users within about 0.5 s
+            try:
+                na, a_errors = await _nats_tenant(gw3, a_kid, a_key, a)
+                nb, b_errors = await _nats_tenant(gw3, b_kid, b_key, b)
+                break
+            except Exception:
+                assert time.monotonic() < t_end, "tenant NATS users were not installed"
+                await asyncio.sleep(0.2)
+        spies = [await nb.subscribe(s) for s in (f"_INBOX.{a}.>", "_INBOX.>", ">", "as.int.>")]
+        own_b = await nb.subscribe(f"_INBOX.{b}.>")
+        await nb.flush()
+        chunks = await _nats_ask(na, body, a_key)  # a's stream reaches a ...
+        assert chunks[-1]["final"] and sum(len(c.get("choices", [])) for c in chunks) >= 1
+        for spy in spies:  # ... and none of b's subscriptions outside its inbox
+            with pytest.raises(Exception):
+                await spy.next_msg(timeout=0.3)
+        assert sum("permissions violation" in e.lower() for e in b_errors) >= 4, b_errors
+        [no_key] = await _nats_ask(na, {**body, "stream": False}, None)
+        assert no_key["status"] == 401
+        [wrong_key] = await _nats_ask(na, {**body, "stream": False}, b_key)  # b's key, a's inbox
+        assert wrong_key["status"] == 403 and wrong_key["error"]["code"] == "reply_subject_not_allowed"
+        await _nats_ask(na, {**body, "stream": False}, a_key, reply=f"_INBOX.{b}.stolen")  # into b's inbox
+        got = await own_b.next_msg(timeout=10)  # b receives a refusal that tells it nothing about a
+        assert json.loads(got.data)["status"] == 403 and a not in got.data.decode() and "secret" not in got.data.decode()
+        await na.publish(subjects.cancel("x" * 8), b"{}")  # internal subjects: refused by nats-server
+        await na.flush()
+        assert any("permissions violation" in e.lower() for e in a_errors), a_errors
+        # revoking a's key removes its NATS user and disconnects it
+        async with Registry.connect(gw3.etcd_url) as reg:
+            await TenantAdmin(reg).revoke_key(a_kid)
+        t_end = time.monotonic() + 5
+        while not na.is_closed:
+            assert time.monotonic() < t_end, "revoked key's NATS connection still open"
+            await asyncio.sleep(0.1)
+        with pytest.raises(Exception):
+            await _nats_tenant(gw3, a_kid, a_key, a)
+        await nb.close()
+
+    asyncio.run(scenario())

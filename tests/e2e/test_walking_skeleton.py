@@ -56,8 +56,8 @@ def test_models_and_health(stack):
     assert httpx.get(stack.http_url + "/readyz").status_code == 200
 
 
-async def _nats_chat(nats_url: str, body: dict) -> list[dict]:
-    bus = await NatsBus.connect(nats_url, name="test-client")
+async def _nats_chat(stack, body: dict) -> list[dict]:
+    bus = await NatsBus.connect(stack.nats_url, name="test-client", inbox_prefix="_INBOX.dev")
     inbox = bus.new_inbox()
     got: list[dict] = []
     done = asyncio.Event()
@@ -68,7 +68,8 @@ async def _nats_chat(nats_url: str, body: dict) -> list[dict]:
         if obj.get("final") or not body.get("stream"):
             done.set()
     sub = await bus.subscribe(inbox, on_msg)
-    await bus.publish(subjects.API_CHAT, orjson.dumps(body), reply=inbox)
+    await bus.publish(subjects.API_CHAT, orjson.dumps(body), reply=inbox,
+                      headers={"Authorization": f"Bearer {stack.dev_api_key}"})
     async with asyncio.timeout(120):
         await done.wait()
     await sub.unsubscribe()
@@ -80,17 +81,17 @@ def test_nats_api_same_text(stack):
     http_text = client(stack).chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
                                                       max_tokens=48).choices[0].message.content
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 48}
-    [reply] = asyncio.run(_nats_chat(stack.nats_url, body))
+    [reply] = asyncio.run(_nats_chat(stack, body))
     assert reply["choices"][0]["message"]["content"] == http_text
-    chunks = asyncio.run(_nats_chat(stack.nats_url, {**body, "stream": True}))
+    chunks = asyncio.run(_nats_chat(stack, {**body, "stream": True}))
     assert chunks[-1]["final"] is True and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")) == http_text
 
 
 def test_nats_api_errors(stack):
-    [reply] = asyncio.run(_nats_chat(stack.nats_url, {"model": "no-such-model", "messages": QUESTION}))
+    [reply] = asyncio.run(_nats_chat(stack, {"model": "no-such-model", "messages": QUESTION}))
     assert reply["status"] == 404 and reply["error"]["code"] == "model_not_found"
-    [reply] = asyncio.run(_nats_chat(stack.nats_url, {"model": MODEL, "messages": []}))
+    [reply] = asyncio.run(_nats_chat(stack, {"model": MODEL, "messages": []}))
     assert reply["status"] == 400 and reply["error"]["param"] == "messages"
 
 

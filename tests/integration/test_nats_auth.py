@@ -1,0 +1,94 @@
+"""NATS users of the embedded nats-server (control/nats_auth.py): the internal user may do anything, a
+tenant key's user may only publish to the public API and read its own inbox, and a removed user is cut
+off by the reload. Real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.errors import NoServersError
+
+from control.embedded import EmbeddedNats
+from control.nats_auth import tenant_users
+from control.tenants import _key_entry, new_api_key
+
+
+def _records(**keys_by_tenant):
+    return {tid: {"id": tid, "keys": {kid: _key_entry(key)}} for tid, (kid, key) in keys_by_tenant.items()}
+
+
+async def _connect(url, user=None, password=None, **kw):
+    errors: list[Exception] = []
+
+    async def on_error(e):
+        errors.append(e)
+    nc = await nats.connect(url, user=user, password=password, allow_reconnect=False, connect_timeout=5,
+                            error_cb=on_error, **kw)
+    return nc, errors
+
+
+async def _wait_for(cond, timeout=5.0):
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.05)
+
+
+async def test_tenant_users_are_confined_to_the_api_and_their_inbox(tmp_path):
+    acme, other = new_api_key(), new_api_key()
+    srv = EmbeddedNats(tmp_path, auth=True)
+    async with srv:
+        srv.set_tenant_users(tenant_users(_records(acme=acme, other=other)))
+        await asyncio.sleep(0.3)  # reload
+        with pytest.raises(Exception):  # no credentials: refused
+            await nats.connect(srv.url, allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0)
+        internal, _ = await _connect(srv.client_url)
+        tenant, errors = await _connect(srv.url, acme[0], acme[1], inbox_prefix="_INBOX.acme")
+        try:
+            # the internal user reads everything, including what the tenant publishes to the API
+            api = await internal.subscribe("as.api.v1.chat")
+            await internal.flush()
+            await tenant.publish("as.api.v1.chat", b"{}", reply="_INBOX.acme.x")
+            assert (await api.next_msg(timeout=5)).reply == "_INBOX.acme.x"
+            # own inbox: allowed
+            own = await tenant.subscribe("_INBOX.acme.>")
+            await tenant.flush()
+            await internal.publish("_INBOX.acme.y", b"mine")
+            assert (await own.next_msg(timeout=5)).data == b"mine"
+            # another tenant's inbox, everything, internal subjects: permission errors, nothing delivered
+            for subject in ("_INBOX.other.>", ">", "as.int.>", "_INBOX.>"):
+                sub = await tenant.subscribe(subject)
+                await tenant.flush()
+                await internal.publish("_INBOX.other.z", b"secret")
+                with pytest.raises(nats.errors.TimeoutError):
+                    await sub.next_msg(timeout=0.3)
+            spy = await internal.subscribe("as.int.validate")
+            await internal.flush()
+            await tenant.publish("as.int.validate", b"forged")
+            with pytest.raises(nats.errors.TimeoutError):
+                await spy.next_msg(timeout=0.5)
+            await _wait_for(lambda: sum("ermissions violation" in str(e) for e in errors) >= 5)
+            # revoking the user (reload without it) disconnects the tenant; the internal user stays
+            only_other = tenant_users(_records(other=other))
+            assert srv.set_tenant_users(only_other)
+            await _wait_for(lambda: tenant.is_closed, timeout=10)
+            assert internal.is_connected
+            with pytest.raises((NoServersError, Exception)):
+                await nats.connect(srv.url, user=acme[0], password=acme[1], allow_reconnect=False,
+                                   connect_timeout=3, max_reconnect_attempts=0)
+            assert not srv.set_tenant_users(list(only_other))  # unchanged: no reload
+        finally:
+            await tenant.close()
+            await internal.close()
+
+
+def test_revoked_and_legacy_keys_get_no_user():
+    kid, key = new_api_key()
+    rec = {"t": {"keys": {kid: {**_key_entry(key), "revoked": 1.0},
+                          "kold": {"hash": "sha256:x", "prefix": "sk-as-x", "revoked": None}}}}
+    assert tenant_users(rec) == []
+    rec["t"]["keys"][kid]["revoked"] = None
+    [u] = tenant_users(rec)
+    assert u["user"] == kid and u["password"].startswith("$2b$")
+    assert u["permissions"]["subscribe"]["allow"] == ["_INBOX.t.>"]
