@@ -330,6 +330,10 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
                 print(f"{verb} {ref}: {manifest['format']} {manifest['artifact']} "
                       f"(context {manifest.get('context_length') or '-'}, "
                       f"quantization {manifest.get('quantization') or '-'})")
+                stable = await reg.ensure_stable(args.name, args.version)
+                if stable != args.version:
+                    print(f"stable version of {args.name} stays {stable}: {ref} takes traffic only when pinned "
+                          f"or through `actorserve rollout start {args.name} --canary {args.version}`")
                 return 0
         raise RegistryCommandError(f"models register: {ref} kept changing under us; try again", 1)
 

@@ -480,6 +480,23 @@ class Registry:
         """Return the routing table of model ``name``, or None if it has none."""
         return await self.get_json(names.routing_key(name))
 
+    async def ensure_stable(self, name: str, version: str) -> str:
+        """Make ``version`` the routing table's stable version unless the table already names one; return
+        the stable version. The first registered version of a model thus takes its traffic, and later
+        versions take none until a rollout or promote (control/routing.py)."""
+        from control.routing import RoutingTable
+        key = names.routing_key(name)
+        for _ in range(20):
+            rec, rev = await self.get_json_rev(key)
+            if rec and rec.get("stable"):
+                return str(rec["stable"])
+            table = RoutingTable.from_dict(rec).to_dict() | {"stable": version}
+            if rec is None and await self.put_if_absent(key, table):
+                return version
+            if rec is not None and await self.put_json_if_rev(key, table, rev):
+                return version
+        raise RuntimeError(f"routing table of {name} kept changing; retry")
+
     async def put_routing(self, name: str, routing: Mapping[str, Any]) -> int:
         """Store the routing table of model ``name`` (a JSON object); returns the revision."""
         if not isinstance(routing, Mapping):

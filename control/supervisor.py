@@ -148,7 +148,8 @@ def model_manifest(
 
 
 async def register_model(etcd_url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """Store ``manifest`` at ``/actorserve/models/{name}/versions/{version}`` through the registry.
+    """Store ``manifest`` at ``/actorserve/models/{name}/versions/{version}`` through the registry; the
+    version becomes the routing table's stable one if the table has none.
 
     Returns the stored manifest as a dict. Raises ValueError for an invalid manifest.
     """
@@ -156,6 +157,7 @@ async def register_model(etcd_url: str, manifest: Mapping[str, Any]) -> dict[str
 
     async with Registry.connect(etcd_url) as reg:
         stored = await reg.put_model_version(str(manifest["name"]), str(manifest["version"]), manifest)
+        await reg.ensure_stable(stored.name, stored.version)
     return stored.to_dict()
 
 
