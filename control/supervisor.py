@@ -171,6 +171,13 @@ async def ensure_dev_tenant(etcd_url: str, state_dir: Path) -> str:
         return await TenantAdmin(reg).ensure_dev_tenant(state_dir, sorted(await reg.list_models()))
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return "?"
+
+
 async def _tenant_records(etcd_url: str) -> dict[str, Any]:
     from control.registry import Registry
 
@@ -1014,7 +1021,9 @@ def main_up(args: argparse.Namespace) -> int:
             f"\nactorserve is ready: {url}/v1  (model {sup.model_name}, {sup.gateways} gateway(s), "
             f"{sup.workers} worker(s))\n"
             f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n"
-            f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n\n"
+            f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n"
+            f"  NATS API: nats://127.0.0.1:{sup.stack.nats.port}  user {_read(sup.state_dir / 'dev-nats-user')}, "
+            f"password = the dev API key, inbox prefix _INBOX.dev (docs/nats-api.md)\n\n"
             f"  export OPENAI_API_KEY=$(cat {sup.state_dir / 'dev-api-key'})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n"
