@@ -29,6 +29,8 @@ from typing import Any
 
 from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, log_level_type,
                             resolve_endpoints, run_actor_main, state_dir_of)
+from control.argtypes import non_negative_int as _non_negative_int
+from control.argtypes import positive_int as _positive_int
 
 PROG = "actorserve"
 
@@ -65,26 +67,6 @@ def model_version_ref(value: str) -> str:
     if ref.adapter is not None:
         raise argparse.ArgumentTypeError(f"{value!r}: an adapter cannot be given here, use NAME@VERSION")
     return value
-
-
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
-    return n
-
-
-def _non_negative_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
-    return n
 
 
 def _port(value: str) -> int:

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from actors.runtime import common_arguments, resolve_endpoints
+from control.argtypes import non_negative_int as _non_negative_int
+from control.argtypes import positive_int as _positive_int
 
 PROG = "actorserve"
 
@@ -48,26 +50,6 @@ class RegistryCommandError(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # argument types (pure)
-
-
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
-    return n
-
-
-def _non_negative_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
-    return n
 
 
 def _split_pair(value: str, what: str) -> tuple[str, str]:
