@@ -151,9 +151,28 @@ def setup_logging(kind: str, level: str = "INFO") -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--metrics-port`` (every ``actorserve actor KIND``): the loopback port of the actor's own
+    ``/metrics`` (0, the default: a free port; -1: no server and no etcd registration)."""
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="loopback port serving this actor's Prometheus /metrics, registered (leased) in etcd "
+                        "under /actorserve/metrics/KIND/ID (default 0: a free port; -1: disabled)")
+
+
+async def _with_metrics(main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]], args: argparse.Namespace) -> Any:
+    """Run ``main(args)`` inside :func:`actors.metrics.actor_metrics` (metrics server, etcd registration,
+    event-loop lag) when the args carry ``metrics_port``; plain ``main(args)`` otherwise."""
+    if not hasattr(args, "metrics_port"):
+        return await main_coro_fn(args)
+    from actors.metrics import actor_metrics
+
+    async with actor_metrics(args, getattr(args, "actor_kind", None) or "actor"):
+        return await main_coro_fn(args)
+
+
 async def _run_main(main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]], args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(main_coro_fn(args))
+    task = asyncio.ensure_future(_with_metrics(main_coro_fn, args))
     received: list[int] = []
 
     def on_signal(signum: int) -> None:

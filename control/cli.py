@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, log_level_type,
-                            resolve_endpoints, run_actor_main, state_dir_of)
+                            metrics_arguments, resolve_endpoints, run_actor_main, state_dir_of)
 from control.argtypes import non_negative_int as _non_negative_int
 from control.argtypes import positive_int as _positive_int
 
@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--model", required=True, type=model_version_ref, metavar="NAME@VERSION",
                            help="model version this actor serves, e.g. smollm2-135m-instruct@1")
         common_arguments(p)
+        metrics_arguments(p)
         p.set_defaults(func=_cmd_actor)
 
     # -- models -----------------------------------------------------------------------------

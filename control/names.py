@@ -189,6 +189,17 @@ def pool_key(pool: str) -> str:
     return f"{pools_prefix()}{validate_name('pool name', pool)}"
 
 
+def all_metrics_prefix() -> str:
+    """Prefix of every actor's metrics endpoint key: ``/actorserve/metrics/``."""
+    return f"{ROOT}/metrics/"
+
+
+def metrics_key(kind: str, actor_id: str) -> str:
+    """Leased key of one actor's ``/metrics`` endpoint: ``/actorserve/metrics/{kind}/{id}``
+    (value ``{"url", "kind", "id", "pid"}``)."""
+    return f"{all_metrics_prefix()}{validate_name('actor kind', kind)}/{validate_name('actor id', actor_id)}"
+
+
 def split_key(key: str, prefix: str) -> list[str]:
     """Return the ``/``-separated parts of ``key`` after ``prefix``.
 

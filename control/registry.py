@@ -541,6 +541,23 @@ class Registry:
         self._leases.add(wl)
         return wl
 
+    async def put_leased(self, key: str, info: Mapping[str, Any], ttl: int = 3) -> WorkerLease:
+        """Put ``key`` -> ``info`` under a fresh lease of ``ttl`` s (1..5), overwriting, and keep it alive
+        (like :meth:`register_worker` for any key, e.g. ``names.metrics_key``). ``revoke()`` on clean stop."""
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= 5:
+            raise ValueError(f"ttl must be an integer number of seconds in 1..5, got {ttl!r}")
+        lease = await self._call(self.client.lease(ttl))
+        try:
+            await self.put_json(key, dict(info), lease=int(lease.id))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._call(self.client.revoke_lease(lease.id))
+            raise
+        wl = WorkerLease(self, key, lease, ttl)
+        wl._start()
+        self._leases.add(wl)
+        return wl
+
     async def acquire_leased(self, key: str, info: Mapping[str, Any], ttl: int = 2) -> WorkerLease | None:
         """Create ``key`` under a fresh lease of ``ttl`` s (1..5) only if it does not exist; keep it alive.
 

@@ -41,6 +41,9 @@ async def main(args: argparse.Namespace) -> None:
         resolver = ModelResolver(reg)
         await resolver.start()
         fe = Frontend(bus, resolver, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms))
+        from gateway.metrics import GatewayMetrics
+        fe.observer = GatewayMetrics(bus)
+        await fe.observer.start()
         await fe.start()
         from gateway.tenancy import Tenancy
         tenancy = Tenancy(reg, bus.client.jetstream(), gateway_id=gid)
@@ -68,5 +71,7 @@ async def _shutdown(runner, api, fe, resolver, bus, tenancy=None) -> None:
     if tenancy is not None:
         await tenancy.stop()
     await fe.stop()
+    if fe.observer is not None:
+        await fe.observer.stop()
     await resolver.stop()
     await bus.close()

@@ -82,6 +82,9 @@ def parse_deadline_ms(body_value, header_value, cfg: FrontendConfig) -> int:
 class Frontend:
     """Submits requests to validators and routes response chunks back to their waiters."""
 
+    #: optional ``gateway.metrics.GatewayMetrics`` (time to first token): told of each submit and chunk
+    observer = None
+
     def __init__(self, bus: Bus, resolver: ModelResolver, cfg: FrontendConfig) -> None:
         self.bus, self.resolver, self.cfg = bus, resolver, cfg
         self.table = InflightTable()
@@ -104,7 +107,10 @@ class Frontend:
             rid = msg.subject.rsplit(".", 1)[-1]
             return await msg.respond(b'{"alive":true}' if self.table.get(rid) else b'{"alive":false}')
         try:
-            self.table.deliver(Chunk.decode(msg.data))
+            chunk = Chunk.decode(msg.data)
+            if self.observer is not None:
+                self.observer.on_chunk(chunk)
+            self.table.deliver(chunk)
         except ValueError as exc:
             log.warning("undecodable chunk on %s: %s", msg.subject, exc)
 
@@ -122,6 +128,8 @@ class Frontend:
         k = choice_count(endpoint, body)
         entry = self.table.open(request_id, deadline, self.cfg.inactivity_s, children=k)
         marks["gateway_out"] = time.time()
+        if self.observer is not None:
+            self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))
         req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,
                          subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks)
         try:

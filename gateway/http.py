@@ -1,6 +1,7 @@
 """aiohttp HTTP front: OpenAI-compatible endpoints, health and readiness.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /healthz, GET /readyz.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /healthz, GET /readyz,
+GET /metrics (Prometheus text, no key).
 Errors use the OpenAI error shape. A streamed request waits for its first chunk before sending any
 byte, so errors found by the validator (e.g. context length) are real HTTP statuses. aiohttp does not
 cancel handlers when a client goes away, so waits poll the transport and turn a disconnect into a
@@ -80,7 +81,16 @@ class HttpFront:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """``GET /metrics`` (public, no key): this process's Prometheus metrics (docs/observability.md)."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        from actors.metrics import render_latest
+
+        return web.Response(body=render_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
         """Liveness: the process answers."""

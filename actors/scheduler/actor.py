@@ -114,6 +114,7 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
                                                 args.max_queue_per_tenant, args.fcfs, routing=args.routing),
                            await JetStreamJournal.open(bus, ref.name, ref.version))
     await svc.start()
+    _export_queue(svc)
     recovered = await svc.recover()
     await bus.publish(subjects.sched_leader(ref.name, ref.version),
                       orjson.dumps({"scheduler_id": sid, "ts": time.time(), "recovered": recovered}))
@@ -127,6 +128,19 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
         sync.cancel()
         lost.cancel()
         await asyncio.shield(_shutdown(svc, lease, fail_queued=not lease.lost.is_set()))
+
+
+_active: list = []  # the SchedulerService of the current term (read by the queue-length gauge)
+
+
+def _export_queue(svc: SchedulerService) -> None:
+    """Point ``actorserve_num_requests_waiting{model}`` (this scheduler's queue length) at ``svc``."""
+    from actors.metrics import observable_gauge
+
+    if not _active:
+        observable_gauge("actorserve_num_requests_waiting", "Requests waiting in the scheduler's queue.", "1",
+                         lambda: [(len(s.queue), {"model": f"{s.cfg.name}@{s.cfg.version}"}) for s in _active[-1:]])
+    _active[:] = [svc]
 
 
 async def _shutdown(svc: SchedulerService, lease, fail_queued: bool = True) -> None:

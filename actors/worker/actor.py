@@ -75,12 +75,17 @@ async def main(args: argparse.Namespace) -> None:
         svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version),
                             faults=faults_from_manifest(manifest))  # None unless ACTORSERVE_TEST_FAULTS=1
         await svc.start()
+        from actors.metrics import WorkerGauges, track_worker
+        gauges = WorkerGauges()
+        gauges.register()  # KV cache usage, running/waiting, batch size, tokens/s on this worker's /metrics
+        tracker = asyncio.create_task(track_worker(svc.stats_msg, gauges))
         info = {"worker_id": worker_id, "pid": os.getpid(), "device": args.device, "dtype": args.dtype,
                 "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
         holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
         try:
             await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
         finally:
+            tracker.cancel()
             await asyncio.shield(_shutdown(holder[0], svc, bus))
 
 

@@ -1,0 +1,139 @@
+"""The gateway's request-level and fleet metrics (served on its public ``GET /metrics``).
+
+* Time to first token is measured here, client-side-like: from the gateway's receipt of the request
+  (``marks["gateway_in"]``) to the arrival of the request's first non-error chunk at this gateway
+  (:meth:`GatewayMetrics.on_submit` / :meth:`GatewayMetrics.on_chunk`, called by ``Frontend``).
+  Requests this process did not serve (async jobs, another gateway's) are not in this gateway's TTFT;
+  see docs/observability.md.
+* Every other request-level metric comes from completion records (``as.int.done.*.*``), heard in the
+  queue group ``gateway-metrics`` so that each record is counted by exactly one gateway: with several
+  gateways, ``sum()`` over them is the deployment's total; with one, it is all of it.
+* Worker gauges (KV cache usage, running/waiting, batch size, tokens/s) come from every worker's
+  statistics (``as.int.stats.*``), one series per worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import OrderedDict
+
+from actors import metrics as m
+from bus import subjects
+from bus.base import Bus, Msg
+from bus.messages import Chunk, CompletionRecord, WorkerStats
+
+log = logging.getLogger(__name__)
+
+METRICS_QUEUE = "gateway-metrics"
+_CHILD = re.compile(r"^(.+)-(\d+)$")
+MAX_PENDING = 10_000  # requests awaiting their first chunk that we remember (oldest dropped first)
+
+
+class GatewayMetrics:
+    """Histograms and counters of the gateway (see the module doc and docs/observability.md)."""
+
+    def __init__(self, bus: Bus, max_tenants: int = m.MAX_TENANT_LABELS) -> None:
+        self.bus = bus
+        self.tenants = m.LabelLimiter(max_tenants)
+        self.models = m.LabelLimiter(max_tenants)
+        self.pending: OrderedDict[str, tuple[float, str, str]] = OrderedDict()  # rid -> (t0, tenant, model)
+        self.workers = m.WorkerGauges()
+        self._subs: list = []
+        mt = m.meter()
+
+        def hist(name: str, desc: str, buckets) -> object:
+            return mt.create_histogram(name, unit="s", description=desc, explicit_bucket_boundaries_advisory=buckets)
+
+        self.ttft = hist("actorserve_time_to_first_token_seconds",
+                         "Time to first token: gateway receipt to the first chunk at the gateway.", m.TTFT_BUCKETS)
+        self.itl = hist("actorserve_inter_token_latency_seconds",
+                        "Inter-token latency (time per output token): decode time / (output tokens - 1), "
+                        "one observation per request.", m.ITL_BUCKETS)
+        self.e2e = hist("actorserve_e2e_request_latency_seconds",
+                        "End-to-end request latency: validation + queue + prefill + decode.", m.LATENCY_BUCKETS)
+        self.queue = hist("actorserve_request_queue_time_seconds",
+                          "Time in the scheduler queue (validator out to worker in).", m.LATENCY_BUCKETS)
+        self.prefill = hist("actorserve_request_prefill_time_seconds",
+                            "Prefill: worker receipt to the first token.", m.LATENCY_BUCKETS)
+        self.decode = hist("actorserve_request_decode_time_seconds",
+                           "Decode: first token to the last.", m.LATENCY_BUCKETS)
+        self.requests = mt.create_counter("actorserve_requests_total",
+                                          description="Finished requests by status (ok, error, cancelled).")
+        self.prompt_tokens = mt.create_counter("actorserve_prompt_tokens", unit="1",
+                                               description="Prompt tokens of finished requests.")
+        self.generation_tokens = mt.create_counter("actorserve_generation_tokens", unit="1",
+                                                   description="Generated tokens of finished requests.")
+        self.workers.register()
+
+    async def start(self) -> None:
+        """Subscribe to completion records (queue group) and worker statistics."""
+        self._subs = [await self.bus.subscribe(subjects.done_all(), self._on_done, queue=METRICS_QUEUE),
+                      await self.bus.subscribe(subjects.stats_all(), self._on_stats)]
+
+    async def stop(self) -> None:
+        """Unsubscribe."""
+        for s in self._subs:
+            try:
+                await s.unsubscribe()
+            except Exception:
+                pass
+        self._subs = []
+
+    # -- time to first token (called by Frontend) ------------------------------------------
+
+    def on_submit(self, request_id: str, tenant: str, model: str, t0: float | None) -> None:
+        """A request handed to a validator; ``t0`` is its receipt time (epoch s)."""
+        self.pending[request_id] = (t0 or time.time(), tenant, model)
+        while len(self.pending) > MAX_PENDING:
+            self.pending.popitem(last=False)
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        """A chunk arrived: the first one of a request (any of its choices) observes its TTFT."""
+        rid = chunk.request_id
+        if rid not in self.pending:
+            mm = _CHILD.match(rid)
+            rid = mm.group(1) if mm else rid
+        got = self.pending.pop(rid, None)
+        if got is None or chunk.error:
+            return
+        t0, tenant, model = got
+        self.ttft.record(max(0.0, time.time() - t0),
+                         {"model": self.models(chunk.model or model), "tenant": self.tenants(tenant)})
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request that ended without a first chunk."""
+        self.pending.pop(request_id, None)
+
+    # -- completion records and worker statistics --------------------------------------------
+
+    def apply(self, rec: CompletionRecord) -> None:
+        """Observe one completion record (request-level histograms, counters)."""
+        mm = _CHILD.match(rec.request_id)
+        primary = mm is None or mm.group(2) == "0"
+        labels = {"model": self.models(f"{rec.name}@{rec.version}"), "tenant": self.tenants(rec.tenant)}
+        self.generation_tokens.add(max(0, int(rec.completion_tokens or 0)), labels)
+        if not primary:
+            return
+        self.requests.add(1, {**labels, "status": rec.status or "unknown"})
+        self.prompt_tokens.add(max(0, int(rec.prompt_tokens or 0)), labels)
+        if rec.status != "ok":
+            return  # latency histograms describe served requests only
+        obs = m.record_observations(rec.timing, int(rec.completion_tokens or 0))
+        for key, hist in (("e2e", self.e2e), ("queue", self.queue), ("prefill", self.prefill),
+                          ("decode", self.decode), ("itl", self.itl)):
+            if key in obs:
+                hist.record(obs[key], labels)
+
+    async def _on_done(self, msg: Msg) -> None:
+        try:
+            self.apply(CompletionRecord.decode(msg.data))
+        except (ValueError, TypeError) as exc:
+            log.debug("undecodable completion record: %s", exc)
+
+    async def _on_stats(self, msg: Msg) -> None:
+        try:
+            self.workers.update(WorkerStats.decode(msg.data))
+        except (ValueError, TypeError) as exc:
+            log.debug("undecodable worker stats: %s", exc)
