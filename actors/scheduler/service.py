@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import orjson
 
 from actors.aio import wait_event
+from actors.recent import RecentIds
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig)
 from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap
@@ -75,6 +76,7 @@ class SchedulerService:
         self._rng = random.Random(0)
         self.table = WorkerTable(config.credit_stale_s)
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
+        self._early_cancels = RecentIds()  # ids cancelled before their submit arrived
         self._kick = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
@@ -129,6 +131,10 @@ class SchedulerService:
             req = GenerateRequest.decode(msg.data)
         except ValueError as exc:
             return await self._ack(msg, False, error_dict(400, str(exc)))
+        if self._early_cancels.pop(req.request_id) is not None:  # cancelled on its way here: never queue it
+            await self._ack(msg, True)
+            return await self._fail(req, 499, "request cancelled before it was queued", "cancelled",
+                                    retryable=False)
         verdict = self.queue.can_admit(req.tenant, req.priority, cost_of(req), req.deadline, time.time(),
                                        self.meter.tokens_per_s(time.monotonic()), self.weights.get(req.tenant, 1.0))
         if verdict != ADMITTED:
@@ -212,6 +218,8 @@ class SchedulerService:
         req = self.queue.remove(rid)
         if req is not None:
             await self._fail(req, 499, "request cancelled while queued", "cancelled", retryable=False)
+        elif rid not in self.requests:  # not here yet (a validator may be submitting it right now): remember
+            self._early_cancels.add(rid)
 
     # ---- dispatch ----------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:

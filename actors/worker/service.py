@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from actors.aio import wait_event
+from actors.recent import RecentIds
 from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
 from bus import subjects
 from bus.base import Bus, BusError, Msg, NoResponders
@@ -96,6 +97,7 @@ class WorkerService:
         self.live: dict[str, _Live] = {}
         self._adds: list[GenerateRequest] = []
         self._aborts: list[tuple[str, str]] = []
+        self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
@@ -165,6 +167,12 @@ class WorkerService:
             await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
         if ok:
             lv = self.live[req.request_id] = _Live(req, time.time())
+            reason = self._early_cancels.pop(req.request_id)
+            if reason is not None:  # cancelled while on its way here: end it "cancelled", never run it
+                lv.cancel_step = self.num_steps
+                self._aborts.append((req.request_id, reason))
+                self._wake.set()
+                return
             if self.faults is not None:  # test-only fault injection: delays or fails it off the engine loop
                 t = asyncio.create_task(self.faults.admit(
                     lambda: self.live.get(req.request_id) is lv and not lv.aborted,
@@ -179,8 +187,9 @@ class WorkerService:
         """Abort streams nobody receives any more (their gateway died): see ``probe_receiver``."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
-            now = time.time()
-            old = [lv for lv in self.live.values() if not lv.aborted and now - lv.t_in >= self.cfg.probe_interval_s]
+            now, pending = time.time(), {rid for rid, _ in self._aborts}  # pending: abort applied after the step
+            old = [lv for lv in self.live.values() if not lv.aborted and lv.req.request_id not in pending
+                   and now - lv.t_in >= self.cfg.probe_interval_s]
             verdicts = await asyncio.gather(*(probe_receiver(self.bus, lv.req.reply, lv.req.request_id)
                                               for lv in old))
             for lv, alive in zip(old, verdicts):
@@ -191,11 +200,13 @@ class WorkerService:
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
-        if rid in self.live:
-            try:
-                reason = Cancel.decode(msg.data).reason
-            except ValueError:
-                reason = "client"
+        try:
+            reason = Cancel.decode(msg.data).reason
+        except ValueError:
+            reason = "client"
+        if rid not in self.live:  # not here (yet): the scheduler may be dispatching it to us right now
+            self._early_cancels.add(rid, reason)
+        else:
             if self.live[rid].cancel_step < 0:
                 self.live[rid].cancel_step = self.num_steps
             self._aborts.append((rid, reason))
@@ -212,12 +223,17 @@ class WorkerService:
                                                       to_sampling(req.sampling), arrival_time=time.monotonic()))
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
+        self._apply_aborts()
+        return failed
+
+    def _apply_aborts(self) -> None:
+        """Abort queued cancels in the engine (marking them ``aborted``). Also called right after a step,
+        so a request cancelled while that step ran ends "cancelled" even when the step finished it."""
         aborts, self._aborts = self._aborts, []
         for rid, reason in aborts:
             if rid in self.live and not self.live[rid].aborted:
                 self.live[rid].aborted = reason
                 self.engine.abort_request(rid)
-        return failed
 
     def _expire_deadlines(self) -> None:
         now = time.time()
@@ -242,6 +258,7 @@ class WorkerService:
                 await self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
                 continue
             self.num_steps += 1
+            self._apply_aborts()  # cancels heard during the step win over its outputs (the client is gone)
             await self._publish_outputs(outputs)
 
     async def _fail_all(self, message: str) -> None:
@@ -278,6 +295,7 @@ class WorkerService:
                 continue
             if lv.aborted:
                 if out.finished:
+                    lv.num_generated = max(lv.num_generated, out.num_generated_tokens)  # tokens were computed
                     await self._finish_abort(lv)
                 continue
             await self._publish_step(lv, out, now)

@@ -250,3 +250,26 @@ async def test_shared_prefixes_stick_to_one_worker():
     homes = {name: {w for w, got in on.items() if any(g.startswith(name) for g in got)} for name in "pq"}
     assert len(homes["p"]) == 1 and len(homes["q"]) == 1  # every request of a prefix on one worker
     await svc.stop()
+
+
+async def test_cancel_while_queued_or_before_submit_ends_the_request_cancelled():
+    from bus.messages import Cancel
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    records: list = []
+
+    async def on_done(msg):
+        records.append(CompletionRecord.decode(msg.data))
+    await bus.subscribe(subjects.done("m", "1"), on_done)
+    assert (await submit(bus, req(1)))["accepted"]  # no worker: stays queued
+    await bus.publish(subjects.cancel("r1"), Cancel("r1", "disconnect").encode())
+    await bus.publish(subjects.cancel("r2"), Cancel("r2", "disconnect").encode())  # before its submit arrives
+    assert (await submit(bus, req(2)))["accepted"]
+    await asyncio.sleep(0.1)
+    assert [(c.request_id, c.final, c.error["code"]) for c in chunks] == [("r1", True, "cancelled"),
+                                                                            ("r2", True, "cancelled")]
+    assert [(r.request_id, r.status) for r in records] == [("r1", "cancelled"), ("r2", "cancelled")]
+    assert not svc.queue.contains("r1") and not svc.queue.contains("r2")
+    await svc.stop()

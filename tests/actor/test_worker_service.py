@@ -84,6 +84,48 @@ async def test_cancel_ends_request_within_a_step(tiny_path):
         assert not svc.live and svc.engine.credits()[0] == svc.engine.stats().num_total_blocks
 
 
+async def test_cancel_heard_during_the_step_that_finishes_the_request_ends_it_cancelled(tiny_path):
+    """A cancel that arrives while the step finishing the request runs (e.g. a long prefill that samples
+    EOS) wins: the gone client's request ends "cancelled" and counts as aborted, not "ok"."""
+    import threading
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    in_step, step = threading.Event(), svc.engine.step
+
+    def slow_step():
+        in_step.set()
+        time.sleep(0.3)
+        return step()
+    svc.engine.step = slow_step
+    async with svc:
+        chunks = await collect(bus, "_INBOX.t.s")
+        records = await collect(bus, subjects.done("m", "1"), CompletionRecord)
+        assert await dispatch(bus, gen("s", max_tokens=1))  # its first step is its last
+        async with asyncio.timeout(10):
+            while not in_step.is_set():
+                await asyncio.sleep(0.005)
+        await bus.publish(subjects.cancel("s"), Cancel("s", "disconnect").encode())
+        await wait_final(chunks)
+        assert [c.error["code"] for c in chunks] == ["cancelled"]
+        await asyncio.sleep(0.05)
+        assert [r.status for r in records] == ["cancelled"] and records[0].completion_tokens == 1
+        assert svc.num_aborted == 1 and svc.num_finished == 1 and svc.max_cancel_steps <= 2
+        assert not svc.live and svc.engine.credits()[0] == svc.engine.stats().num_total_blocks
+
+
+async def test_cancel_heard_before_the_dispatch_ends_the_request_unrun(tiny_path):
+    """A cancel that overtakes the dispatch (different publishers) is remembered for the dispatch."""
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    async with svc:
+        chunks = await collect(bus, "_INBOX.t.e")
+        await bus.publish(subjects.cancel("e"), Cancel("e", "disconnect").encode())
+        assert await dispatch(bus, gen("e", max_tokens=400))
+        await wait_final(chunks)
+        assert [c.error["code"] for c in chunks] == ["cancelled"]
+        assert svc.num_aborted == 1 and svc.engine.stats().num_prompt_tokens == 0 and not svc.live
+
+
 async def test_refuses_beyond_credits_and_when_draining(tiny_path):
     bus = MemoryBus()
     svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))

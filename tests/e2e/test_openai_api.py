@@ -248,11 +248,7 @@ def _post_then_hang_up_when_running(stack, body: dict) -> None:
         sock.close()
 
 
-@pytest.mark.parametrize("mode", [
-    pytest.param("prefill", marks=pytest.mark.skip(reason="intermittent (about 1 run in 3): the worker sometimes "
-                                                        "does not report the abort of a request cancelled during "
-                                                        "a long prefill within 15 s; under investigation")),
-    "non_streaming"])
+@pytest.mark.parametrize("mode", ["prefill", "non_streaming"])
 def test_disconnect_cancels_within_two_steps_and_frees_blocks(stack, mode):
     before = asyncio.run(latest_worker_stats(stack.nats_url))
     if mode == "prefill":  # a long prompt: hang up before the first token
