@@ -265,6 +265,11 @@ def run_actor_main(
     """
     kind = kind or getattr(args, "actor_kind", None) or Path(sys.argv[0]).name or "actor"
     setup_logging(kind, log_level_of(args))
+    from bus import tracing
+    try:  # --traces, else ACTORSERVE_TRACES; off ("none") by default
+        tracing.setup(f"actorserve-{getattr(args, 'actor_kind', None) or kind}", getattr(args, "traces", None))
+    except ValueError as e:
+        raise SystemExit(f"actorserve: {e}") from None
     try:
         code = _run_loop(main_coro_fn, args)
     except KeyboardInterrupt:  # a SIGINT before the handler was installed
@@ -274,6 +279,7 @@ def run_actor_main(
     except BaseException:
         log.exception("%s failed", kind)
         code = 1
+    tracing.shutdown()  # flush spans still batched (OTLP)
     busy = _busy_executor_threads(EXECUTOR_GRACE_S)
     if busy:
         log.warning("exiting with %d blocking call(s) still running in threads", len(busy))

@@ -11,6 +11,7 @@ import itertools
 import logging
 from typing import Callable
 
+from bus import tracing
 from bus.base import BusDisconnected, BusTimeout, Handler, Msg, NoResponders
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class _MemSub:
         while True:
             msg = await self.inbox.get()
             try:
-                await self.handler(msg)
+                with tracing.attached(msg.headers):  # as NatsBus: the handler runs in the sender's trace
+                    await self.handler(msg)
             except asyncio.CancelledError:
                 raise
             except Exception:  # mirrors NatsBus: a handler error is logged, delivery goes on
@@ -88,6 +90,7 @@ class MemoryBus:
         if not self.connected:
             raise BusDisconnected("memory bus disconnected")
         self.published.append((subject, data))
+        headers = tracing.inject(headers)
         for sub in self._targets(subject):
             sub.inbox.put_nowait(Msg(subject, data, reply, headers, self))
 

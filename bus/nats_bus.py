@@ -15,6 +15,7 @@ import nats
 from nats import errors as nats_errors
 from nats.aio.msg import Msg as NatsMsg
 
+from bus import tracing
 from bus.base import BusDisconnected, BusTimeout, Handler, Msg, NoResponders
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class NatsBus:
         if not self._nc.is_connected:
             raise BusDisconnected("NATS is not connected")
         try:
-            await self._nc.publish(subject, data, reply=reply, headers=headers)
+            await self._nc.publish(subject, data, reply=reply, headers=tracing.inject(headers))
         except (nats_errors.ConnectionClosedError, nats_errors.OutboundBufferLimitError) as exc:
             raise BusDisconnected(str(exc)) from exc
 
@@ -98,7 +99,8 @@ class NatsBus:
         """Subscribe; ``handler`` gets a bus Msg. Handler exceptions are logged, not propagated."""
         async def cb(m: NatsMsg) -> None:
             try:
-                await handler(Msg(m.subject, m.data, m.reply or "", m.headers, self))
+                with tracing.attached(m.headers):  # the sender's trace context, for the handler and its tasks
+                    await handler(Msg(m.subject, m.data, m.reply or "", m.headers, self))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -113,7 +115,7 @@ class NatsBus:
         if not self._nc.is_connected:
             raise BusDisconnected("NATS is not connected")
         try:
-            m = await self._nc.request(subject, data, timeout=timeout, headers=headers)
+            m = await self._nc.request(subject, data, timeout=timeout, headers=tracing.inject(headers))
         except nats_errors.NoRespondersError as exc:
             raise NoResponders(f"no responders on {subject}") from exc
         except (nats_errors.TimeoutError, asyncio.TimeoutError) as exc:

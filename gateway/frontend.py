@@ -22,6 +22,7 @@ from bus.messages import ApiRequest, Cancel, Chunk, PRIORITIES, error_dict
 from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
 from gateway.openai_format import ApiError
+from gateway.tracing import annotate as annotate_trace
 from actors.validator.validation import MAX_CHOICES, choice_count
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class Frontend:
             raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
         deadline = time.time() + deadline_ms / 1e3
         k = choice_count(endpoint, body)
+        annotate_trace(request_id=request_id, tenant=tenant, name=name, version=version, endpoint=endpoint, marks=marks)
         entry = self.table.open(request_id, deadline, self.cfg.inactivity_s, children=k)
         marks["gateway_out"] = time.time()
         if self.observer is not None:

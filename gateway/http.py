@@ -19,6 +19,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.base import BusError
+from gateway import tracing as gw_tracing
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
 from gateway.inflight import StreamError
 from gateway.merge import ChoiceMerger
@@ -72,7 +73,8 @@ class HttpFront:
 
     def app(self, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
         """The aiohttp application (``client_max_size`` = body limit, 413 above it)."""
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_middleware])
+        app = web.Application(client_max_size=max_body_bytes,
+                              middlewares=[*gw_tracing.middlewares(), errors_middleware])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)

@@ -22,7 +22,7 @@ import time
 
 import orjson
 
-from bus import subjects
+from bus import subjects, tracing
 from bus.base import BusError, Msg
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
 from gateway.http import DEV_TENANT, invalid_json
@@ -77,7 +77,8 @@ class NatsApi:
 
     def _spawn(self, endpoint: str):
         async def handler(msg: Msg) -> None:
-            task = asyncio.create_task(self._handle(endpoint, msg))
+            task = asyncio.create_task(tracing.traced("request", self._handle(endpoint, msg),
+                                                      {"actorserve.endpoint": endpoint, "actorserve.front": "nats"}))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return handler

@@ -22,7 +22,7 @@ from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FU
                                          FairQueueConfig)
 from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap
 from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
-from bus import subjects
+from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
 from bus.journal import Journal, MemoryJournal
 from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, error_dict
@@ -76,6 +76,7 @@ class SchedulerService:
         self._rng = random.Random(0)
         self.table = WorkerTable(config.credit_stale_s)
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
+        self._traces = tracing.ContextStore()  # trace context of each submit, parent of its queue span
         self._early_cancels = RecentIds()  # ids cancelled before their submit arrived
         self._kick = asyncio.Event()
         self._subs: list = []
@@ -148,6 +149,7 @@ class SchedulerService:
                                                           type_="unavailable", code="journal_unavailable",
                                                           retryable=True, retry_after=self.cfg.retry_after_s))
         self._push(req)
+        self._traces.put(req.request_id, tracing.current())  # the validator's span (bus hook); None when off
         self._seen[req.tenant] = time.monotonic()
         await self._ack(msg, True)
         self._kick.set()
@@ -208,6 +210,7 @@ class SchedulerService:
         except ValueError:
             return
         self.table.on_done(rec.request_id)
+        self._traces.pop(rec.request_id)
         req = self.requests.pop(rec.request_id, None)
         self.meter.add(time.monotonic(), rec.prompt_tokens + rec.completion_tokens)
         if req is not None:
@@ -279,8 +282,14 @@ class SchedulerService:
         req = replace(req, marks={**req.marks, "dispatch": time.time()})
         self.requests[req.request_id] = req
         data = Dispatch(req, self.cfg.scheduler_id).encode()
+        parent = self._traces.get(req.request_id)  # None: tracing off, or replayed from the journal (no trace)
+        headers = None if parent is None else tracing.record_span(
+            "queue", req.marks.get("sched_in", req.marks["dispatch"]), req.marks["dispatch"], parent,
+            {"actorserve.request_id": req.request_id, "actorserve.tenant": req.tenant,
+             "actorserve.priority": req.priority, "actorserve.worker_id": worker_id, "actorserve.attempt": req.attempt})
         try:
-            reply = await self.bus.request(subjects.work(worker_id), data, self.cfg.dispatch_timeout_s)
+            reply = await self.bus.request(subjects.work(worker_id), data, self.cfg.dispatch_timeout_s,
+                                           headers=headers)
             ok = DispatchAck.decode(reply.data).accepted
         except (BusError, ValueError) as exc:
             log.warning("dispatch of %s to %s failed: %s", req.request_id, worker_id, exc)

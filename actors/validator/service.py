@@ -18,7 +18,7 @@ import orjson
 from actors.validator.errors import RequestError
 from actors.validator.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_N, default_stop_token_ids,
                                          prepare_prompt, sampling_fields, validate_request)
-from bus import subjects
+from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
 from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, error_dict
 
@@ -106,7 +106,9 @@ class ValidatorService:
             return await msg.respond(orjson.dumps({"accepted": False})) if msg.reply else None
         if msg.reply:
             await msg.respond(b'{"accepted":true}')
-        task = asyncio.create_task(self._process(replace(req, marks={**req.marks, "validate_in": time.time()})))
+        task = asyncio.create_task(tracing.traced(  # a span around the processing: the hop to the scheduler
+            "validation", self._process(replace(req, marks={**req.marks, "validate_in": time.time()})),
+            {"actorserve.request_id": req.request_id, "actorserve.model_version": f"{req.name}@{req.version}"}))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -237,6 +239,7 @@ class ValidatorService:
                                err.get("param"), err.get("code"), err.get("type") or "unavailable")
 
     async def _fail(self, req: ApiRequest, err: dict) -> None:
+        tracing.set_error(f"{err.get('code') or err.get('status')}: {err.get('message')}")
         chunk = Chunk(req.request_id, 0, final=True, finish_reason="abort", error=err,
                       model=f"{req.name}@{req.version}")
         try:

@@ -18,7 +18,7 @@ import orjson
 from actors.aio import wait_event
 from actors.recent import RecentIds
 from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
-from bus import subjects
+from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg, NoResponders
 from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
                           WorkerStats, error_dict)
@@ -41,6 +41,7 @@ class _Live:
     aborted: str = ""  # abort reason once cancelled
     echo_pending: bool = True  # completions echo text not yet sent
     cancel_step: int = -1  # worker step count when a cancel arrived (-1: none)
+    trace: object = None  # trace context of the dispatch (the scheduler's queue span); None when tracing is off
 
 
 @dataclass
@@ -166,7 +167,7 @@ class WorkerService:
         if msg.reply:
             await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
         if ok:
-            lv = self.live[req.request_id] = _Live(req, time.time())
+            lv = self.live[req.request_id] = _Live(req, time.time(), trace=tracing.current())
             reason = self._early_cancels.pop(req.request_id)
             if reason is not None:  # cancelled while on its way here: end it "cancelled", never run it
                 lv.cancel_step = self.num_steps
@@ -395,7 +396,20 @@ class WorkerService:
         rec = CompletionRecord(lv.req.request_id, lv.req.tenant, lv.req.name, lv.req.version, status, reason,
                                usage["prompt_tokens"], usage["completion_tokens"], timing, lv.req.priority,
                                code, self.cfg.worker_id, time.time())
+        if lv.trace is not None:
+            self._record_spans(lv, status, usage, timing)
         await self._safe_publish(subjects.done(lv.req.name, lv.req.version), rec.encode())
+
+    def _record_spans(self, lv: _Live, status: str, usage: dict, timing: dict) -> None:
+        """``prefill`` and ``decode`` spans from the measured ``prefill_ms`` / ``decode_ms`` (one engine step
+        serves many requests, so the spans are recorded afterwards with explicit times, not around steps)."""
+        t_first = lv.t_in + timing["prefill_ms"] / 1e3
+        attrs = {"actorserve.request_id": lv.req.request_id, "actorserve.worker_id": self.cfg.worker_id,
+                 "actorserve.status": status}
+        tracing.record_span("prefill", lv.t_in, t_first, lv.trace,
+                            {**attrs, "actorserve.prompt_tokens": usage["prompt_tokens"]})
+        tracing.record_span("decode", t_first, t_first + timing["decode_ms"] / 1e3, lv.trace,
+                            {**attrs, "actorserve.completion_tokens": usage["completion_tokens"]})
 
     # ---- heartbeats --------------------------------------------------------------------------
     def credits_msg(self) -> Credits:
