@@ -148,6 +148,11 @@ class FairQueue(Generic[R]):
         """Whether ``request_id`` is queued."""
         return request_id in self._where
 
+    def tenant_of(self, request_id: str) -> str | None:
+        """Tenant of a queued request, None when it is not queued."""
+        where = self._where.get(request_id)
+        return where[1] if where else None
+
     def num_queued(self, tenant: str) -> int:
         """Requests of ``tenant`` waiting, all classes."""
         return sum(len(c.tenants[tenant].queue) for c in self.classes.values() if tenant in c.tenants)

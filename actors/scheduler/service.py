@@ -25,7 +25,8 @@ from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
 from bus.journal import Journal, MemoryJournal
-from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, error_dict
+from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
+                          error_dict)
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,15 @@ class SchedulerService:
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
+        try:
+            tenant = Cancel.decode(msg.data).tenant
+        except ValueError:
+            tenant = ""
+        held = self.requests.get(rid)
+        owner = held.tenant if held is not None else self.queue.tenant_of(rid)
+        if tenant and owner is not None and owner != tenant:
+            log.warning("ignoring cancel of %s from tenant %s: not its tenant", rid, tenant)
+            return
         req = self.queue.remove(rid)
         if req is not None:
             await self._fail(req, 499, "request cancelled while queued", "cancelled", retryable=False)

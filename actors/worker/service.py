@@ -202,9 +202,13 @@ class WorkerService:
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
         try:
-            reason = Cancel.decode(msg.data).reason
+            cancel = Cancel.decode(msg.data)
+            reason, tenant = cancel.reason, cancel.tenant
         except ValueError:
-            reason = "client"
+            reason, tenant = "client", ""
+        if tenant and rid in self.live and self.live[rid].req.tenant != tenant:
+            log.warning("ignoring cancel of %s from tenant %s: not its tenant", rid, tenant)
+            return
         if rid not in self.live:  # not here (yet): the scheduler may be dispatching it to us right now
             self._early_cancels.add(rid, reason)
         else:

@@ -273,3 +273,19 @@ async def test_cancel_while_queued_or_before_submit_ends_the_request_cancelled()
     assert [(r.request_id, r.status) for r in records] == [("r1", "cancelled"), ("r2", "cancelled")]
     assert not svc.queue.contains("r1") and not svc.queue.contains("r2")
     await svc.stop()
+
+
+async def test_cancel_from_another_tenant_is_ignored():
+    from bus.messages import Cancel
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    assert (await submit(bus, req(1)))["accepted"]  # tenant "t", queued (no worker)
+    await bus.publish(subjects.cancel("r1"), Cancel("r1", "client", tenant="intruder").encode())
+    await asyncio.sleep(0.1)
+    assert svc.queue.contains("r1") and chunks == []
+    await bus.publish(subjects.cancel("r1"), Cancel("r1", "client", tenant="t").encode())
+    await asyncio.sleep(0.1)
+    assert not svc.queue.contains("r1") and chunks[-1].error["code"] == "cancelled"
+    await svc.stop()

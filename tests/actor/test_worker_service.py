@@ -201,3 +201,14 @@ def test_tiny_top_p_keeps_the_top_token():
     logits = torch.randn(1, 300)
     [tok] = sample_batch(logits, [SamplingParams(top_p=4.6e-284, temperature=2.0)], [make_generator(1)])
     assert tok == int(torch.argmax(logits[0]))
+
+
+async def test_cancel_from_another_tenant_is_ignored(tiny_path):
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    async with svc:
+        chunks = await collect(bus, "_INBOX.t.x")
+        assert await dispatch(bus, gen("x", max_tokens=60))  # tenant "t"
+        await bus.publish(subjects.cancel("x"), Cancel("x", "client", tenant="intruder").encode())
+        await wait_final(chunks)
+        assert chunks[-1].finish_reason == "length" and not chunks[-1].error
