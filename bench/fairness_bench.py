@@ -36,6 +36,7 @@ class Phase:
 
     ttft_ms: list[float] = field(default_factory=list)  # successful requests only
     completion_tokens: int = 0
+    done: list[tuple[float, int]] = field(default_factory=list)  # (monotonic completion time, tokens) per ok request
     num_ok: int = 0
     num_refused: int = 0  # 429/503
     num_failed: int = 0  # anything else
@@ -72,6 +73,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
                     ttft = (time.monotonic() - t0) * 1e3
                 if obj.get("usage"):
                     out.completion_tokens += obj["usage"].get("completion_tokens", 0)
+                    out.done.append((time.monotonic(), obj["usage"].get("completion_tokens", 0)))
     except httpx.HTTPError:
         out.num_failed += 1
         return
@@ -157,7 +159,8 @@ def run(args: argparse.Namespace) -> dict:
     from control.supervisor import Supervisor
 
     state = Path(args.state_dir)
-    sup = Supervisor(state, port=0, supervise=False, actor_args={"worker": ["--max-num-seqs", str(args.slots)]})
+    sup = Supervisor(state, port=0, supervise=False,
+                     actor_args={"worker": ["--max-num-seqs", str(args.slots), "--dtype", args.dtype]})
     sup.start()
     sched = None
     try:
@@ -192,6 +195,7 @@ def run(args: argparse.Namespace) -> dict:
         async def saturate():
             await asyncio.gather(closed_loop(url, a, args.slots, T, args.max_tokens, wa),
                                  closed_loop(url, b, args.slots, T, args.max_tokens, wb))
+        t_weighted = time.monotonic()
         asyncio.run(saturate())
     finally:
         if sched is not None:
@@ -203,8 +207,12 @@ def run(args: argparse.Namespace) -> dict:
         res[f"b_{name}_ttft_p50_ms"] = round(pct(ph.ttft_ms, 0.5), 1)
         res[f"b_{name}_ttft_p99_ms"] = round(pct(ph.ttft_ms, 0.99), 1)
         res[f"b_{name}_ok"], res[f"b_{name}_refused"] = ph.num_ok, ph.num_refused
-    res["weighted_tokens_a"], res["weighted_tokens_b"] = wa.completion_tokens, wb.completion_tokens
-    res["weighted_split_ratio"] = round(wa.completion_tokens / max(1, wb.completion_tokens), 3)
+    # steady state only: tokens of requests completed after the first quarter of the phase (the start-up
+    # transient, when both tenants' first requests fill the batch together, is left out)
+    steady = t_weighted + T / 4
+    ta, tb = (sum(n for t, n in ph.done if t >= steady) for ph in (wa, wb))
+    res["weighted_tokens_a"], res["weighted_tokens_b"] = ta, tb
+    res["weighted_split_ratio"] = round(ta / max(1, tb), 3)
     return res
 
 
@@ -226,6 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phase-s", type=float, default=20.0, help="seconds per load phase")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--slots", type=int, default=8, help="worker sequence slots (max_num_seqs)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="worker compute dtype (default auto: bf16 on CPUs with AMX)")
 
 
 def main(args: argparse.Namespace) -> int:

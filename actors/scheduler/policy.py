@@ -156,13 +156,23 @@ class WorkerTable:
         return sum(len(w.inflight) for w in self.workers.values())
 
 
-def tenant_cap(total_slots: int, headroom_fraction: float) -> int:
-    """Most in-flight requests one tenant may hold: all slots but a reserved headroom (>= 1 slot).
+def tenant_cap(total_slots: int, headroom_fraction: float, weight_share: float = 0.0) -> int:
+    """Most in-flight requests one tenant may hold: all slots but a reserved headroom (>= 1 slot), or its
+    weighted share of the slots (``weight_share`` = its weight / the active tenants' total), whichever
+    is larger.
 
-    Keeps a free slot for a newly arriving tenant so fairness holds in the running batch without
-    preemption (docs/decisions/0009-fair-scheduling.md). With 0 or 1 slots in all, the cap is 1.
+    The headroom keeps a free slot for a newly arriving tenant so fairness holds in the running batch
+    without preemption (docs/decisions/0009-fair-scheduling.md). With few slots the headroom alone would
+    split them evenly (2 slots: one each, whatever the weights); the weighted share lets the weighted
+    fair queue decide how they are shared. With 0 or 1 slots in all, the cap is 1.
     """
     if total_slots <= 1:
         return 1
     reserve = max(1, math.ceil(total_slots * headroom_fraction))
-    return max(1, total_slots - reserve)
+    return max(1, total_slots - reserve, math.ceil(total_slots * weight_share - 1e-9))
+
+
+def weight_share(tenant: str, weights: dict[str, float]) -> float:
+    """``tenant``'s weight over the sum of ``weights`` (the active tenants'); 0 when absent."""
+    total = sum(weights.values())
+    return weights.get(tenant, 0.0) / total if total > 0 else 0.0

@@ -20,7 +20,7 @@ from actors.aio import wait_event
 from actors.recent import RecentIds
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig)
-from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap
+from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap, weight_share
 from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
@@ -282,11 +282,13 @@ class SchedulerService:
         active = [t for t, ts in self._seen.items() if now - ts <= self.cfg.tenant_active_s]
         if self.cfg.fcfs or len(active) < 2:  # one tenant alone may use every slot
             return frozenset()
-        cap = tenant_cap(self.table.total_slots(), self.cfg.headroom_fraction)
+        total = self.table.total_slots()
+        weights = {t: self.weights.get(t, 1.0) for t in active}
         held: dict[str, int] = {}
         for r in self.requests.values():
             held[r.tenant] = held.get(r.tenant, 0) + 1
-        return frozenset(t for t, n in held.items() if n >= cap)
+        return frozenset(t for t, n in held.items()
+                         if n >= tenant_cap(total, self.cfg.headroom_fraction, weight_share(t, weights)))
 
     async def _send(self, worker_id: str, req: GenerateRequest) -> bool:
         req = replace(req, marks={**req.marks, "dispatch": time.time()})

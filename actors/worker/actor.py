@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024, help="KV cache budget (bytes)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequence slots in the running batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="compute dtype (auto: bfloat16 where the device multiplies bf16 fast, else float32)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--lease-ttl", type=int, default=3, help="etcd lease TTL in seconds (<= 5)")
     parser.add_argument("--no-progress", action="store_true", help="hide the model loading progress bar")

@@ -421,8 +421,8 @@ class WorkerService:
         st = self.engine.stats()
         free_blocks, free_slots = self.engine.credits()
         return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, st.num_total_blocks,
-                       max(0, free_slots - len(self._adds)), getattr(self.engine, "max_num_seqs", 0),
-                       getattr(self.engine, "block_size", 16), st.num_running, st.num_waiting, self.draining,
+                       max(0, free_slots - len(self._adds)), self.engine.max_num_seqs,
+                       self.engine.block_size, st.num_running, st.num_waiting, self.draining,
                        time.time())
 
     async def _publish_credits(self) -> None:

@@ -212,3 +212,16 @@ async def test_cancel_from_another_tenant_is_ignored(tiny_path):
         await bus.publish(subjects.cancel("x"), Cancel("x", "client", tenant="intruder").encode())
         await wait_final(chunks)
         assert chunks[-1].finish_reason == "length" and not chunks[-1].error
+
+
+async def test_credits_carry_the_slot_and_block_totals(tiny_path):
+    bus = MemoryBus()
+    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    async with svc:
+        credits = await collect(bus, subjects.credits("m", "1", "w1"), Credits)
+        async with asyncio.timeout(5):
+            while not credits:
+                await asyncio.sleep(0.05)
+        c = credits[-1]
+        assert c.total_slots == 4 and c.free_slots == 4  # max_num_seqs of the engine (the scheduler's caps use it)
+        assert c.block_size == svc.engine.config.block_size and c.total_blocks == svc.engine.stats().num_total_blocks

@@ -86,3 +86,13 @@ def test_tenant_cap_keeps_headroom():
     from actors.scheduler.policy import tenant_cap
     assert tenant_cap(0, 0.125) == 1 and tenant_cap(1, 0.125) == 1
     assert tenant_cap(8, 0.125) == 7 and tenant_cap(32, 0.125) == 28 and tenant_cap(2, 0.5) == 1
+
+
+def test_tenant_cap_grows_to_the_weighted_share():
+    from actors.scheduler.policy import tenant_cap, weight_share
+    w = {"a": 3.0, "b": 1.0}
+    assert weight_share("a", w) == 0.75 and weight_share("c", w) == 0.0 and weight_share("a", {}) == 0.0
+    assert tenant_cap(2, 0.125, weight_share("a", w)) == 2  # 1.5 of 2 slots: may hold both
+    assert tenant_cap(2, 0.125, weight_share("b", w)) == 1  # headroom rule
+    assert tenant_cap(8, 0.125, weight_share("a", w)) == 7  # headroom already above the share (6)
+    assert tenant_cap(16, 0.125, 0.95) == 16

@@ -284,6 +284,16 @@ class LLMEngine:
         """Forget all cached prefixes (cold start for the next request); returns blocks dropped."""
         return self.block_manager.reset_prefix_cache()
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequence slots (sequences in one step), from the config."""
+        return self.config.max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block, from the config."""
+        return self.config.block_size
+
     def credits(self) -> tuple[int, int]:
         """(free KV blocks, free sequence slots = max_num_seqs - running - waiting, >= 0)."""
         used = self.scheduler.num_running + self.scheduler.num_waiting
