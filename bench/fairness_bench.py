@@ -6,7 +6,8 @@ One run, one machine, loopback only, every load loop bounded in count and time:
 3. B alone at rate r = 2 x capacity / 11 (open loop): B's TTFT p50/p99 ("solo");
 4. A at 10 r plus B at r (about 2x capacity) under the fair scheduler: B's TTFT ("fair");
 5. the scheduler replaced by one started with ``--fcfs``; phase 4 again ("fcfs");
-6. the fair scheduler back, weights A=3, B=1, both saturating: completion-token split A/B.
+6. the fair scheduler back, weights A=3, B=1, both saturating (2 x slots closed-loop clients each):
+   completion-token split A/B after the first quarter of the phase.
 JSON keys: capacity_req_s, b_solo_ttft_p50_ms, b_solo_ttft_p99_ms, b_fair_ttft_p50_ms,
 b_fair_ttft_p99_ms, b_fcfs_ttft_p50_ms, b_fcfs_ttft_p99_ms, weighted_split_ratio (+ raw counts).
 TTFT = time from sending the request to the first streamed content chunk, measured by the client.
@@ -193,8 +194,10 @@ def run(args: argparse.Namespace) -> dict:
         wa, wb = Phase(), Phase()
 
         async def saturate():
-            await asyncio.gather(closed_loop(url, a, args.slots, T, args.max_tokens, wa),
-                                 closed_loop(url, b, args.slots, T, args.max_tokens, wb))
+            # 2 x slots clients per tenant: both keep requests queued at the scheduler while their finished
+            # clients send the next one (with only `slots` each, the heavier tenant's queue runs dry)
+            await asyncio.gather(closed_loop(url, a, 2 * args.slots, T, args.max_tokens, wa),
+                                 closed_loop(url, b, 2 * args.slots, T, args.max_tokens, wb))
         t_weighted = time.monotonic()
         asyncio.run(saturate())
     finally:
