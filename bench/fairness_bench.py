@@ -216,6 +216,8 @@ def run(args: argparse.Namespace) -> dict:
     ta, tb = (sum(n for t, n in ph.done if t >= steady) for ph in (wa, wb))
     res["weighted_tokens_a"], res["weighted_tokens_b"] = ta, tb
     res["weighted_split_ratio"] = round(ta / max(1, tb), 3)
+    res["weighted_refused_a"], res["weighted_refused_b"] = wa.num_refused, wb.num_refused
+    res["weighted_failed_a"], res["weighted_failed_b"] = wa.num_failed, wb.num_failed
     return res
 
 
