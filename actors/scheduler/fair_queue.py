@@ -191,7 +191,9 @@ class FairQueue(Generic[R]):
 
     def push(self, request_id: str, tenant: str, weight: float, priority: str, cost: float, deadline: float,
              item: R, front: bool = False) -> None:
-        """Queue a request (no bound check: call ``can_admit`` first). ``front``: re-queue ahead of its tenant."""
+        """Queue a request (no bound check: call ``can_admit`` first). ``front``: re-queue a popped request
+        ahead of its tenant's others, refunding the cost its pop charged (it is charged again when popped
+        again; without the refund a tenant pays for every refused dispatch)."""
         if priority not in self.classes:
             raise ValueError(f"unknown priority class {priority!r}")
         if weight <= 0:
@@ -202,6 +204,8 @@ class FairQueue(Generic[R]):
             tenant, weight, priority = "*", 1.0, PRIORITY_ORDER[0]
             key = (float("-inf") if front else 0.0,)
         self.classes[priority].push(tenant, weight, _Entry(key + (seq,), request_id, cost, deadline, item))
+        if front:  # a popped request comes back (dispatch refused, worker lost): undo the charge of its pop
+            self.classes[priority].charge(tenant, -cost)
         self._where[request_id] = (priority, tenant)
 
     def peek(self, skip: frozenset[str] = frozenset()) -> tuple[str, str, str] | None:

@@ -134,3 +134,22 @@ def test_deadline_admission_uses_fair_position_not_whole_backlog():
     fcfs: FairQueue[str] = FairQueue(FairQueueConfig(fcfs=True))
     fcfs.push("a", "A", 1.0, "interactive", 100, 0, "a")
     assert fcfs.tokens_ahead("interactive", "B", 1.0, 100) == 100
+
+
+def test_refused_dispatches_do_not_cost_the_tenant_its_share():
+    """A popped request re-queued at the front (dispatch refused) is refunded: with every other pop refused,
+    3:1 weights still give 3:1 of the successful dispatches."""
+    q = FairQueue()
+    n = 0
+    for t in ("a", "b"):
+        for i in range(200):
+            q.push(f"{t}{i}", t, 3.0 if t == "a" else 1.0, "interactive", 60.0, 0.0, t)
+    served = {"a": 0, "b": 0}
+    for k in range(200):
+        p = q.pop()
+        if k % 2:  # refused: back to the front of its tenant
+            q.push(p.request_id, p.tenant, 3.0 if p.tenant == "a" else 1.0, "interactive", p.cost, 0.0, p.item,
+                   front=True)
+        else:
+            served[p.tenant] += 1
+    assert 2.6 <= served["a"] / served["b"] <= 3.4, served
