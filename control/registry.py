@@ -526,20 +526,7 @@ class Registry:
         """Register a worker of ``name@version`` under a lease of ``ttl`` seconds (1..5) and
         start its keepalive. Returns the WorkerLease; ``await lease.revoke()`` on clean stop.
         Raises ValueError for bad names or ttl."""
-        if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= 5:
-            raise ValueError(f"ttl must be an integer number of seconds in 1..5, got {ttl!r}")
-        key = names.worker_key(name, version, worker_id)
-        lease = await self._call(self.client.lease(ttl))
-        try:
-            await self.put_json(key, dict(info), lease=int(lease.id))
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self._call(self.client.revoke_lease(lease.id))
-            raise
-        wl = WorkerLease(self, key, lease, ttl)
-        wl._start()
-        self._leases.add(wl)
-        return wl
+        return await self.put_leased(names.worker_key(name, version, worker_id), info, ttl)
 
     async def put_leased(self, key: str, info: Mapping[str, Any], ttl: int = 3) -> WorkerLease:
         """Put ``key`` -> ``info`` under a fresh lease of ``ttl`` s (1..5), overwriting, and keep it alive
