@@ -142,8 +142,14 @@ class Frontend:
         return Submitted(entry, request_id, endpoint, name, version, marks, k)
 
     async def _hand_to_validator(self, req: ApiRequest) -> None:
+        data = req.encode()
+        limit = getattr(self.bus, "max_payload", 0) or 0
+        if limit and len(data) > limit:  # NATS would refuse it: say so instead of timing out
+            raise ApiError(413, f"The request is {len(data)} bytes once wrapped for the message bus; the bus "
+                           f"carries at most {limit} bytes per message. Send a smaller request.",
+                           code="request_too_large")
         try:
-            reply = await self.bus.request(subjects.VALIDATE, req.encode(), self.cfg.validator_ack_s)
+            reply = await self.bus.request(subjects.VALIDATE, data, self.cfg.validator_ack_s)
             ok = orjson.loads(reply.data).get("accepted")
         except (NoResponders, BusTimeout, BusDisconnected):
             ok = False

@@ -293,3 +293,29 @@ def test_disconnect_while_stop_text_is_held_back(stack):
     assert after.max_cancel_steps <= 2
     assert after.num_free_blocks == before.num_free_blocks
     assert after.num_generated_tokens - before.num_generated_tokens < 300
+
+
+def test_body_over_the_bus_payload_limit_is_413_not_a_timeout(stack, actor_procs):
+    """Issue #8 item 8: a gateway configured to accept bodies larger than NATS's max_payload (8 MiB in the
+    embedded server) answers 413 naming the bus limit at once, instead of failing the hand-off later."""
+    from control.ports import free_port
+    port = free_port()
+    actor_procs.start("gw-big", "gateway", "--port", str(port), "--gateway-id", "gw-big",
+                      "--max-body-bytes", str(32 * 1024 * 1024))
+    url = f"http://127.0.0.1:{port}"
+    t_end = time.monotonic() + 60
+    while httpx_status(url + "/readyz") != 200:
+        assert time.monotonic() < t_end, "extra gateway not ready"
+        time.sleep(0.2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]}
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=auth(stack), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert "message bus" in r.json()["error"]["message"] and time.monotonic() - t0 < 10
+
+
+def httpx_status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None
