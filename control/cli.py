@@ -8,6 +8,7 @@ Verbs::
     actorserve status [--state-dir DIR] [--json]
     actorserve tenants {create,list,show,keys,set-quota,allow-models,priority,set-weight} ...
     actorserve rollout {start,set-weight,promote,rollback,status} NAME ...   (control/rollout_cli.py)
+    actorserve diagnose [--state-dir DIR | --etcd URL] [--json] [--window-s S]   (control/diagnose_cli.py)
 
 Building the parser imports no actor module (``actorserve --help`` stays fast and torch-free); the
 actor verbs load their module only when that verb is parsed (or its help is shown): the module's
@@ -224,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     from control.rollout_cli import add_rollout_commands
 
     add_rollout_commands(sub)
+
+    # -- diagnose ---------------------------------------------------------------------------
+    from control.diagnose_cli import add_diagnose_command
+
+    add_diagnose_command(sub)
 
     # -- status -----------------------------------------------------------------------------
     st = sub.add_parser("status", help="show endpoints, processes, models and live workers")

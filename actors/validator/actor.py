@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=64, help="requests processed at once")
     parser.add_argument("--max-n", type=int, default=8, help="server-side cap on n")
     parser.add_argument("--max-choices", type=int, default=32, help="server-side cap on n x number of prompts")
+    parser.add_argument("--test-delay-ms", type=float, default=0.0, metavar="MS",
+                        help="test only (honoured with ACTORSERVE_TEST_FAULTS=1): burn MS ms of CPU per request")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -28,13 +30,25 @@ async def main(args: argparse.Namespace) -> None:
     async with Registry.connect(etcd_url) as reg:
         bus = await NatsBus.connect(nats_url, name="validator")
         svc = ValidatorService(bus, reg, ValidatorConfig(args.max_tokens_cap, args.max_concurrency,
-                                                         max_n=args.max_n, max_choices=args.max_choices))
+                                                         max_n=args.max_n, max_choices=args.max_choices,
+                                                         test_delay_ms=_test_delay_ms(args)))
         await svc.start()
         log.info("validator ready")
         try:
             await asyncio.Event().wait()
         finally:
             await asyncio.shield(_shutdown(svc, bus))
+
+
+def _test_delay_ms(args: argparse.Namespace) -> float:
+    """``--test-delay-ms`` when ``ACTORSERVE_TEST_FAULTS=1``, else 0 (ignored with a warning)."""
+    import os
+
+    delay = float(getattr(args, "test_delay_ms", 0.0) or 0.0)
+    if delay > 0 and os.environ.get("ACTORSERVE_TEST_FAULTS", "") != "1":
+        log.warning("--test-delay-ms ignored: test faults are off (set ACTORSERVE_TEST_FAULTS=1)")
+        return 0.0
+    return max(0.0, delay)
 
 
 async def _shutdown(svc, bus) -> None:

@@ -57,11 +57,19 @@ class ValidatorConfig:
     failover_wait_s: float = 4.0  # keep retrying while no scheduler is active (election in progress) (s)
     max_n: int = MAX_N  # server cap on `n`
     max_choices: int = MAX_CHOICES  # server cap on n x prompts (engine requests per API request)
+    test_delay_ms: float = 0.0  # test only (ACTORSERVE_TEST_FAULTS=1, checked by the actor): CPU burnt per request
 
     def __post_init__(self) -> None:
         if min(self.max_tokens_cap, self.max_concurrency, self.max_n, self.max_choices) < 1 \
                 or self.scheduler_ack_s <= 0:
             raise ValueError("validator limits must be positive")
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Test-only slowdown: spin in Python (holding the GIL) until this thread has used ``seconds`` of CPU."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 class ValidatorService:
@@ -171,6 +179,8 @@ class ValidatorService:
         """One GenerateRequest per choice. A single choice keeps the request id; several (``n`` > 1 or a
         list of prompts) get ids ``<id>-<index>`` with index = prompt_index * n + i and, when a seed is
         given, seeds ``seed + i``."""
+        if self.cfg.test_delay_ms > 0:
+            _burn_cpu(self.cfg.test_delay_ms / 1e3)
         validated = validate_request(req.endpoint, req.body, self.cfg.max_n, self.cfg.max_choices)
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS if req.endpoint == "completions" else None
         prompts = validated.prompts or (validated.prompt,)
