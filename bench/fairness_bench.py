@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import orjson
 
 MODEL = "smollm2-135m-instruct"
@@ -54,6 +53,8 @@ def pct(values: list[float], q: float) -> float:
 async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int, deadline_ms: int,
                      out: Phase) -> None:
     """One streamed chat request; records TTFT and completion tokens in ``out``."""
+    import httpx  # not imported at module level: `actorserve --help` imports this module
+
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}],
             "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "deadline_ms": deadline_ms,
             "stream_options": {"include_usage": True}}
@@ -86,6 +87,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
 async def open_loop(url: str, key: str, rate: float, duration_s: float, max_tokens: int, out: Phase,
                     deadline_ms: int = 30_000) -> None:
     """Send at ``rate`` req/s for ``duration_s`` (at most rate x duration requests), then wait for all."""
+    import httpx
+
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000)) as client:
         t0, tasks = time.monotonic(), []
         for i in range(int(rate * duration_s)):
@@ -96,6 +99,8 @@ async def open_loop(url: str, key: str, rate: float, duration_s: float, max_toke
 
 async def closed_loop(url: str, key: str, concurrency: int, duration_s: float, max_tokens: int, out: Phase) -> None:
     """``concurrency`` clients each sending back to back until ``duration_s`` passes."""
+    import httpx
+
     t_end = time.monotonic() + duration_s
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 8)) as client:
         async def loop() -> None:

@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 
 def request_list(num_requests: int, num_prefixes: int, prefix_tokens: int, vocab: int, seed: int = 0) -> list:
     """Token-id prompts: a shared prefix (of ``num_prefixes``) + a distinct 16-token suffix each."""
@@ -50,6 +48,8 @@ async def latest_stats(nats_url: str, worker_ids: list[str], timeout: float = 5.
 
 async def send_all(url: str, key: str, prompts: list, concurrency: int) -> int:
     """Send every prompt (completions, 1 token), ``concurrency`` at a time; returns how many got 200."""
+    import httpx  # not imported at module level: `actorserve --help` imports this module
+
     sem, ok = asyncio.Semaphore(concurrency), 0
 
     async def one(client, p):

@@ -58,7 +58,7 @@ def test_help_is_fast_and_imports_no_actor_or_torch():
         "        p.parse_args(argv)\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "heavy = [m for m in ('torch', 'nats', 'aetcd', 'aiohttp', 'gguf', 'transformers') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'nats', 'aetcd', 'aiohttp', 'gguf', 'transformers', 'httpx') if m in sys.modules]\n"
         "actors = [m for m in sys.modules if m.endswith('.actor')]\n"
         "assert not heavy and not actors, (heavy, actors)\n"
         "print('ok')\n"
