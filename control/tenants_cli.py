@@ -108,10 +108,13 @@ def _run(func, args: argparse.Namespace) -> int:
         return 1
 
 
+_HASH_FIELDS = ("hash", "nats_hash")  # never printed: the API-key hash and the NATS user's bcrypt hash
+
+
 def _summary(t) -> dict[str, Any]:
     return {"id": t.id, "priority": t.priority, "weight": t.weight, "quotas": t.quotas,
             "allowed_models": list(t.allowed_models),
-            "keys": {kid: {k: v for k, v in e.items() if k != "hash"} for kid, e in t.keys.items()}}
+            "keys": {kid: {k: v for k, v in e.items() if k not in _HASH_FIELDS} for kid, e in t.keys.items()}}
 
 
 async def _create(adm, args) -> int:

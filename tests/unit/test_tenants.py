@@ -67,3 +67,11 @@ def test_idempotency_hashes():
 
 def test_fanned_out_records_count_one_request():
     assert is_primary("abc") and is_primary("abc-0") and not is_primary("abc-3")
+
+
+def test_tenants_show_prints_no_hash():
+    from control.tenants_cli import _summary
+
+    t = Tenant.from_record("acme", {"keys": {"k1": {"hash": "sha256:aa", "nats_hash": "$2b$10$xyz", "prefix": "sk-as-AbCd",
+                                                    "created": 1.0, "revoked": None}}})
+    assert _summary(t)["keys"] == {"k1": {"prefix": "sk-as-AbCd", "created": 1.0, "revoked": None}}
