@@ -773,10 +773,21 @@ class Supervisor:
             self._user_sync.stop()
         if self.stack is not None:
             self.stack.stop()
+        self._remove_own_pids()
+
+    def _remove_own_pids(self) -> None:
+        """Remove ``pids.json`` if this process wrote it: an ``up`` refused because another supervisor runs
+        on the state dir must leave that one's file (the guard against a second ``up``, and ``status``)."""
+        path = self.state_dir / PIDS_FILE
         try:
-            (self.state_dir / PIDS_FILE).unlink()
-        except FileNotFoundError:
-            pass
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(data, dict) and data.get("supervisor") == os.getpid():
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> "Supervisor":
         return self.start()

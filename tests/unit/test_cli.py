@@ -178,6 +178,29 @@ def test_supervisor_actor_commands_parse(tmp_path):
     assert (w1.worker_id, w1.model, w1.kv_cache_bytes) == ("worker-1", "smollm2-135m-instruct@1", 1000000)
 
 
+def test_refused_second_up_keeps_the_running_supervisors_pids_json(tmp_path):
+    """A second ``up`` on a state dir whose supervisor is alive is refused, and its cleanup must not remove
+    the running supervisor's pids.json (it is the guard against a third ``up`` and what ``status`` reads)."""
+    from control.supervisor import PIDS_FILE, SupervisorError
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pids = tmp_path / PIDS_FILE
+        pids.write_text(json.dumps({"supervisor": other.pid, "worker-0": other.pid}))
+        sup = Supervisor(tmp_path, port=0)
+        with pytest.raises(SupervisorError, match="seems to be running"):
+            sup.start()
+        sup.stop()
+        assert json.loads(pids.read_text())["supervisor"] == other.pid
+    finally:
+        other.kill()
+        other.wait()
+    own = Supervisor(tmp_path, port=0)
+    own._write_pids()
+    own.stop()  # a supervisor removes its own pids.json
+    assert not pids.exists()
+
+
 # -- endpoints -----------------------------------------------------------------------------
 
 
