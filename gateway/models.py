@@ -87,12 +87,16 @@ class ModelSnapshot:
         return max(pool, key=version_order) if pool else None
 
     def model_list(self) -> list[dict]:
-        """``/v1/models`` entries: one per model name (``name``) and per version (``name@version``)."""
+        """``/v1/models`` entries: one per model name (``name``) and per active version (``name@version``);
+        retired and disabled versions (404 when asked for) are left out, so is a name without an active one."""
         out = []
         for name, vers in sorted(self.versions.items()):
+            active = self.active_versions(name)
+            if not active:
+                continue
             created = int(min((m.get("created", 0) for m in vers.values()), default=0))
             out.append({"id": name, "object": "model", "created": created, "owned_by": "actorserve"})
-            for v in sorted(vers, key=version_order):
+            for v in sorted(active, key=version_order):
                 out.append({"id": f"{name}@{v}", "object": "model", "created": created, "owned_by": "actorserve"})
         return out
 

@@ -130,3 +130,10 @@ def test_round_trip_and_decision_log_is_bounded():
 def test_invalid_stored_table_falls_back_to_defaults():
     snap = ModelSnapshot({"m": {"1": {}, "2": {}}}, {"m": {"weight": "lots"}}, {("m", "1"): 1, ("m", "2"): 1})
     assert snap.resolve("m") == ("m", "2")
+
+
+def test_model_list_leaves_out_retired_and_disabled_versions():
+    snap = _snap(versions=("1", "2", "3"), statuses={"2": "retired", "3": "disabled"})
+    assert [m["id"] for m in snap.model_list()] == ["m", "m@1"]
+    gone = _snap(versions=("1",), statuses={"1": "retired"})
+    assert gone.model_list() == []  # no active version: the name answers 404, so it is not listed
