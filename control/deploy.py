@@ -52,6 +52,17 @@ def default_model_file() -> str:
     return path
 
 
+def check_gguf(path: str) -> None:
+    """ValueError unless ``path`` starts with the GGUF magic ``b"GGUF"`` (GGUF spec, ggml docs/gguf.md)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"artifact {path} cannot be read: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise ValueError(f"artifact {path} is not a GGUF file (format gguf): it does not start with the GGUF magic")
+
+
 def _gguf_facts(path: str) -> tuple[int | None, str | None]:
     """(context_length, quantization) from a GGUF's metadata; (None, None) if unreadable."""
     try:
@@ -89,6 +100,7 @@ def model_manifest(
         artifact = str(Path(model_file).expanduser().resolve())
         if not os.path.isfile(artifact):
             raise FileNotFoundError(f"model file {artifact} does not exist")
+        check_gguf(artifact)
         ctx, quant = _gguf_facts(artifact)
     manifest: dict[str, Any] = {
         "name": name,

@@ -130,8 +130,12 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     if not os.path.isfile(artifact):
         raise RegistryCommandError(f"artifact {artifact} does not exist (or is not a file)")
     if fmt == "gguf":
-        from control.deploy import _gguf_facts
+        from control.deploy import _gguf_facts, check_gguf
 
+        try:
+            check_gguf(artifact)
+        except ValueError as e:
+            raise RegistryCommandError(str(e)) from None
         ctx, quant = _gguf_facts(artifact)
         if data["context_length"] is None:
             data["context_length"] = ctx

@@ -119,7 +119,7 @@ def read_gguf_metadata(path: str, full_arrays: Iterable[str] | None = None) -> d
     wanted = None if full_arrays is None else set(full_arrays)
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         if mm[:4] != _MAGIC:
-            raise ValueError(f"{path}: not a GGUF file (bad magic {bytes(mm[:4])!r})")
+            raise ValueError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
         cur = _Cursor(mm)
         cur.pos = 4
         version = cur.unpack("<I")

@@ -139,7 +139,9 @@ class ValidatorService:
         try:
             return await asyncio.to_thread(load_assets, manifest)
         except (OSError, ValueError) as exc:
-            raise RequestError(503, f"model {name}@{version} cannot be loaded: {exc}", code="model_unavailable",
+            log.warning("model %s@%s cannot be loaded: %s", name, version, exc)  # details for the operator only
+            raise RequestError(503, f"model {name}@{version} cannot be loaded; see the validator's log",
+                               code="model_unavailable",
                                type="unavailable") from exc
 
     async def _process(self, req: ApiRequest) -> None:

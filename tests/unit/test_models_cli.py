@@ -22,7 +22,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 @pytest.fixture
 def artifact(tmp_path):
     p = tmp_path / "m.gguf"
-    p.write_bytes(b"not really a gguf" * 10)  # GGUF facts unreadable: context/quantization stay unset
+    p.write_bytes(b"GGUF" + b"\xff" * 160)  # GGUF magic, unreadable facts: context/quantization stay unset
     return str(p)
 
 
@@ -44,7 +44,7 @@ def test_register_parses_every_option(artifact):
 def test_register_defaults_from_the_artifact(artifact, tmp_path):
     a = _parse("models", "register", "tiny", "3", "--artifact", artifact)
     m = build_manifest(a)
-    assert m["memory_bytes"] == len(b"not really a gguf" * 10) and m["chat_template"] == "gguf"
+    assert m["memory_bytes"] == 164 and m["chat_template"] == "gguf"
     assert m["defaults"] == {} and "workers" not in m
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -57,6 +57,11 @@ def test_register_refusals_name_the_field(artifact, tmp_path, capsys):
         build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--format", "safetensors"))
     with pytest.raises(RegistryCommandError, match="artifact .* does not exist"):
         build_manifest(_parse("models", "register", "tiny", "2", "--artifact", str(tmp_path / "nope.gguf")))
+    secret = tmp_path / "keys.out"
+    secret.write_text("sk-as-secret-key-material\n")
+    with pytest.raises(RegistryCommandError, match="is not a GGUF file") as ei:
+        build_manifest(_parse("models", "register", "tiny", "2", "--artifact", str(secret)))
+    assert "sk-as" not in str(ei.value)  # the file's bytes are never quoted
     with pytest.raises(RegistryCommandError, match="defaults.warmth"):
         build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", "warmth=1"))
     with pytest.raises(RegistryCommandError, match="defaults.top_k"):
