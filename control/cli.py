@@ -31,6 +31,7 @@ from typing import Any
 from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, log_level_type,
                             metrics_arguments, resolve_endpoints, run_actor_main, state_dir_of)
 from control.argtypes import non_negative_int as _non_negative_int
+from control.nats_auth import redact_url
 from control.argtypes import positive_int as _positive_int
 
 PROG = "actorserve"
@@ -367,7 +368,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0 if "error" not in report else 1
     ep = report["endpoints"]
     print(f"state dir: {report['state_dir']}")
-    print(f"nats:      {ep['nats_url'] or '-'}")
+    print(f"nats:      {redact_url(ep['nats_url']) if ep['nats_url'] else '-'}")
     print(f"etcd:      {ep['etcd_url']}")
     ready = {True: "ready", False: "NOT ready", None: "-"}[report["ready"]]
     print(f"http:      {ep['http_url'] or '-'} ({ready})")

@@ -69,6 +69,18 @@ def internal_password(state_dir: str | Path) -> str:
     return pw
 
 
+def redact_url(url: str) -> str:
+    """``url`` (or a comma-separated list) with any password replaced by ``***``
+    (``nats://user:***@host:port``), for printing."""
+    if "," in url:
+        return ",".join(redact_url(u) for u in url.split(","))
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
+
+
 def with_credentials(url: str, user: str, password: str) -> str:
     """``nats://user:password@host:port`` from ``nats://host:port`` (password is URL-safe)."""
     scheme, _, rest = url.partition("://")

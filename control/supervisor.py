@@ -360,7 +360,6 @@ class Supervisor:
     def _base_argv(self, kind: str) -> list[str]:
         argv = [
             self.python, "-m", "control.cli", "actor", kind,
-            "--nats", self.stack.nats_url,
             "--etcd", self.stack.etcd_url,
             "--state-dir", str(self.state_dir),
         ]
@@ -419,6 +418,8 @@ class Supervisor:
         env.update(self.env)
         env["PYTHONUNBUFFERED"] = "1"
         env["ACTORSERVE_STATE_DIR"] = str(self.state_dir)
+        if self.stack is not None:  # in the environment, not argv: the URL carries the internal NATS password
+            env["ACTORSERVE_NATS"] = self.stack.nats_url
         # `python -m control.cli` must import this checkout even when it is not installed.
         pp = env.get("PYTHONPATH", "")
         parts = [p for p in pp.split(os.pathsep) if p]

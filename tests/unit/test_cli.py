@@ -169,9 +169,11 @@ def test_supervisor_actor_commands_parse(tmp_path):
     for a in sup.actors:
         assert a.argv[:3] == [sys.executable, "-m", "control.cli"]
         args = _parse(*a.argv[3:])
-        assert args.actor_kind == a.kind and args.nats == "nats://127.0.0.1:1"
+        assert args.actor_kind == a.kind and args.nats is None  # the NATS URL (with a password) comes by env
+        assert "--nats" not in a.argv
         assert args.state_dir == str(tmp_path.resolve()) and args.log_level == "DEBUG"
         assert a.log_path == tmp_path.resolve() / "logs" / f"{a.name}.log"
+    assert sup._child_env()["ACTORSERVE_NATS"] == "nats://127.0.0.1:1"
     gw1 = _parse(*sup.actor("gateway-1").argv[3:])
     assert (gw1.port, gw1.gateway_id) == (8101, "gw-1")
     w1 = _parse(*sup.actor("worker-1").argv[3:])
