@@ -146,6 +146,6 @@ def _export_queue(svc: SchedulerService) -> None:
 async def _shutdown(svc: SchedulerService, lease, fail_queued: bool = True) -> None:
     """Stop scheduling (bounded), then resign so a standby takes over at once."""
     try:
-        await asyncio.wait_for(svc.stop(fail_queued), 5.0)
+        await asyncio.wait_for(svc.stop(fail_queued), svc.cfg.drain_s + 3.0)
     finally:
         await asyncio.wait_for(lease.revoke(), 3.0)

@@ -48,6 +48,7 @@ class SchedulerConfig:
     headroom_fraction: float = 0.125  # share of all slots one tenant may not take (kept for newcomers)
     routing: str = "affinity"  # "affinity" (prefix cache, then least loaded) | "least_loaded" | "random"
     tenant_active_s: float = 60.0  # a tenant that submitted within this window counts as active (s)
+    drain_s: float = 6.0  # on stop: keep dispatching the queue to the (still running) workers this long (s)
 
     def __post_init__(self) -> None:
         subjects.sched_submit(self.name, self.version)
@@ -55,6 +56,8 @@ class SchedulerConfig:
             raise ValueError(f"routing must be affinity, least_loaded or random, not {self.routing!r}")
         if self.max_queue_len < 1 or self.dispatch_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("max_queue_len, dispatch_timeout_s and max_attempts must be positive")
+        if self.drain_s < 0:
+            raise ValueError("drain_s must be >= 0")
 
 
 def cost_of(req: GenerateRequest) -> int:
@@ -96,15 +99,31 @@ class SchedulerService:
         self._tasks.append(asyncio.create_task(self._dispatch_loop()))
 
     async def stop(self, fail_queued: bool = True) -> None:
-        """Stop taking submits and stop loops. Queued requests end with a retryable 503, or, with
-        ``fail_queued=False`` (lease lost: another replica takes over), stay in the journal for it."""
-        for sub in self._subs:
+        """Stop taking submits and stop loops (drain). With ``fail_queued`` (SIGTERM: version retired or
+        stack stopping) the queue keeps being dispatched to the workers for up to ``drain_s`` seconds
+        (the supervisor stops workers after schedulers), and what is still queued then ends with a
+        retryable 503. With ``fail_queued=False`` (lease lost: another replica takes over) the queue stays
+        in the journal for it."""
+        if self._subs:
+            await self._subs[0].unsubscribe()  # the submit subscription: nothing new from here on
+        if fail_queued:
+            await self._drain_queue(self.cfg.drain_s)
+        for sub in self._subs[1:]:
             await sub.unsubscribe()
         while fail_queued and (p := self.queue.pop()) is not None:
-            await self._fail(p.item, 503, "scheduler is shutting down", "unavailable")
+            await self._fail(p.item, 503, "the scheduler stopped (version retired or stack stopping) before "
+                             "the request was dispatched; retry", "unavailable")
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _drain_queue(self, budget_s: float) -> None:
+        """Wait (at most ``budget_s``) until the dispatch loop has emptied the queue."""
+        t_end = time.monotonic() + budget_s
+        while (len(self.queue) and time.monotonic() < t_end and any(not t.done() for t in self._tasks)
+               and any(w.leased for w in self.table.workers.values())):
+            self._kick.set()
+            await asyncio.sleep(0.05)
 
     # ---- events ------------------------------------------------------------------------------
     def on_worker_lease(self, worker_id: str, present: bool) -> list[GenerateRequest]:

@@ -166,7 +166,7 @@ async def test_tenant_queue_full_is_429_others_unaffected():
 
 async def test_heavy_tenant_leaves_headroom_for_a_newcomer():
     bus = MemoryBus()
-    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", drain_s=0.2))
     await svc.start()
     accepted: list = []
     await fake_worker(bus, "w1", accepted)
@@ -191,7 +191,7 @@ async def test_heavy_tenant_leaves_headroom_for_a_newcomer():
 
 async def test_single_tenant_may_use_every_slot():
     bus = MemoryBus()
-    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", drain_s=0.2))
     await svc.start()
     accepted: list = []
     await fake_worker(bus, "w1", accepted)
@@ -289,3 +289,31 @@ async def test_cancel_from_another_tenant_is_ignored():
     await asyncio.sleep(0.1)
     assert not svc.queue.contains("r1") and chunks[-1].error["code"] == "cancelled"
     await svc.stop()
+
+
+async def test_stop_drains_the_queue_to_running_workers_before_failing_the_rest():
+    """SIGTERM (version retired): submits stop, the queue keeps going to the workers while slots free up,
+    and only what cannot be dispatched within drain_s ends with a retryable 503."""
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", drain_s=1.0))
+    await svc.start()
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=1)
+    chunks = await collect(bus, "_INBOX.t.r")
+    for i in range(3):
+        assert (await submit(bus, req(i)))["accepted"]
+    await asyncio.sleep(0.2)
+    assert accepted == ["r0"]
+
+    async def worker_frees_a_slot():
+        await asyncio.sleep(0.3)
+        await heartbeat(bus, "w1", slots=1)  # r0 done: room for one more
+    freeing = asyncio.create_task(worker_frees_a_slot())
+    t0 = time.monotonic()
+    await svc.stop()
+    await freeing
+    assert accepted == ["r0", "r1"]  # dispatched during the drain
+    assert [(c.request_id, c.error["code"]) for c in chunks] == [("r2", "unavailable")]  # not dispatchable in time
+    assert chunks[0].error["retryable"] and 0.9 < time.monotonic() - t0 < 3
