@@ -7,7 +7,7 @@ One run, one machine, loopback only, every load loop bounded in count and time:
 4. A at 10 r plus B at r (about 2x capacity) under the fair scheduler: B's TTFT ("fair");
 5. the scheduler replaced by one started with ``--fcfs``; phase 4 again ("fcfs");
 6. the fair scheduler back, weights A=3, B=1, both saturating (2 x slots closed-loop clients each):
-   completion-token split A/B after the first quarter of the phase.
+   completion-token split A/B of requests completed from the first quarter of the phase to its end.
 JSON keys: capacity_req_s, b_solo_ttft_p50_ms, b_solo_ttft_p99_ms, b_fair_ttft_p50_ms,
 b_fair_ttft_p99_ms, b_fcfs_ttft_p50_ms, b_fcfs_ttft_p99_ms, weighted_split_ratio (+ raw counts).
 TTFT = time from sending the request to the first streamed content chunk, measured by the client.
@@ -215,10 +215,11 @@ def run(args: argparse.Namespace) -> dict:
         res[f"b_{name}_ttft_p50_ms"] = round(pct(ph.ttft_ms, 0.5), 1)
         res[f"b_{name}_ttft_p99_ms"] = round(pct(ph.ttft_ms, 0.99), 1)
         res[f"b_{name}_ok"], res[f"b_{name}_refused"] = ph.num_ok, ph.num_refused
-    # steady state only: tokens of requests completed after the first quarter of the phase (the start-up
-    # transient, when both tenants' first requests fill the batch together, is left out)
-    steady = t_weighted + T / 4
-    ta, tb = (sum(n for t, n in ph.done if t >= steady) for ph in (wa, wb))
+    # steady state only: tokens of requests completed from the first quarter of the phase to its end. Left
+    # out: the start-up transient (both tenants' first requests fill the batch together) and the tail
+    # after the clients stop sending, when the lighter-weighted tenant's backlog drains alone.
+    steady, end = t_weighted + T / 4, t_weighted + T
+    ta, tb = (sum(n for t, n in ph.done if steady <= t <= end) for ph in (wa, wb))
     res["weighted_tokens_a"], res["weighted_tokens_b"] = ta, tb
     res["weighted_split_ratio"] = round(ta / max(1, tb), 3)
     res["weighted_refused_a"], res["weighted_refused_b"] = wa.num_refused, wb.num_refused
