@@ -40,6 +40,7 @@ class Phase:
     num_ok: int = 0
     num_refused: int = 0  # 429/503
     num_failed: int = 0  # anything else
+    timings: list[dict] = field(default_factory=list)  # usage.actorserve_timing (ms per stage) per ok request
 
 
 def pct(values: list[float], q: float) -> float:
@@ -76,6 +77,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
                 if obj.get("usage"):
                     out.completion_tokens += obj["usage"].get("completion_tokens", 0)
                     out.done.append((time.monotonic(), obj["usage"].get("completion_tokens", 0)))
+                    out.timings.append(obj["usage"].get("actorserve_timing") or {})
     except httpx.HTTPError:
         out.num_failed += 1
         return
@@ -160,6 +162,12 @@ async def wait_active(etcd_url: str, pid: int, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.5)  # its first credit heartbeats (4 Hz) arrive
 
 
+def timing_p50(timings: list[dict]) -> dict[str, float]:
+    """Median of each server-side timing key (ms) over ``timings`` (usage.actorserve_timing dicts)."""
+    keys = sorted({k for t in timings for k in t})
+    return {k: round(pct([float(t[k]) for t in timings if k in t], 0.5), 1) for k in keys}
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run all phases; returns the JSON result dict."""
     from control.supervisor import Supervisor
@@ -215,6 +223,7 @@ def run(args: argparse.Namespace) -> dict:
         res[f"b_{name}_ttft_p50_ms"] = round(pct(ph.ttft_ms, 0.5), 1)
         res[f"b_{name}_ttft_p99_ms"] = round(pct(ph.ttft_ms, 0.99), 1)
         res[f"b_{name}_ok"], res[f"b_{name}_refused"] = ph.num_ok, ph.num_refused
+        res[f"b_{name}_timing_p50_ms"] = timing_p50(ph.timings)
     # steady state only: tokens of requests completed from the first quarter of the phase to its end. Left
     # out: the start-up transient (both tenants' first requests fill the batch together) and the tail
     # after the clients stop sending, when the lighter-weighted tenant's backlog drains alone.
@@ -233,6 +242,8 @@ def print_table(res: dict) -> None:
     for name in ("solo", "fair", "fcfs"):
         print(f"  B TTFT {name:5s}: p50 {res[f'b_{name}_ttft_p50_ms']:9.1f} ms   p99 {res[f'b_{name}_ttft_p99_ms']:9.1f} ms"
               f"   ({res[f'b_{name}_ok']} ok, {res[f'b_{name}_refused']} refused)")
+        timing = res.get(f"b_{name}_timing_p50_ms") or {}
+        print("      server-side p50 (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in timing.items()))
     solo, fair, fcfs = (res[f"b_{n}_ttft_p99_ms"] for n in ("solo", "fair", "fcfs"))
     print(f"  fair/solo p99 = {fair / solo:.2f} (target <= 2);  fair/fcfs p99 = {fair / fcfs:.3f} (target <= 0.25)")
     print(f"  weights 3:1 -> token split {res['weighted_split_ratio']} (target 3 +- 10%)")
