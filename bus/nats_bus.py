@@ -15,10 +15,33 @@ import nats
 from nats import errors as nats_errors
 from nats.aio.msg import Msg as NatsMsg
 
-from bus import tracing
+from bus import subjects, tracing
 from bus.base import BusDisconnected, BusTimeout, Handler, Msg, NoResponders
 
 log = logging.getLogger(__name__)
+
+
+def _url_user(url: str) -> str | None:
+    """User name in the first URL of ``url`` (``nats://user:pw@host:port``), else None."""
+    rest = url.split(",")[0].partition("://")[2]
+    creds, at, _ = rest.rpartition("@")
+    return creds.split(":", 1)[0] if at else None
+
+
+def default_inbox_prefix(url: str) -> str:
+    """Inbox prefix for a connection to ``url``: ``_INBOX_<role>`` for an internal role user, else ``_INBOX``."""
+    role = subjects.role_of_user(_url_user(url))
+    return subjects.role_inbox_prefix(role) if role else "_INBOX"
+
+
+def redact(url: str) -> str:
+    """``url`` (or a comma-separated list) with any password replaced by ``***``, for messages and logs."""
+    out = []
+    for u in url.split(","):
+        scheme, sep, rest = u.partition("://")
+        creds, at, host = rest.rpartition("@")
+        out.append(f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}" if at and ":" in creds else u)
+    return ",".join(out)
 
 
 class _Sub:
@@ -43,9 +66,14 @@ class NatsBus:
         self._disconnect_cbs: list[Callable[[], None]] = []
 
     @classmethod
-    async def connect(cls, url: str, *, name: str = "actorserve", inbox_prefix: str = "_INBOX",
+    async def connect(cls, url: str, *, name: str = "actorserve", inbox_prefix: str | None = None,
                       connect_timeout: float = 5.0) -> "NatsBus":
-        """Connect to ``url`` (comma-separated list allowed). Raises BusError if the first connect fails."""
+        """Connect to ``url`` (comma-separated list allowed). Raises BusError if the first connect fails.
+
+        ``inbox_prefix`` defaults to the role's own prefix (``_INBOX_<role>``, bus.subjects) when the URL's
+        user is an internal role user (``actorserve-<role>``), else ``_INBOX``."""
+        if inbox_prefix is None:
+            inbox_prefix = default_inbox_prefix(url)
         bus = cls.__new__(cls)
         bus._disconnect_cbs = []
         try:
@@ -55,7 +83,7 @@ class NatsBus:
                 disconnected_cb=bus._on_disconnected, error_cb=bus._on_error, ping_interval=5,
                 max_outstanding_pings=2, pending_size=64 * 1024 * 1024)
         except (OSError, nats_errors.Error, asyncio.TimeoutError) as exc:
-            raise BusDisconnected(f"cannot connect to NATS at {url}: {exc}") from exc
+            raise BusDisconnected(f"cannot connect to NATS at {redact(url)}: {exc}") from exc
         return bus
 
     async def _on_disconnected(self) -> None:

@@ -112,3 +112,30 @@ def sched_journal(name: str, version: str) -> str:
 def sched_leader(name: str, version: str) -> str:
     """``as.int.sched.<name>.<version>.leader``: announced by a scheduler replica when it becomes active."""
     return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.leader"
+
+
+# -- internal NATS roles (issue #8 item 8) ------------------------------------------------------------
+# Every internal actor connects as the NATS user of its role (control/nats_roles.py builds their
+# permissions). A role's connection uses its own inbox prefix, outside every tenant's ``_INBOX.<tenant>``,
+# so a role's subscribe permission on its inbox reads no tenant's (nor another role's) replies.
+
+ROLE_USER_PREFIX = "actorserve-"  # NATS user name of a role: "actorserve-<role>" (never a 12-hex key id)
+
+
+def role_user(role: str) -> str:
+    """``actorserve-<role>``: the NATS user name of an internal role (gateway, worker, ...)."""
+    return ROLE_USER_PREFIX + _token(role, "role")
+
+
+def role_of_user(user: str | None) -> str | None:
+    """The role named by NATS user ``user`` (``actorserve-worker`` -> ``worker``), else None."""
+    if not user or not user.startswith(ROLE_USER_PREFIX):
+        return None
+    role = user[len(ROLE_USER_PREFIX):]
+    return role if _SAFE.match(role) else None
+
+
+def role_inbox_prefix(role: str) -> str:
+    """``_INBOX_<role>``: the inbox prefix of a role's connections (replies to its requests, JetStream
+    API replies and consumer deliveries); its subscribe permission is ``_INBOX_<role>.>``."""
+    return f"_INBOX_{_token(role, 'role')}"

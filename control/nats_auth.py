@@ -1,4 +1,8 @@
-"""NATS users of the embedded nats-server: one internal user for the actors, one user per tenant API key.
+"""NATS users of the embedded nats-server: the internal (operator) user, one user per internal role
+(control/nats_roles.py: the actors connect as these), one user per tenant API key.
+
+The internal user ``actorserve`` may do anything; its URL is in the 0600 ``endpoints.json`` for operators,
+CLI tools and tests, and no actor started by the supervisor gets it (each gets its role's URL).
 
 Isolation (issue #5 item 7): a tenant's NATS user may publish only to the public API subjects
 (``as.api.v1.chat|completions|cancel``) and subscribe only to its own inbox prefix ``_INBOX.<tenant>.>``
@@ -48,11 +52,13 @@ def tenant_users(tenants: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
     return users
 
 
-def authorization_block(internal_password: str, users: list[dict[str, Any]]) -> str:
-    """The ``authorization { users = [...] }`` section: the internal user (everything) plus ``users``."""
+def authorization_block(internal_password: str, users: list[dict[str, Any]],
+                        role_users: list[dict[str, Any]] = ()) -> str:
+    """The ``authorization { users = [...] }`` section: the internal (operator) user (everything), the
+    internal roles' users (control/nats_roles.py ``role_users``) and the tenant ``users``."""
     internal = {"user": INTERNAL_USER, "password": internal_password,
                 "permissions": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}}
-    return "authorization " + json.dumps({"users": [internal, *users]}, indent=1) + "\n"
+    return "authorization " + json.dumps({"users": [internal, *role_users, *users]}, indent=1) + "\n"
 
 
 def internal_password(state_dir: str | Path) -> str:

@@ -413,13 +413,15 @@ class Supervisor:
         out.append(self._named_actor(sname, "scheduler", self._base_argv("scheduler") + ["--model", ref], model=ref))
         return out
 
-    def _child_env(self) -> dict[str, str]:
+    def _child_env(self, kind: str | None = None) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.env)
         env["PYTHONUNBUFFERED"] = "1"
         env["ACTORSERVE_STATE_DIR"] = str(self.state_dir)
-        if self.stack is not None:  # in the environment, not argv: the URL carries the internal NATS password
-            env["ACTORSERVE_NATS"] = self.stack.nats_url
+        if self.stack is not None:  # in the environment, not argv: the URL carries the role's NATS password
+            from control.nats_roles import KIND_ROLES
+            role = KIND_ROLES.get(kind or "")
+            env["ACTORSERVE_NATS"] = self.stack.nats.role_url(role) if role else self.stack.nats_url
         # `python -m control.cli` must import this checkout even when it is not installed.
         pp = env.get("PYTHONPATH", "")
         parts = [p for p in pp.split(os.pathsep) if p]
@@ -437,7 +439,7 @@ class Supervisor:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 cwd=str(self.state_dir),
-                env=self._child_env(),
+                env=self._child_env(a.kind),
                 start_new_session=True,
                 close_fds=True,
             )

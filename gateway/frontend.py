@@ -23,6 +23,7 @@ from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
 from gateway.openai_format import ApiError
 from gateway.tracing import annotate as annotate_trace
+from actors import content_log
 from actors.validator.validation import MAX_CHOICES, choice_count
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class Frontend:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))
         req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,
                          subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks)
+        content_log.log_content("request body", request_id, body)  # only with ACTORSERVE_LOG_PROMPTS=1
         try:
             await self._hand_to_validator(req)
         except ApiError:

@@ -18,6 +18,7 @@ import orjson
 from actors.validator.errors import RequestError
 from actors.validator.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_N, default_stop_token_ids,
                                          prepare_prompt, sampling_fields, validate_request)
+from actors import content_log
 from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
 from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, error_dict
@@ -191,6 +192,7 @@ class ValidatorService:
             v = replace(validated, prompt=p) if validated.kind == "completion" else validated
             ids, max_tokens = prepare_prompt(v, assets.tokenizer, assets.chat_template, assets.max_model_len,
                                              default_max, self.cfg.max_tokens_cap)
+            content_log.log_content("prompt token ids", req.request_id, list(ids))  # ACTORSERVE_LOG_PROMPTS=1 only
             echo = ""
             if validated.echo:
                 echo = p if isinstance(p, str) else assets.tokenizer.decode(ids)

@@ -18,6 +18,7 @@ import orjson
 from actors.aio import wait_event
 from actors.recent import RecentIds
 from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
+from actors import content_log
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg, NoResponders
 from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
@@ -367,6 +368,8 @@ class WorkerService:
 
     async def _send(self, lv: _Live, chunk: Chunk) -> None:
         lv.seq += 1
+        if chunk.text:
+            content_log.log_content("output", lv.req.request_id, chunk.text)  # ACTORSERVE_LOG_PROMPTS=1 only
         await self._safe_publish(lv.req.reply, chunk.encode())
         if chunk.final:
             self.live.pop(lv.req.request_id, None)

@@ -1,0 +1,197 @@
+"""Per-role NATS users of the embedded nats-server (issue #8 item 8; docs/decisions/0016-nats-roles.md).
+
+Every internal actor connects as the user of its role, ``actorserve-<role>`` (bus.subjects.role_user),
+whose publish/subscribe allow lists name only the subjects that role uses. The lists are built here by
+pure functions from the subject functions of ``bus/subjects.py``: each subject function is called with
+placeholder tokens and the placeholders become ``*`` (``subjects.work`` -> ``as.int.work.*``), so a
+renamed or extended subject moves the permissions with it.
+
+Roles and what they do on NATS (read from actors/*, gateway/*, bus/*, control/*):
+
+* ``gateway``: requests ``as.int.validate``; publishes cancels, replies into tenant inboxes (NATS API),
+  job submissions; subscribes its reply subjects ``_INBOX.*.gw.*.*``, the public API subjects, completion
+  records and worker statistics (metrics); JetStream (usage stream + KV buckets, quota, idempotency, jobs).
+* ``validator``: serves ``as.int.validate``; requests scheduler submits; publishes cancels and error chunks
+  to gateway reply subjects.
+* ``scheduler``: serves its submit subject; dispatches (request) to ``as.int.work.*``; hears credits,
+  events, completion records and cancels; publishes error chunks, completion records, leader announcements;
+  JetStream (its queue journal).
+* ``worker``: serves its dispatch subject; hears cancels; streams chunks to gateway reply subjects (and
+  probes them); publishes events, completion records, credits and statistics.
+* ``jobs``: the jobs actor, a frontend like the gateway (validate requests, cancels, its reply subjects)
+  plus JetStream (jobs stream, KV bucket, object store).
+* ``control``: the rollout controller (and other control-plane clients): hears completion records only.
+
+Each role may subscribe to its own inbox ``_INBOX_<role>.>`` (replies to its requests, JetStream API
+replies, consumer deliveries) and, where it serves requests, answer them (``allow_responses``: one
+reply to the reply subject of each request it received, whoever sent it). JetStream API subjects
+(``$JS.API.>``, ``$JS.ACK.<stream>.>``, ``$JS.FC.>``, ``$KV.<bucket>.>``, ``$O.<bucket>.>``) only for
+``gateway``, ``scheduler`` and ``jobs``. Tenant users are unchanged (control/nats_auth.py).
+
+Passwords: one random password per role, kept (mode 0600) in ``<state-dir>/nats-role-passwords.json``
+and in the 0600 server config; the supervisor hands each actor its role's URL in the environment
+(``ACTORSERVE_NATS``), never in argv or logs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from bus import subjects
+
+ROLES = ("gateway", "validator", "scheduler", "worker", "jobs", "control")
+ROLE_PASSWORDS_FILE = "nats-role-passwords.json"
+
+# Supervisor actor kinds (control/cli.py ACTOR_MODULES) -> NATS role.
+KIND_ROLES = {"gateway": "gateway", "validator": "validator", "scheduler": "scheduler", "worker": "worker",
+              "jobs": "jobs", "rollout": "control", "autoscaler": "control"}
+
+# JetStream names, as the modules that create them spell them (tests/unit/test_nats_roles.py checks).
+USAGE_STREAM = "AS_DONE"  # gateway/usage.py STREAM (subjects as.int.done.>), pull consumer of the gateway
+USAGE_BUCKET = "as_usage"  # gateway/usage.py BUCKET
+QUOTA_BUCKET = "as_quota"  # gateway/quotas.py BUCKET
+IDEM_BUCKET = "as_idem"  # gateway/idempotency.py BUCKET
+JOBS_STREAM = "AS_JOBS"  # actors/jobs/store.py STREAM (subjects as.jobs.submit.<tenant>)
+JOBS_BUCKET = "as_jobs"  # actors/jobs/store.py BUCKET
+JOBS_OBJECTS = "as_job_data"  # actors/jobs/store.py OBJECTS
+JOBS_SUBMIT = "as.jobs.submit.*"  # actors/jobs/store.py submit_subject(<tenant>)
+
+_PLACEHOLDER = "zzplaceholder"
+
+
+def any_of(subject_fn: Callable[..., str]) -> str:
+    """The wildcard over every subject ``subject_fn`` builds: each argument becomes one ``*`` token
+    (``any_of(subjects.credits)`` == ``"as.int.credits.*.*.*"``)."""
+    n = len(inspect.signature(subject_fn).parameters)
+    args = [f"{_PLACEHOLDER}{i}" for i in range(n)]
+    tokens = subject_fn(*args).split(".")
+    return ".".join("*" if t in args else t for t in tokens)
+
+
+def _below(prefix_fn: Callable[..., str]) -> str:
+    """``any_of(prefix_fn) + ".>"``: everything under a wildcard prefix (``_INBOX.*.>`` for tenant inboxes)."""
+    return any_of(prefix_fn) + ".>"
+
+
+def inbox(role: str) -> str:
+    """``_INBOX_<role>.>``: the subscribe permission of a role's own inbox."""
+    return subjects.role_inbox_prefix(role) + ".>"
+
+
+def _jetstream(streams: tuple[str, ...] = (), buckets: tuple[str, ...] = (), objects: tuple[str, ...] = (),
+               acks: tuple[str, ...] = ()) -> list[str]:
+    """Publish permissions of a JetStream client: the API, flow-control replies, the KV buckets'
+    (``$KV.<b>.>``) and object stores' (``$O.<b>.>``) subjects, acks of the named consumers' streams,
+    and the stream subjects in ``streams`` (published to with an ack)."""
+    return (["$JS.API.>", "$JS.FC.>"] + [f"$JS.ACK.{s}.>" for s in acks] + [f"$KV.{b}.>" for b in buckets]
+            + [f"$O.{o}.>" for o in objects] + list(streams))
+
+
+def _spec() -> dict[str, dict[str, Any]]:
+    """``{role: {"publish": [...], "subscribe": [...], "responses": bool}}`` (before the inbox is added)."""
+    gw_replies = any_of(subjects.gateway_reply)  # _INBOX.*.gw.*.*: chunks for gateway / jobs frontends
+    cancel = any_of(subjects.cancel)
+    done = any_of(subjects.done)
+    return {
+        "gateway": {
+            "publish": [subjects.VALIDATE, cancel, _below(subjects.tenant_inbox_prefix)]
+            + _jetstream(streams=(JOBS_SUBMIT,), buckets=(USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET),
+                         objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,)),
+            "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, gw_replies, done,
+                          any_of(subjects.stats)],
+            "responses": True,  # reply-subject probes from workers, NATS API request acks
+        },
+        "validator": {
+            "publish": [any_of(subjects.sched_submit), cancel, gw_replies],
+            "subscribe": [subjects.VALIDATE, cancel],
+            "responses": True,  # acks of as.int.validate requests
+        },
+        "scheduler": {
+            "publish": [any_of(subjects.work), gw_replies, done, any_of(subjects.sched_leader)]
+            + _jetstream(streams=(any_of(subjects.sched_journal),)),
+            "subscribe": [any_of(subjects.sched_submit), any_of(subjects.credits), any_of(subjects.sched_events),
+                          done, cancel],
+            "responses": True,  # acks of submits
+        },
+        "worker": {
+            "publish": [gw_replies, any_of(subjects.sched_events), done, any_of(subjects.credits),
+                        any_of(subjects.stats)],
+            "subscribe": [any_of(subjects.work), cancel],
+            "responses": True,  # dispatch acks
+        },
+        "jobs": {
+            "publish": [subjects.VALIDATE, cancel]
+            + _jetstream(buckets=(JOBS_BUCKET,), objects=(JOBS_OBJECTS,), acks=(JOBS_STREAM,)),
+            "subscribe": [gw_replies],
+            "responses": True,  # reply-subject probes from workers
+        },
+        "control": {
+            "publish": [],
+            "subscribe": [done],
+            "responses": False,
+        },
+    }
+
+
+def role_permissions(role: str) -> dict[str, Any]:
+    """nats-server ``permissions`` block of ``role`` (one of :data:`ROLES`; ValueError otherwise):
+    publish/subscribe allow lists (own inbox included), ``allow_responses`` where the role answers
+    requests. A role that publishes nothing gets ``publish: {deny: [">"]}`` (an empty allow list would
+    allow everything)."""
+    spec = _spec().get(role)
+    if spec is None:
+        raise ValueError(f"unknown NATS role {role!r} (one of {', '.join(ROLES)})")
+    perms: dict[str, Any] = {
+        "publish": {"allow": list(spec["publish"])} if spec["publish"] else {"deny": [">"]},
+        "subscribe": {"allow": [*spec["subscribe"], inbox(role)]},
+    }
+    if spec["responses"]:
+        perms["allow_responses"] = True
+    return perms
+
+
+def role_users(passwords: Mapping[str, str]) -> list[dict[str, Any]]:
+    """nats-server user entries (``user``, ``password``, ``permissions``) of every role in
+    ``passwords`` (``{role: password}``), in :data:`ROLES` order."""
+    return [{"user": subjects.role_user(r), "password": passwords[r], "permissions": role_permissions(r)}
+            for r in ROLES if r in passwords]
+
+
+def role_of_kind(kind: str) -> str:
+    """NATS role of a supervisor actor kind (``rollout`` -> ``control``); ValueError if unknown."""
+    try:
+        return KIND_ROLES[kind]
+    except KeyError:
+        raise ValueError(f"no NATS role for actor kind {kind!r}") from None
+
+
+def role_passwords(state_dir: str | Path) -> dict[str, str]:
+    """``{role: password}`` of every role, created (random, mode 0600) in
+    ``<state-dir>/nats-role-passwords.json`` on first use; a role missing from the file is added."""
+    path = Path(state_dir) / ROLE_PASSWORDS_FILE
+    current: dict[str, str] = {}
+    if path.exists():
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            current = {k: v for k, v in data.items() if isinstance(v, str) and v}
+    if all(r in current for r in ROLES):
+        return current
+    for r in ROLES:
+        current.setdefault(r, secrets.token_urlsafe(24))
+    write_private(path, json.dumps(current, indent=1) + "\n")
+    return current
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """Atomically write ``text`` to ``path`` with mode 0600 (secrets: passwords, server config)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,230 @@
+"""Per-role NATS users on a real nats-server (control/nats_roles.py): each internal role can publish and
+subscribe on its own subjects, and gets a permission violation, with nothing delivered, outside them.
+
+The matrix publishes / subscribes every sample subject as every role and compares what the server let
+through with what the role's allow lists say; the brief's examples (a worker reading ``as.api.>`` or
+publishing a submit, a validator dispatching to a worker, a gateway reading dispatches) are also checked
+by name. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.js.api import KeyValueConfig
+
+from bus import subjects
+from control.embedded import EmbeddedNats
+from control.nats_roles import ROLES, role_passwords, role_permissions
+
+# Concrete subjects touching every role's lists (and some nobody but the operator may touch).
+SAMPLES = [
+    subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.VALIDATE,
+    subjects.sched_submit("m", "v1"), subjects.sched_events("m", "v1"), subjects.sched_leader("m", "v1"),
+    subjects.work("w1"), subjects.cancel("r1"), subjects.credits("m", "v1", "w1"), subjects.stats("w1"),
+    subjects.done("m", "v1"), subjects.gateway_reply("acme", "gw-0", "r1"), "_INBOX.acme.x",
+    "_INBOX.acme.a.b", "as.jobs.submit.acme", "as.other", "_INBOX_worker.x", "_INBOX_gateway.x",
+    "_INBOX_scheduler.x",
+]
+
+
+def _match(pattern: str, subject: str) -> bool:
+    """NATS wildcard match of a concrete ``subject`` against ``pattern`` (``*`` one token, ``>`` the rest)."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def _allowed(role: str, op: str, subject: str) -> bool:
+    perms = role_permissions(role)[op]
+    if any(_match(p, subject) for p in perms.get("deny", [])):
+        return False
+    return any(_match(p, subject) for p in perms.get("allow", []))
+
+
+async def _wait_until(cond, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.02)
+
+
+class _Conn:
+    """A role's connection that records the server's asynchronous errors."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc = None
+
+    async def open(self, url: str, inbox_prefix: str = "_INBOX") -> "_Conn":
+        async def on_error(e):
+            self.errors.append(str(e))
+        self.nc = await nats.connect(url, inbox_prefix=inbox_prefix, error_cb=on_error, allow_reconnect=False,
+                                     connect_timeout=5)
+        return self
+
+    def violations(self, what: str) -> list[str]:
+        return [e for e in self.errors if "permissions violation" in e.lower() and what in e]
+
+
+@pytest.fixture
+async def server(tmp_path):
+    srv = EmbeddedNats(tmp_path, auth=True)
+    async with srv:
+        yield srv
+
+
+async def _role(srv: EmbeddedNats, role: str) -> _Conn:
+    return await _Conn().open(srv.role_url(role), inbox_prefix=subjects.role_inbox_prefix(role))
+
+
+async def test_role_passwords_are_private_and_stable(server, tmp_path):
+    path = tmp_path / "nats-role-passwords.json"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert server.config_path.stat().st_mode & 0o777 == 0o600
+    assert role_passwords(tmp_path) == role_passwords(tmp_path)
+    assert set(role_passwords(tmp_path)) == set(ROLES)
+    with pytest.raises(Exception):  # a wrong password is refused
+        await nats.connect(server.url, user="actorserve-worker", password="nope", allow_reconnect=False,
+                           connect_timeout=3, max_reconnect_attempts=0)
+
+
+async def test_publish_matrix(server):
+    admin = await _Conn().open(server.client_url)
+    got: list[tuple[str, str]] = []
+
+    async def on_msg(m):
+        got.append((m.data.decode(), m.subject))
+    await admin.nc.subscribe(">", cb=on_msg)
+    await admin.nc.flush()
+    conns = {r: await _role(server, r) for r in ROLES}
+    try:
+        for role, c in conns.items():
+            for s in SAMPLES:
+                await c.nc.publish(s, role.encode())
+            await c.nc.flush()
+        expected = {(r, s) for r in ROLES for s in SAMPLES if _allowed(r, "publish", s)}
+        await _wait_until(lambda: expected <= set(got))
+        # nats-server reports no -ERR for a denied publish to an _INBOX* subject (it only drops it), so
+        # the error is awaited for the others and non-delivery is checked for all
+        denied = {(r, s) for r in ROLES for s in SAMPLES if not s.startswith("_INBOX")} - expected
+        await _wait_until(lambda: all(conns[r].violations(f'"{s}"') for r, s in denied))
+        await asyncio.sleep(0.2)  # late deliveries would show up here
+        assert set(got) == expected
+    finally:
+        for c in [admin, *conns.values()]:
+            await c.nc.close()
+
+
+async def test_subscribe_matrix(server):
+    admin = await _Conn().open(server.client_url)
+    conns = {r: await _role(server, r) for r in ROLES}
+    got: list[tuple[str, str]] = []
+    try:
+        for role, c in conns.items():
+            for s in SAMPLES:
+                async def on_msg(m, role=role):
+                    got.append((role, m.subject))
+                await c.nc.subscribe(s, cb=on_msg)
+            await c.nc.flush()
+        expected = {(r, s) for r in ROLES for s in SAMPLES if _allowed(r, "subscribe", s)}
+        denied = {(r, s) for r in ROLES for s in SAMPLES if not s.startswith("_INBOX")} - expected
+        await _wait_until(lambda: all(conns[r].violations(f'"{s}"') for r, s in denied))  # see test_publish_matrix
+        for s in SAMPLES:
+            await admin.nc.publish(s, b"admin")
+        await admin.nc.flush()
+        await _wait_until(lambda: expected <= set(got))
+        await asyncio.sleep(0.2)
+        assert set(got) == expected
+    finally:
+        for c in [admin, *conns.values()]:
+            await c.nc.close()
+
+
+async def test_the_brief_s_examples(server):
+    """Named cases: each is a permission violation and nothing reaches the other side."""
+    admin = await _Conn().open(server.client_url)
+    worker, validator, gateway, scheduler = [await _role(server, r) for r in
+                                             ("worker", "validator", "gateway", "scheduler")]
+    seen: list[str] = []
+
+    async def on_msg(m):
+        seen.append(m.subject)
+    try:
+        await admin.nc.subscribe("as.int.>", cb=on_msg)
+        await admin.nc.flush()
+        api_msgs, dispatches = [], []
+
+        async def to_api(m):
+            api_msgs.append(m)
+
+        async def to_dispatches(m):
+            dispatches.append(m)
+
+        async def ack(m):
+            await m.respond(b"ack")
+        await worker.nc.subscribe("as.api.>", cb=to_api)
+        await gateway.nc.subscribe("as.int.work.*", cb=to_dispatches)
+        await gateway.nc.subscribe(subjects.work("w1"), cb=to_dispatches)
+        await worker.nc.publish(subjects.sched_submit("m", "v1"), b"{}")
+        await validator.nc.publish(subjects.work("w1"), b"{}")
+        for c in (worker, validator, gateway):
+            await c.nc.flush()
+        await _wait_until(lambda: worker.violations('"as.api.>"') and worker.violations("as.int.sched.m.v1.submit")
+                          and validator.violations("as.int.work.w1") and len(gateway.violations("as.int.work")) == 2)
+        # what they are allowed to do still flows: a dispatch from the scheduler reaches the worker
+        await worker.nc.subscribe(subjects.work("w1"), cb=ack)
+        await worker.nc.flush()
+        reply = await scheduler.nc.request(subjects.work("w1"), b"{}", timeout=5)
+        assert reply.data == b"ack"
+        await admin.nc.publish(subjects.API_CHAT, b"{}")
+        await admin.nc.flush()
+        await asyncio.sleep(0.3)
+        assert api_msgs == [] and dispatches == []
+        assert subjects.sched_submit("m", "v1") not in seen
+        assert seen.count(subjects.work("w1")) == 1  # the scheduler's dispatch only, not the validator's
+    finally:
+        for c in (admin, worker, validator, gateway, scheduler):
+            await c.nc.close()
+
+
+async def test_responses_go_only_to_reply_subjects_received(server):
+    """A worker may answer the dispatch it received but not publish into the scheduler's inbox unasked."""
+    worker, scheduler = await _role(server, "worker"), await _role(server, "scheduler")
+    try:
+        got = []
+
+        async def on_msg(m):
+            got.append(m)
+        await scheduler.nc.subscribe("_INBOX_scheduler.unasked", cb=on_msg)
+        await scheduler.nc.subscribe("as.int.done.m.v1", cb=on_msg)
+        await scheduler.nc.flush()
+        await worker.nc.publish("_INBOX_scheduler.unasked", b"x")  # dropped silently (no -ERR for _INBOX*)
+        await worker.nc.publish(subjects.done("m", "v1"), b"allowed")
+        await worker.nc.flush()
+        await _wait_until(lambda: len(got) >= 1)
+        await asyncio.sleep(0.3)
+        assert [m.subject for m in got] == ["as.int.done.m.v1"]
+    finally:
+        await worker.nc.close()
+        await scheduler.nc.close()
+
+
+async def test_jetstream_only_for_its_roles(server):
+    gateway, worker = await _role(server, "gateway"), await _role(server, "worker")
+    try:
+        kv = await gateway.nc.jetstream().create_key_value(KeyValueConfig(bucket="as_idem"))
+        await kv.put("k", b"v")
+        assert (await kv.get("k")).value == b"v"
+        with pytest.raises(Exception):
+            await worker.nc.jetstream(timeout=1.0).key_value("as_idem")
+        with pytest.raises(Exception):  # writes to a bucket that is not the gateway's (the API itself is open)
+            await gateway.nc.jetstream(timeout=1.0).create_key_value(KeyValueConfig(bucket="other"))
+            await (await gateway.nc.jetstream(timeout=1.0).key_value("other")).put("k", b"v")
+    finally:
+        await gateway.nc.close()
+        await worker.nc.close()

@@ -1,0 +1,86 @@
+"""Per-role NATS permissions (control/nats_roles.py): pure checks of the allow lists built from
+bus/subjects.py. The server-side behaviour is tested in tests/integration/test_nats_roles.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from bus import subjects
+from bus.nats_bus import default_inbox_prefix, redact
+from control import nats_roles
+from control.nats_roles import ROLES, any_of, role_permissions, role_users
+
+
+def _all(role: str, op: str) -> list[str]:
+    return role_permissions(role)[op].get("allow", [])
+
+
+def test_wildcards_come_from_the_subject_functions():
+    assert any_of(subjects.work) == "as.int.work.*"
+    assert any_of(subjects.credits) == "as.int.credits.*.*.*"
+    assert any_of(subjects.sched_submit) == "as.int.sched.*.*.submit"
+    assert any_of(subjects.gateway_reply) == "_INBOX.*.gw.*.*"
+    assert any_of(subjects.done) == subjects.done_all()
+    assert any_of(subjects.cancel) == subjects.cancel_all()
+    assert any_of(subjects.stats) == subjects.stats_all()
+
+
+def test_no_role_gets_everything_and_each_reads_its_own_inbox():
+    for role in ROLES:
+        perms = role_permissions(role)
+        for op in ("publish", "subscribe"):
+            assert ">" not in perms[op].get("allow", []), (role, op)
+        assert subjects.role_inbox_prefix(role) + ".>" in _all(role, "subscribe")
+        others = [subjects.role_inbox_prefix(r) + ".>" for r in ROLES if r != role]
+        assert not set(others) & set(_all(role, "subscribe") + _all(role, "publish"))
+
+
+def test_jetstream_only_for_the_roles_that_use_it():
+    js = {r for r in ROLES if any(s.startswith("$JS.") for s in _all(r, "publish"))}
+    assert js == {"gateway", "scheduler", "jobs"}
+
+
+def test_the_brief_s_examples_are_not_allowed():
+    assert not any(s.startswith("as.api") for s in _all("worker", "subscribe"))
+    assert any_of(subjects.sched_submit) not in _all("worker", "publish")
+    assert any_of(subjects.work) not in _all("validator", "publish")
+    assert any_of(subjects.work) not in _all("gateway", "subscribe")
+    # only the gateway reads the public API; nobody but the gateway writes into any tenant inbox
+    assert [r for r in ROLES if subjects.API_CHAT in _all(r, "subscribe")] == ["gateway"]
+    assert [r for r in ROLES if "_INBOX.*.>" in _all(r, "publish")] == ["gateway"]
+
+
+def test_a_role_that_publishes_nothing_is_denied_everything():
+    assert role_permissions("control")["publish"] == {"deny": [">"]}
+    assert "allow_responses" not in role_permissions("control")
+    assert role_permissions("worker")["allow_responses"] is True
+
+
+def test_unknown_roles_and_kinds_are_refused():
+    with pytest.raises(ValueError):
+        role_permissions("root")
+    with pytest.raises(ValueError):
+        nats_roles.role_of_kind("nope")
+    assert nats_roles.role_of_kind("rollout") == "control"
+
+
+def test_jetstream_names_match_the_modules_that_create_them():
+    from actors.jobs import store
+    from gateway import idempotency, quotas, usage
+    assert (nats_roles.USAGE_STREAM, nats_roles.USAGE_BUCKET) == (usage.STREAM, usage.BUCKET)
+    assert nats_roles.QUOTA_BUCKET == quotas.BUCKET and nats_roles.IDEM_BUCKET == idempotency.BUCKET
+    assert (nats_roles.JOBS_STREAM, nats_roles.JOBS_BUCKET, nats_roles.JOBS_OBJECTS) == \
+        (store.STREAM, store.BUCKET, store.OBJECTS)
+    assert store.submit_subject("acme").rsplit(".", 1)[0] + ".*" == nats_roles.JOBS_SUBMIT
+
+
+def test_role_users_and_inbox_prefix_from_the_url():
+    users = role_users({r: f"pw-{r}" for r in ROLES})
+    assert [u["user"] for u in users] == [f"actorserve-{r}" for r in ROLES]
+    assert subjects.role_of_user("actorserve-worker") == "worker"
+    assert subjects.role_of_user("actorserve") is None and subjects.role_of_user("0123abcd4567") is None
+    assert default_inbox_prefix("nats://actorserve-gateway:pw@127.0.0.1:4222") == "_INBOX_gateway"
+    assert default_inbox_prefix("nats://actorserve:pw@127.0.0.1:4222") == "_INBOX"
+    assert default_inbox_prefix("nats://127.0.0.1:4222") == "_INBOX"
+    assert redact("nats://actorserve-worker:secret@127.0.0.1:1,nats://h:2") == \
+        "nats://actorserve-worker:***@127.0.0.1:1,nats://h:2"
