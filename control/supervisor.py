@@ -139,8 +139,9 @@ class Supervisor:
     (extra argv per kind, e.g. ``{"worker": ["--kv-cache-bytes", "8000000"]}``), ``env`` (extra
     environment for the actors), ``echo_worker_log`` (copy worker-0's log to ``echo_stream``
     while waiting for readiness, so its loading progress bar shows), ``supervise`` (restart
-    actors that die after :meth:`wait_ready` succeeded, at most ``max_restarts`` per
-    ``restart_window_s`` each), ``stop_timeout_s`` (grace per kind before SIGKILL).
+    actors, and the embedded etcd and nats-server (same ports, same data directory), that die after
+    :meth:`wait_ready` succeeded, at most ``max_restarts`` per ``restart_window_s`` each),
+    ``stop_timeout_s`` (grace per kind before SIGKILL).
 
     ``watch_registry`` (default True): a thread polls the registry every ``registry_poll_s`` seconds
     and, for every active version it does not run yet, starts its scheduler and workers (as many as
@@ -222,6 +223,8 @@ class Supervisor:
         self._versions: dict[str, str] = {}  # "name@version" running -> fingerprint of its manifest
         self._draining: list[ActorProcess] = []  # removed from self.actors, being stopped
         self._bad_manifests: set[str] = set()  # invalid active versions already reported
+        self._server_restarts: dict[str, collections.deque[float]] = {}  # embedded server -> restart times
+        self._servers_given_up: set[str] = set()
 
     # -- properties ------------------------------------------------------------------------
 
@@ -552,16 +555,52 @@ class Supervisor:
         while not self._stop_requested.wait(0.5):
             if not self._ready:
                 continue  # before readiness a death is fatal (wait_ready reports it)
+            # Embedded servers first (etcd, then NATS): actors need them. Outside the lock: a start
+            # blocks up to the server's startup timeout.
+            servers_changed = self._restart_servers()
             with self._lock:
                 if self._stopping:
                     return
-                changed = False
+                changed = servers_changed
                 for a in self.actors:
                     if a.given_up or a.proc is None or a.proc.poll() is None:
                         continue
                     changed |= self._restart(a)
                 if changed:
                     self._write_pids()
+
+    def _restart_servers(self) -> bool:
+        """Start an embedded server (etcd, nats-server) that died again, on the same ports with the same
+        data directory (JetStream file store, etcd data), at most ``max_restarts`` per
+        ``restart_window_s`` each. Returns True when one was restarted."""
+        if self.stack is None:
+            return False
+        changed = False
+        for srv in (self.stack.etcd, self.stack.nats):
+            if self._stopping or srv.running or srv.pid is None or srv.name in self._servers_given_up:
+                continue
+            rc = srv._proc.returncode if srv._proc is not None else None
+            history = self._server_restarts.setdefault(srv.name, collections.deque())
+            now = time.monotonic()
+            while history and now - history[0] > self.restart_window_s:
+                history.popleft()
+            if len(history) >= self.max_restarts:
+                self._servers_given_up.add(srv.name)
+                msg = (f"{srv.name} exited with status {rc}; restarted {len(history)} times in the last "
+                       f"{self.restart_window_s:.0f} s: giving up on it (log: {srv.log_path})")
+                log.error(msg)
+                self._events.append(msg)
+                continue
+            history.append(now)
+            msg = f"{srv.name} exited with status {rc}; restarting on port {srv.port} (log: {srv.log_path})"
+            log.warning(msg)
+            self._events.append(msg)
+            try:
+                srv.start()
+                changed = True
+            except (RuntimeError, OSError) as e:  # retried on the next round, within the window's budget
+                log.error("could not restart %s: %s", srv.name, str(e).splitlines()[0])
+        return changed
 
     def _restart(self, a: ActorProcess) -> bool:
         rc = a.proc.returncode if a.proc is not None else None
