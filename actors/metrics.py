@@ -281,23 +281,25 @@ async def keep_metrics_registered(etcd_url: str, kind: str, ident: str, info: Ma
     Connects its own etcd client; re-registers after a lost lease or while etcd is away (every
     ``retry_s``); on cancellation revokes the lease (bounded) so the key goes at once."""
     from control.names import metrics_key
-    from control.registry import Registry
+    from control.registry import OutageLog, Registry
 
     key = metrics_key(kind, ident)
     reg = lease = None
+    outage = OutageLog(log, f"metrics registration {key}")
     try:
         while True:
             try:
                 if reg is None:
                     reg = await Registry.open(etcd_url)
                 lease = await reg.put_leased(key, info, ttl=ttl)
+                outage.ok()
                 log.debug("metrics endpoint registered at %s", key)
-                await lease.lost.wait()
+                await lease.lost.wait()  # set only once etcd answers and no longer knows the lease
                 log.warning("metrics registration %s lost its lease; registering again", key)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                log.warning("metrics registration %s failed: %r", key, exc)
+            except Exception as exc:  # etcd away: retry quietly (logged once per outage)
+                outage.failed(exc)
             lease = None
             await asyncio.sleep(retry_s)
     finally:

@@ -18,11 +18,18 @@ log = logging.getLogger(__name__)
 async def campaign(registry, key: str, info: Mapping[str, Any], *, ttl: int = 2, poll_s: float = 0.25):
     """Block until this candidate holds ``key``; return its lease (``control.registry.WorkerLease``).
 
-    etcd errors while campaigning are logged and retried (every ``poll_s``); cancellation propagates."""
+    etcd errors while campaigning are retried (every ``poll_s``) and logged once per outage;
+    cancellation propagates. The lease keeps the key while etcd is away (``WorkerLease``): the holder
+    keeps its role through an etcd outage, re-checks it with :func:`still_holds` when etcd answers
+    again (``lease.recovered``), and stands down when ``lease.lost`` is set."""
+    from control.registry import OutageLog
+
     announced = False
+    outage = OutageLog(log, f"campaign for {key}")
     while True:
         try:
             lease = await registry.acquire_leased(key, info, ttl)
+            outage.ok()
             if lease is not None:
                 return lease
             if not announced:
@@ -32,5 +39,17 @@ async def campaign(registry, key: str, info: Mapping[str, Any], *, ttl: int = 2,
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # etcd away: keep trying
-            log.warning("campaign for %s: %s", key, exc)
+            outage.failed(exc)
         await asyncio.sleep(poll_s)
+
+
+async def still_holds(registry, lease, field: str, ident: Any) -> bool | None:
+    """Whether ``lease``'s key still names this holder (``value[field] == ident``) under this lease.
+
+    True / False from etcd; None when etcd cannot say right now (the caller keeps its role and asks
+    again later). Used after an etcd outage, when a lease may have expired and the key moved on."""
+    try:
+        value, lease_id = await registry.get_json_lease(lease.key)
+    except Exception:
+        return None
+    return value is not None and value.get(field) == ident and lease_id == lease.lease_id

@@ -194,23 +194,65 @@ def _key(k: str) -> bytes:
 # Worker lease
 
 
-class WorkerLease:
-    """A worker's registration: an etcd lease plus the leased key, kept alive by a task.
+class OutageLog:
+    """Logs an etcd outage once when it starts and once when it ends (not once per failed attempt).
 
-    The keepalive refreshes every ``ttl / 3`` seconds. If a refresh fails it logs and retries
-    (every ``ttl / 6`` s) until the lease has certainly expired (``ttl`` seconds since the last
-    successful refresh) or etcd says it is gone; then ``lost`` is set and the task ends. The
-    owner should then re-register. ``revoke()`` deletes the key at once (clean stop).
+    ``failed(exc)`` on each failed call, ``ok()`` on each successful one; ``down_since`` is the
+    monotonic time of the first failure of the current outage (None while etcd answers)."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self.log, self.what = logger, what
+        self.down_since: float | None = None
+        self.outages = 0  # outages seen so far
+
+    def failed(self, exc: BaseException) -> bool:
+        """Record a failed attempt; True (and one warning logged) when it starts a new outage."""
+        if self.down_since is not None:
+            return False
+        self.down_since = time.monotonic()
+        self.outages += 1
+        self.log.warning("%s: etcd unreachable (%r); retrying quietly until it answers", self.what, exc)
+        return True
+
+    def ok(self) -> float | None:
+        """Record a success; returns the outage's length in seconds when this ends one (logged), else None."""
+        if self.down_since is None:
+            return None
+        took, self.down_since = time.monotonic() - self.down_since, None
+        self.log.warning("%s: etcd answers again after %.1f s", self.what, took)
+        return took
+
+
+class WorkerLease:
+    """A leased key (worker registration, election, metrics endpoint): an etcd lease plus the key,
+    kept alive by a task.
+
+    The keepalive refreshes every ``ttl / 3`` seconds. While etcd does not answer (stopped,
+    restarting, unreachable) it keeps the lease and keeps retrying (backoff from ``ttl / 6`` up to
+    ``ttl / 3`` s; each try bounded by ``ttl / 2`` s), logging once per outage: etcd keeps leases
+    across its own restart and extends them, so the key usually survives; the owner keeps serving
+    from what it knows. ``reachable`` is False during an outage, and ``recovered`` is set each
+    time etcd answers again after one (owners that must re-check what they hold, e.g. an elected
+    scheduler, wait on it and clear it). ``lost`` is set, and the task ends, only when etcd says
+    the lease is gone (expired during the outage, or revoked behind our back); the owner should then
+    register again. ``revoke()`` deletes the key at once (clean stop).
+
+    ``give_up_after``: seconds without a successful refresh after which ``lost`` is set anyway
+    (None, the default: never; an owner that must not hold a key it cannot renew sets it).
     """
 
-    def __init__(self, registry: "Registry", key: str, lease: Any, ttl: int) -> None:
+    def __init__(self, registry: "Registry", key: str, lease: Any, ttl: int,
+                 give_up_after: float | None = None) -> None:
         self.registry = registry
         self.key = key
         self.ttl = int(ttl)
         self._lease = lease
         self.lost = asyncio.Event()
+        self.recovered = asyncio.Event()
+        self.give_up_after = give_up_after
         self._task: asyncio.Task[None] | None = None
         self._last_ok = time.monotonic()
+        self._outage = OutageLog(log, f"lease {key}")
         self.refreshes = 0
 
     @property
@@ -223,6 +265,16 @@ class WorkerLease:
         """True while the keepalive task runs and the lease is not known to be lost."""
         return self._task is not None and not self._task.done() and not self.lost.is_set()
 
+    @property
+    def reachable(self) -> bool:
+        """False while refreshes fail (etcd away); True otherwise."""
+        return self._outage.down_since is None
+
+    @property
+    def outages(self) -> int:
+        """How many etcd outages this lease has lived through (or is in)."""
+        return self._outage.outages
+
     def _start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
             self._keepalive(), name=f"lease-keepalive:{self.key}"
@@ -231,21 +283,25 @@ class WorkerLease:
     async def _keepalive(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
         retry = max(self.ttl / 6.0, 0.1)
+        per_try = max(0.5, min(self.registry.timeout, self.ttl / 2.0))
         delay = interval
         while True:
             await asyncio.sleep(delay)
             try:
-                reply = await self.registry._call(self.registry.client.refresh_lease(self.lease_id))
+                reply = await asyncio.wait_for(self.registry.client.refresh_lease(self.lease_id), per_try)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # connection trouble: keep trying until the lease must be gone
-                if time.monotonic() - self._last_ok >= self.ttl:
-                    log.error("lease for %s lost: no refresh for %.1f s (%r)", self.key, self.ttl, e)
+            except Exception as e:  # etcd away: keep the lease, keep trying (quietly)
+                self._outage.failed(e)
+                if self.give_up_after is not None and time.monotonic() - self._last_ok >= self.give_up_after:
+                    log.error("lease for %s given up: no refresh for %.1f s (%r)", self.key,
+                              time.monotonic() - self._last_ok, e)
                     self.lost.set()
                     return
-                log.warning("lease refresh for %s failed (%r); retrying", self.key, e)
-                delay = retry
+                delay = min(interval, (delay if delay < interval else retry) * 1.5)
                 continue
+            if self._outage.ok() is not None:
+                self.recovered.set()
             if reply is None or int(getattr(reply, "TTL", 0)) <= 0:
                 log.error("lease for %s lost: etcd no longer knows lease %x", self.key, self.lease_id)
                 self.lost.set()
@@ -361,6 +417,16 @@ class Registry:
             return None
         try:
             return _loads(resp.value)
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"value at {key} is not valid JSON: {e}") from e
+
+    async def get_json_lease(self, key: str) -> tuple[Any | None, int]:
+        """Return ``(decoded value, lease id)`` of ``key`` (lease 0: not leased); ``(None, 0)`` if absent."""
+        resp = await self._call(self.client.get(_key(key)))
+        if resp is None:
+            return None, 0
+        try:
+            return _loads(resp.value), int(getattr(resp, "lease", 0) or 0)
         except orjson.JSONDecodeError as e:
             raise ValueError(f"value at {key} is not valid JSON: {e}") from e
 
@@ -576,7 +642,7 @@ class Registry:
         start_revision: int | None = None,
         include_existing: bool = False,
         retry_delay: float = 0.5,
-        max_retry_delay: float = 5.0,
+        max_retry_delay: float = 2.0,
     ) -> AsyncIterator[tuple[str, str, Any | None]]:
         """Yield ``(event, key, value)`` for every change under ``prefix``, forever.
 
@@ -585,13 +651,15 @@ class Registry:
         On a broken stream it reconnects with backoff (``retry_delay`` doubling up to
         ``max_retry_delay`` seconds) and resumes after the last seen revision, so no event is lost
         or repeated. If that revision was compacted it resyncs: current keys as puts, and deletes
-        for keys it had seen that are gone. Non-JSON values are logged and skipped. Stop by
-        breaking out of the loop / closing the generator.
+        for keys it had seen that are gone. Non-JSON values are logged and skipped. While etcd is
+        away (also for the first listing) it keeps retrying and logs once per outage, not per try.
+        Stop by breaking out of the loop / closing the generator.
         """
         known: set[str] = set()
         next_rev = start_revision
+        outage = OutageLog(log, f"watch on {prefix}")
         if include_existing or next_rev is None:
-            snap_rev, snapshot = await self._snapshot(prefix)
+            snap_rev, snapshot = await self._snapshot_retrying(prefix, retry_delay, max_retry_delay, outage)
             if include_existing:
                 for k, v in snapshot.items():
                     known.add(k)
@@ -604,6 +672,7 @@ class Registry:
             try:
                 watch = await self._call(self.client.watch_prefix(_key(prefix), start_revision=next_rev))
                 delay = retry_delay
+                outage.ok()
                 async for ev in watch:
                     k = ev.kv.key.decode("utf-8")
                     next_rev = int(ev.kv.mod_revision) + 1
@@ -618,11 +687,13 @@ class Registry:
                             continue
                         known.add(k)
                         yield "put", k, v
-                # The iterator ended without an error: the watch was cancelled under us.
-                log.warning("watch on %s ended; re-establishing", prefix)
+                # The iterator ended without an error: the watch was cancelled under us (etcd going away).
+                outage.failed(RuntimeError("watch stream ended"))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_retry_delay)
             except aetcd.exceptions.RevisionCompactedError as e:
                 log.warning("watch on %s: revision %s compacted (%r); resyncing", prefix, next_rev, e)
-                snap_rev, snapshot = await self._snapshot_retrying(prefix, retry_delay, max_retry_delay)
+                snap_rev, snapshot = await self._snapshot_retrying(prefix, retry_delay, max_retry_delay, outage)
                 for k in sorted(known - snapshot.keys()):
                     known.discard(k)
                     yield "delete", k, None
@@ -634,7 +705,8 @@ class Registry:
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as e:
-                log.warning("watch on %s failed (%r); reconnecting in %.1f s", prefix, e, delay)
+                if not outage.failed(e):
+                    log.debug("watch on %s failed (%r); reconnecting in %.1f s", prefix, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_retry_delay)
             finally:
@@ -653,11 +725,15 @@ class Registry:
                 log.warning("skipping non-JSON value at %s", k)
         return int(resp.header.revision), out
 
-    async def _snapshot_retrying(self, prefix: str, delay: float, max_delay: float) -> tuple[int, dict[str, Any]]:
+    async def _snapshot_retrying(self, prefix: str, delay: float, max_delay: float,
+                                 outage: "OutageLog | None" = None) -> tuple[int, dict[str, Any]]:
+        outage = outage or OutageLog(log, f"listing of {prefix}")
         while True:
             try:
-                return await self._snapshot(prefix)
+                out = await self._snapshot(prefix)
+                outage.ok()
+                return out
             except Exception as e:
-                log.warning("snapshot of %s failed (%r); retrying in %.1f s", prefix, e, delay)
+                outage.failed(e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_delay)

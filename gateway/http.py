@@ -233,6 +233,16 @@ class HttpFront:
         return resp
 
 
+def inband_error(err: dict) -> dict:
+    """The SSE error event for an error met after streaming began (no HTTP status can be sent any more):
+    the OpenAI error object plus the extension fields ``status`` (what the HTTP status would have been),
+    ``retryable`` and ``retry_after`` (s), so a client can tell e.g. ``worker_lost`` (retry) from a bad request."""
+    body = ApiError.from_chunk_error(err).body()
+    body["error"].update(status=int(err.get("status") or 500), retryable=bool(err.get("retryable")),
+                         retry_after=err.get("retry_after"))
+    return body
+
+
 class SseWriter:
     """Writes OpenAI SSE chunks for one request, ending with ``data: [DONE]``."""
 
@@ -250,7 +260,7 @@ class SseWriter:
             while True:
                 if chunk.error:
                     await cancel_fn()
-                    await self.send(ApiError.from_chunk_error(chunk.error).body())
+                    await self.send(inband_error(chunk.error))
                     break
                 for ev in merger.add(chunk):
                     await self.send(ev)
@@ -259,5 +269,5 @@ class SseWriter:
                 chunk = await next_fn()
         except StreamError as exc:
             await cancel_fn()
-            await self.send(ApiError.from_chunk_error(exc.error).body())
+            await self.send(inband_error(exc.error))
         await self.resp.write(b"data: [DONE]\n\n")

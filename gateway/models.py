@@ -189,6 +189,9 @@ class ModelResolver:
                 await asyncio.sleep(1.0)
 
     async def _loop(self) -> None:
+        from control.registry import OutageLog
+
+        outage = OutageLog(log, "gateway registry refresh (serving from the last snapshot)")
         while True:
             try:
                 async with asyncio.timeout(self.refresh_s):
@@ -199,7 +202,8 @@ class ModelResolver:
             try:
                 async with asyncio.timeout(5.0):
                     await self.refresh()
+                outage.ok()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # keep serving from the last snapshot while etcd is away
-                log.warning("registry refresh failed: %s", exc)
+            except Exception as exc:  # keep serving from the last snapshot while etcd is away (logged once)
+                outage.failed(exc)

@@ -48,34 +48,48 @@ def tenant_weights(tenants: dict[str, dict]) -> dict[str, float]:
     return out
 
 
+def incarnation_of(info) -> str:
+    """The process identity in a worker's registration (``incarnation``, else its pid; "" if neither)."""
+    if not isinstance(info, dict):
+        return ""
+    return str(info.get("incarnation") or info.get("pid") or "")
+
+
 async def sync_workers(reg, svc: SchedulerService, name: str, version: str, period_s: float = 2.0) -> None:
     """Keep ``svc``'s worker table equal to the leased worker keys in etcd (watch + periodic re-list)."""
     from control.names import workers_prefix
 
     async def relist() -> None:
         svc.weights = tenant_weights(await reg.list_tenants())
-        live = set(await reg.list_workers(name, version))
+        listed = await reg.list_workers(name, version)
+        live = set(listed)
         known = {w for w, v in svc.table.workers.items() if v.leased}
-        for wid in live - known:
-            svc.on_worker_lease(wid, True)
+        for wid in live:
+            inc = incarnation_of(listed[wid])
+            if wid not in known or (inc and svc.table.workers[wid].incarnation not in ("", inc)):
+                svc.on_worker_lease(wid, True, inc)
         for wid in known - live:
             log.warning("worker %s lease gone", wid)
             svc.on_worker_lease(wid, False)
 
     async def watch() -> None:
-        async for kind, key, _ in reg.watch_prefix(workers_prefix(name, version)):
+        async for kind, key, value in reg.watch_prefix(workers_prefix(name, version)):
             wid = key.rsplit("/", 1)[-1]
             if kind == "delete":
                 log.warning("worker %s lease deleted", wid)
-            svc.on_worker_lease(wid, kind == "put")
+            svc.on_worker_lease(wid, kind == "put", incarnation_of(value))
 
+    from control.registry import OutageLog
+
+    outage = OutageLog(log, f"worker re-list of {name}@{version}")
     watcher = asyncio.create_task(watch())
     try:
         while True:
             try:
-                await relist()
-            except Exception as exc:  # etcd briefly unreachable: keep the last known table
-                log.warning("worker re-list failed: %s", exc)
+                await asyncio.wait_for(relist(), max(period_s, 1.0))
+                outage.ok()
+            except Exception as exc:  # etcd unreachable: keep the last known table (logged once per outage)
+                outage.failed(exc)
             await asyncio.sleep(period_s)
     finally:
         watcher.cancel()
@@ -103,13 +117,17 @@ async def main(args: argparse.Namespace) -> None:
 
 
 async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
-    """One term as the active scheduler: campaign, recover the journal, schedule until the lease is lost."""
+    """One term as the active scheduler: campaign, recover the journal, schedule until leadership is lost.
+
+    An etcd outage does not end the term (nobody else can win the election while etcd is away): the
+    scheduler keeps serving from its last worker table; when etcd answers again it re-checks that the
+    election key is still its own (docs/decisions/0017-drain-and-control-plane-loss.md)."""
     from bus.journal import JetStreamJournal
     from control.election import campaign
     from control.names import scheduler_key
 
-    lease = await campaign(reg, scheduler_key(ref.name, ref.version), {"scheduler_id": sid, "pid": os.getpid()},
-                           ttl=args.lease_ttl)
+    key, info = scheduler_key(ref.name, ref.version), {"scheduler_id": sid, "pid": os.getpid()}
+    held = [await campaign(reg, key, info, ttl=args.lease_ttl)]
     svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
                                                 args.max_queue_per_tenant, args.fcfs, routing=args.routing),
                            await JetStreamJournal.open(bus, ref.name, ref.version))
@@ -120,14 +138,63 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
                       orjson.dumps({"scheduler_id": sid, "ts": time.time(), "recovered": recovered}))
     log.info("scheduler %s active for %s@%s (recovered %d queued requests)", sid, ref.name, ref.version, recovered)
     sync = asyncio.create_task(sync_workers(reg, svc, ref.name, ref.version))
-    lost = asyncio.create_task(lease.lost.wait())
+    guard = asyncio.create_task(hold_leadership(reg, held, key, info, args.lease_ttl))
+    stood_down = False
     try:
-        await asyncio.wait([sync, lost], return_when=asyncio.FIRST_COMPLETED)
-        log.error("scheduler %s lost its lease; standing down (its queue stays journaled)", sid)
+        await asyncio.wait([sync, guard], return_when=asyncio.FIRST_COMPLETED)
+        stood_down = guard.done() and not guard.cancelled() and guard.exception() is None
+        if stood_down:
+            log.error("scheduler %s lost its election; standing down (its queue stays journaled)", sid)
+        else:
+            log.error("scheduler %s: worker sync ended (%r); restarting the term", sid,
+                      sync.exception() if sync.done() and not sync.cancelled() else None)
     finally:
         sync.cancel()
-        lost.cancel()
-        await asyncio.shield(_shutdown(svc, lease, fail_queued=not lease.lost.is_set()))
+        guard.cancel()
+        await asyncio.shield(_shutdown(svc, held[0], fail_queued=not stood_down))
+
+
+async def hold_leadership(reg, held: list, key: str, info: dict, ttl: int, retry_s: float = 3.0) -> None:
+    """Return when this replica is no longer the elected one; ``held[0]`` is the current lease.
+
+    * etcd away: keep the role (the lease's keepalive retries quietly).
+    * etcd back (``lease.recovered``): re-check the key; another holder means we lost.
+    * lease gone (expired during an outage, ``lease.lost``): take the key again at once if it is free
+      (the term goes on without a gap); if another replica holds it, or etcd keeps failing for
+      ``retry_s`` seconds, we lost."""
+    from control.election import still_holds
+
+    while True:
+        lease = held[0]
+        lost = asyncio.ensure_future(lease.lost.wait())
+        back = asyncio.ensure_future(lease.recovered.wait())
+        try:
+            await asyncio.wait([lost, back], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            back.cancel()
+        if lease.lost.is_set():
+            t_end = time.monotonic() + retry_s
+            while True:
+                try:
+                    again = await reg.acquire_leased(key, info, ttl)
+                except Exception as exc:
+                    if time.monotonic() >= t_end:
+                        log.error("could not re-take %s after the lease was lost: %r", key, exc)
+                        return
+                    await asyncio.sleep(0.25)
+                    continue
+                if again is None:
+                    log.error("%s is held by another replica now", key)
+                    return
+                held[0] = again
+                log.warning("election lease of %s expired during an etcd outage; re-elected with a new lease", key)
+                break
+            continue
+        lease.recovered.clear()
+        if await still_holds(reg, lease, "scheduler_id", info["scheduler_id"]) is False:
+            log.error("%s no longer names this replica after the etcd outage", key)
+            return
 
 
 _active: list = []  # the SchedulerService of the current term (read by the queue-length gauge)

@@ -24,6 +24,7 @@ class WorkerView:
     block_size: int = 16  # tokens per block
     draining: bool = False
     leased: bool = False  # etcd lease key present
+    incarnation: str = ""  # which process holds the id (from its registration; a restart under the same id differs)
     last_credit_ts: float = 0.0  # when the last heartbeat arrived (s, scheduler clock)
     inflight: dict[str, bool] = field(default_factory=dict)  # request id -> has streamed a token
 
@@ -83,13 +84,43 @@ class WorkerTable:
         """The view of ``worker_id``, created empty on first mention."""
         return self.workers.setdefault(worker_id, WorkerView(worker_id))
 
-    def on_lease(self, worker_id: str, present: bool) -> dict[str, bool]:
-        """Lease put/delete. On delete returns the worker's in-flight table (id -> started) and forgets it."""
+    def on_lease(self, worker_id: str, present: bool, now: float | None = None,
+                 incarnation: str = "") -> dict[str, bool]:
+        """Lease put/delete. On delete returns the worker's in-flight table (id -> started) and forgets it.
+
+        With ``now`` given, a worker whose credits are still fresh at the delete is alive: it revoked its
+        lease to drain (SIGTERM), or its lease expired during an etcd outage. It gets no new dispatches
+        (``leased`` False) but keeps its in-flight requests, which finish where they run; only when its
+        credits go stale too does :meth:`reap` report them lost. Returns {} then.
+
+        A put naming another ``incarnation`` than the one known (the worker was restarted under the same
+        id, possibly before its old lease expired) returns the old process's in-flight table: lost."""
         if present:
-            self.get(worker_id).leased = True
+            v = self.get(worker_id)
+            lost = {}
+            if incarnation and v.incarnation and v.incarnation != incarnation:
+                lost = dict(v.inflight)
+                v = self.workers[worker_id] = WorkerView(worker_id)
+            v.leased = True
+            v.incarnation = incarnation or v.incarnation
+            return lost
+        view = self.workers.get(worker_id)
+        if view is not None and now is not None and now - view.last_credit_ts <= self.stale_after_s:
+            view.leased = False
             return {}
         view = self.workers.pop(worker_id, None)
         return dict(view.inflight) if view else {}
+
+    def reap(self, now: float) -> dict[str, dict[str, bool]]:
+        """Forget unleased workers whose credits went stale; ``{worker_id: in-flight table}`` of those
+        that still held requests (lost: the caller re-dispatches or fails them)."""
+        out = {}
+        for wid, v in list(self.workers.items()):
+            if not v.leased and now - v.last_credit_ts > self.stale_after_s:
+                del self.workers[wid]
+                if v.inflight:
+                    out[wid] = dict(v.inflight)
+        return out
 
     def on_credits(self, worker_id: str, free_blocks: int, free_slots: int, block_size: int,
                    draining: bool, now: float, total_blocks: int = 0, total_slots: int = 0) -> None:

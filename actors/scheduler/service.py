@@ -126,11 +126,38 @@ class SchedulerService:
             await asyncio.sleep(0.05)
 
     # ---- events ------------------------------------------------------------------------------
-    def on_worker_lease(self, worker_id: str, present: bool) -> list[GenerateRequest]:
-        """Lease put/delete from etcd. Returns requests to re-dispatch; fails the ones already streaming."""
-        lost = self.table.on_lease(worker_id, present)
+    def on_worker_lease(self, worker_id: str, present: bool, incarnation: str = "") -> list[GenerateRequest]:
+        """Lease put/delete from etcd. Returns requests to re-dispatch; fails the ones already streaming.
+
+        A deleted lease whose worker still heartbeats (draining after SIGTERM, or a lease that expired
+        during an etcd outage) only stops new dispatches; its requests finish there, and are handled as
+        lost only if its heartbeats stop too (:meth:`reap_lost_workers`). A put from a new ``incarnation``
+        of the worker id (restarted) loses what the old process held."""
+        lost = self.table.on_lease(worker_id, present, time.monotonic(), incarnation)
         if not present:
             self.prefixes.forget_worker(worker_id)
+            if worker_id in self.table.workers:
+                log.info("worker %s unleased but still heartbeating (draining or etcd outage): no new "
+                         "dispatches, its %d requests finish there", worker_id,
+                         len(self.table.workers[worker_id].inflight))
+        redo = self._handle_lost(worker_id, lost)
+        if redo or present:
+            self._kick.set()
+        return redo
+
+    def reap_lost_workers(self) -> list[GenerateRequest]:
+        """Handle unleased workers whose heartbeats stopped as lost (see :meth:`on_worker_lease`)."""
+        redo = []
+        for wid, lost in self.table.reap(time.monotonic()).items():
+            log.warning("worker %s stopped heartbeating without a lease: %d requests lost", wid, len(lost))
+            redo += self._handle_lost(wid, lost)
+        if redo:
+            self._kick.set()
+        return redo
+
+    def _handle_lost(self, worker_id: str, lost: dict[str, bool]) -> list[GenerateRequest]:
+        """Re-queue (front) the lost requests that never streamed a token and have attempts left; end
+        the others with a retryable in-band 503 ``worker_lost``. Returns the re-queued ones."""
         redo = []
         for rid, started in lost.items():
             req = self.requests.pop(rid, None)
@@ -143,8 +170,9 @@ class SchedulerService:
                 redo.append(replace(req, attempt=req.attempt + 1))
         for req in reversed(redo):
             self._push(req, front=True)  # not re-journaled: re-dispatched at once (failover in between: see 0010)
-        if redo or present:
-            self._kick.set()
+        if lost:
+            log.warning("worker %s lost: %d requests re-queued (no token yet), %d ended worker_lost", worker_id,
+                        len(redo), len(lost) - len(redo))
         return redo
 
     async def _on_submit(self, msg: Msg) -> None:
@@ -256,6 +284,7 @@ class SchedulerService:
     # ---- dispatch ----------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
         while True:
+            self.reap_lost_workers()
             for req in self.queue.pop_expired(time.time()):
                 await self._fail(req, 503, "the request's deadline passed while it was queued", "deadline_exceeded")
             if not await self._dispatch_head():

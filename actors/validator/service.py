@@ -133,7 +133,12 @@ class ValidatorService:
             raise
 
     async def _load(self, name: str, version: str) -> ModelAssets:
-        manifest = await self.registry.get_model_version(name, version)
+        try:
+            manifest = await self.registry.get_model_version(name, version)
+        except Exception as exc:  # etcd away and this version not cached yet: a retryable 503, not a 500
+            log.warning("registry unavailable while loading %s@%s: %r", name, version, exc)
+            raise RequestError(503, "the model registry is unavailable right now; retry", code="registry_unavailable",
+                               type="unavailable") from exc
         if manifest is None:
             raise RequestError(404, f"The model `{name}@{version}` does not exist or you do not have access to it.",
                                param="model", code="model_not_found")

@@ -3,13 +3,14 @@
 Start-up: read the version's manifest from etcd, load the GGUF (progress bar), size the KV cache
 from the byte budget, start the service (dispatch, cancel, credits, stats), then take an etcd lease
 on ``/actorserve/workers/{name}/{version}/{id}`` (TTL 3 s) so schedulers see it. On SIGTERM: drop
-the lease first (no new dispatches), drain running requests, exit.
+the lease first (no new dispatches), drain running requests (bounded by ``--drain-timeout``), exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--lease-ttl", type=int, default=3, help="etcd lease TTL in seconds (<= 5)")
     parser.add_argument("--no-progress", action="store_true", help="hide the model loading progress bar")
+    parser.add_argument("--drain-timeout", type=float, default=10.0, metavar="S",
+                        help="on SIGTERM: seconds running requests may take to finish before they are ended "
+                        "with a retryable 503 (default 10)")
 
 
 def default_worker_id() -> str:
@@ -80,42 +84,56 @@ async def main(args: argparse.Namespace) -> None:
         gauges = WorkerGauges()
         gauges.register()  # KV cache usage, running/waiting, batch size, tokens/s on this worker's /metrics
         tracker = asyncio.create_task(track_worker(svc.stats_msg, gauges))
-        info = {"worker_id": worker_id, "pid": os.getpid(), "device": args.device, "dtype": args.dtype,
+        info = {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
+                "device": args.device, "dtype": args.dtype,
                 "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
         holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
         try:
             await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
         finally:
             tracker.cancel()
-            await asyncio.shield(_shutdown(holder[0], svc, bus))
+            await asyncio.shield(_shutdown(holder, svc, bus, getattr(args, "drain_timeout", 10.0)))
 
 
 async def keep_registered(reg, holder: list, ref, worker_id: str, info: dict, ttl: int) -> None:
-    """Re-register whenever the lease is lost (etcd restart, a stall longer than the TTL); runs until cancelled.
+    """Re-register whenever the lease is lost; runs until cancelled.
 
-    ``holder[0]`` is the current lease (so shutdown revokes the live one). Retries every second."""
+    While etcd is away the lease's keepalive keeps retrying and the worker keeps serving (the
+    scheduler keeps dispatching from its last table and credits travel on NATS). ``lease.lost`` is
+    set only when etcd answers again and no longer knows the lease (it expired during the outage, or
+    was revoked): then register again at once, retrying every second while etcd does not answer
+    (logged once per outage). ``holder[0]`` is the current lease (so shutdown revokes the live one)."""
+    from control.registry import OutageLog
+
+    outage = OutageLog(log, f"worker {worker_id} registration")
     while True:
         await holder[0].lost.wait()
-        log.error("worker %s lost its etcd lease; re-registering", worker_id)
+        log.error("worker %s lost its etcd lease; registering again", worker_id)
         while True:
             try:
                 holder[0] = await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=ttl)
-                log.info("worker %s registered again", worker_id)
+                outage.ok()
+                log.warning("worker %s registered again", worker_id)
                 break
             except Exception as exc:  # etcd still away: keep trying, the service keeps running
-                log.warning("re-registration failed: %s", exc)
+                outage.failed(exc)
                 await asyncio.sleep(1.0)
 
 
-async def _shutdown(lease, svc: WorkerService, bus) -> None:
-    """Bounded graceful stop: revoke lease, drain, close."""
+async def _shutdown(holder: list, svc: WorkerService, bus, drain_timeout: float = 10.0) -> None:
+    """Bounded graceful stop: refuse new dispatches (draining credits), revoke the lease (schedulers stop
+    dispatching here and keep its requests in flight), let running requests finish (at most
+    ``drain_timeout`` s; the rest end with a retryable 503), close."""
+    svc.draining = True
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(svc._publish_credits(), 1.0)
     log.info("draining: revoking lease")
     try:
-        await asyncio.wait_for(lease.revoke(), 3.0)
+        await asyncio.wait_for(holder[0].revoke(), 3.0)
     except Exception as exc:  # lease may already be gone (etcd down); drain anyway
         log.warning("lease revoke failed: %s", exc)
     log.info("draining: %d requests in flight", len(svc.live))
-    await svc.drain(timeout=10.0)
+    await svc.drain(timeout=drain_timeout)
     log.info("draining: stopping service")
     await svc.stop()
     log.info("draining: closing bus")

@@ -388,6 +388,9 @@ class WorkerService:
         if lv.aborted == "deadline":
             err = error_dict(503, "the request's deadline passed before it finished", type_="timeout",
                              code="deadline_exceeded", retryable=True, retry_after=1.0)
+        elif lv.aborted == "drain":  # the worker is stopping and its drain timeout ran out: not the client's doing
+            err = error_dict(503, "the worker stopped (drain timeout) before the request finished; retry",
+                             type_="unavailable", code="worker_draining", retryable=True, retry_after=1.0)
         else:
             err = error_dict(499, f"request cancelled ({lv.aborted})", type_="cancelled", code="cancelled")
         await self._finish_error(lv, err, status="cancelled")

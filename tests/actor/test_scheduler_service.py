@@ -89,11 +89,68 @@ async def test_worker_loss_redispatches_unstarted_and_fails_started():
     await fake_worker(bus, "w2", on_w2)
     svc.on_worker_lease("w2", True)
     await heartbeat(bus, "w2", slots=4)
+    svc.table.workers["w1"].last_credit_ts -= 10  # a dead worker's heartbeats stopped before its lease expired
     svc.on_worker_lease("w1", False)  # lease expired
     await asyncio.sleep(0.3)
     assert on_w2 == ["r1"]  # not started: re-dispatched
     [err] = [c for c in chunks if c.request_id == "r2"]
     assert err.final and err.error["status"] == 503 and err.error["retryable"]  # started: clear retryable error
+    await svc.stop()
+
+
+async def test_unleased_worker_still_heartbeating_keeps_its_requests_and_gets_no_new_ones():
+    """A worker that revoked its lease to drain (or lost it in an etcd outage) but still heartbeats: its
+    requests finish there (no error, no re-dispatch), new ones go elsewhere; lost only once heartbeats stop."""
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", credit_stale_s=0.5))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    on_w1: list = []
+    on_w2: list = []
+    await fake_worker(bus, "w1", on_w1)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=2)
+    await submit(bus, req(1))
+    await submit(bus, req(2))
+    await asyncio.sleep(0.2)
+    assert on_w1 == ["r1", "r2"]
+    await bus.publish(subjects.sched_events("m", "1"), b'{"request_id":"r2","event":"first_token"}')
+    await heartbeat(bus, "w1", slots=4)
+    assert svc.on_worker_lease("w1", False) == []  # lease revoked (drain): nothing re-dispatched or failed
+    await fake_worker(bus, "w2", on_w2)
+    svc.on_worker_lease("w2", True)
+    await heartbeat(bus, "w2", slots=4)
+    await submit(bus, req(3))
+    await asyncio.sleep(0.2)
+    assert on_w1 == ["r1", "r2"] and on_w2 == ["r3"]  # new work only to the leased worker
+    assert chunks == []
+    for _ in range(8):  # w2 keeps heartbeating, w1 stops (it died after all)
+        await heartbeat(bus, "w2", slots=4)
+        await asyncio.sleep(0.1)
+    assert on_w2 == ["r3", "r1"]  # r1 had no token yet: re-dispatched
+    [err] = [c for c in chunks if c.request_id == "r2"]
+    assert err.final and err.error["code"] == "worker_lost" and err.error["retryable"]
+    await svc.stop()
+
+
+async def test_lease_back_after_etcd_outage_keeps_in_flight_requests():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    on_w1: list = []
+    await fake_worker(bus, "w1", on_w1)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=2)
+    await submit(bus, req(1))
+    await asyncio.sleep(0.2)
+    svc.on_worker_lease("w1", False)  # expired during the outage
+    svc.on_worker_lease("w1", True)  # registered again
+    await heartbeat(bus, "w1", slots=2)
+    await submit(bus, req(2))
+    await asyncio.sleep(0.2)
+    assert on_w1 == ["r1", "r2"] and chunks == []
+    assert set(svc.table.workers["w1"].inflight) == {"r1", "r2"}
     await svc.stop()
 
 
@@ -317,3 +374,28 @@ async def test_stop_drains_the_queue_to_running_workers_before_failing_the_rest(
     assert accepted == ["r0", "r1"]  # dispatched during the drain
     assert [(c.request_id, c.error["code"]) for c in chunks] == [("r2", "unavailable")]  # not dispatchable in time
     assert chunks[0].error["retryable"] and 0.9 < time.monotonic() - t0 < 3
+
+
+async def test_worker_restarted_under_the_same_id_loses_the_old_processes_requests():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    chunks = await collect(bus, "_INBOX.t.r")
+    on_w1: list = []
+    await fake_worker(bus, "w1", on_w1)
+    svc.on_worker_lease("w1", True, "a")
+    await heartbeat(bus, "w1", slots=2)
+    await submit(bus, req(1))
+    await submit(bus, req(2))
+    await asyncio.sleep(0.2)
+    await bus.publish(subjects.sched_events("m", "1"), b'{"request_id":"r2","event":"first_token"}')
+    await asyncio.sleep(0.05)
+    svc.on_worker_lease("w1", True, "a")  # same process: nothing happens
+    assert chunks == []
+    svc.on_worker_lease("w1", True, "b")  # restarted (kill -9, supervisor) before the old lease expired
+    await heartbeat(bus, "w1", slots=2)
+    await asyncio.sleep(0.3)
+    assert on_w1 == ["r1", "r2", "r1"]  # r1 (no token yet) re-dispatched, to the new process
+    [err] = [c for c in chunks if c.request_id == "r2"]
+    assert err.error["code"] == "worker_lost" and err.error["retryable"]
+    await svc.stop()
