@@ -7,7 +7,7 @@ each, under a bounded client mix (streaming and non-streaming chat and text comp
 both gateways, plus async jobs):
 
     baseline         no fault (checks the harness itself)
-    worker           kill -9 worker-0
+    worker           kill -9 a worker that is running requests (seen in its credit heartbeat)
     validator        kill -9 validator-0
     scheduler        kill -9 the active scheduler (the holder of its etcd election key)
     gateway          kill -9 gateway-1 (its clients get connection refused and move to gateway-0)
@@ -153,10 +153,12 @@ def _steady_problem(stack: ChaosStack) -> str | None:
         holder, workers = asyncio.run(asyncio.wait_for(_registry_state(sup.etcd_url), 5))
     except Exception as e:  # noqa: BLE001 - etcd still coming back
         return f"registry: {e!r}"
-    if holder is None:
-        return "no active scheduler"
-    if len(workers) < sup.workers:
-        return f"{len(workers)} workers registered"
+    if holder is None or holder.get("pid") not in stack.recorded_pids():
+        return f"no live active scheduler (election key: {holder})"
+    live = {a.pid for a in sup.actors if a.kind == "worker"}
+    registered = {w.get("pid") for w in workers.values()}
+    if not live <= registered:  # the restarted worker has loaded and registered (not a stale lease)
+        return f"workers {sorted(live - registered)} not registered yet"
     headers = {"Authorization": f"Bearer {stack.key}"}
     for url in stack.urls:
         try:
@@ -242,10 +244,21 @@ def check(res: PhaseResult) -> None:
     assert c["jobs_submitted"] > 0, f"{res.name}: no job was accepted: {[j.as_dict() for j in res.jobs]}"
 
 
+def _popen(stack: ChaosStack, pid: int) -> subprocess.Popen | None:
+    sup = stack.sup
+    procs = [a.proc for a in sup.actors] + [sup.stack.nats._proc, sup.stack.etcd._proc, stack.standby]
+    return next((p for p in procs if p is not None and p.pid == pid), None)
+
+
 def kill(stack: ChaosStack, pid: int | None, what: str) -> str:
-    """SIGKILL one recorded pid; returns a note for the report."""
+    """SIGKILL one recorded pid and wait (at most 5 s) until it has exited, so that the steadiness check
+    that follows sees it gone; returns a note for the report."""
     assert pid is not None and pid in stack.recorded_pids(), f"{what}: pid {pid} is not one this test started"
+    proc = _popen(stack, pid)
     os.kill(pid, signal.SIGKILL)
+    t_end = time.monotonic() + 5.0
+    while proc is not None and proc.poll() is None and time.monotonic() < t_end:
+        time.sleep(0.01)
     return f"kill -9 {what} (pid {pid})"
 
 
@@ -259,9 +272,38 @@ def test_00_baseline(chaos):
     assert c["completed"] >= 0.9 * c["sent"], f"baseline: only {c['completed']} of {c['sent']} completed"
 
 
+async def _busy_worker(stack: ChaosStack, timeout_s: float = 3.0) -> str:
+    """A worker whose heartbeat shows running requests (within ``timeout_s``; else worker-0)."""
+    from bus import subjects
+    from bus.messages import Credits
+    from bus.nats_bus import NatsBus
+
+    ours = {a.name for a in stack.sup.actors if a.kind == "worker"}
+    found: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def on(msg) -> None:
+        c = Credits.decode(msg.data)
+        if c.num_running > 0 and c.worker_id in ours and not found.done():
+            found.set_result(c.worker_id)
+    bus = await NatsBus.connect(stack.sup.nats_url, name="chaos-probe")
+    try:
+        sub = await bus.subscribe(subjects.credits_of_version(MODEL, VERSION), on)
+        try:
+            return await asyncio.wait_for(found, timeout_s)
+        except TimeoutError:
+            return "worker-0"
+        finally:
+            await sub.unsubscribe()
+    finally:
+        await bus.close()
+
+
 def test_01_kill_worker(chaos):
-    """kill -9 worker-0 under load."""
-    check(run_phase(chaos, "worker", lambda: kill(chaos, chaos.sup.actor("worker-0").pid, "worker-0")))
+    """kill -9 a worker that is running requests (per its credit heartbeat) under load."""
+    def inject() -> str:
+        wid = asyncio.run(_busy_worker(chaos))
+        return kill(chaos, chaos.sup.actor(wid).pid, wid)
+    check(run_phase(chaos, "worker", inject))
 
 
 def test_02_kill_validator(chaos):
