@@ -137,6 +137,7 @@ class SchedulerService:
             self.prefixes.forget_worker(worker_id)
         redo = []
         for rid, started in lost.items():
+            self._preempted.discard(rid)
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
