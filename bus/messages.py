@@ -128,10 +128,15 @@ class Cancel(Message):
 
 @dataclass(frozen=True)
 class Dispatch(Message):
-    """Scheduler -> worker envelope: the request plus the scheduler's identity."""
+    """Scheduler -> worker envelope: the request plus the scheduler's identity.
+
+    ``preempt``: id of a request running on that worker that this one displaces (fair-share preemption,
+    docs/decisions/0018-fair-share-preemption.md): the worker may take the request with no free slot by
+    recompute-preempting that one; "" = an ordinary dispatch within the worker's credits."""
 
     request: GenerateRequest
     scheduler_id: str = ""
+    preempt: str = ""
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "Dispatch":
@@ -139,7 +144,8 @@ class Dispatch(Message):
         req = obj.get("request")
         if not isinstance(req, dict):
             raise ValueError("Dispatch: 'request' must be an object")
-        return cls(request=GenerateRequest.from_dict(req), scheduler_id=str(obj.get("scheduler_id", "")))
+        return cls(request=GenerateRequest.from_dict(req), scheduler_id=str(obj.get("scheduler_id", "")),
+                   preempt=str(obj.get("preempt") or ""))
 
 
 @dataclass(frozen=True)

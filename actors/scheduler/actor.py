@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-len", type=int, default=1024, help="queued requests before 503")
     parser.add_argument("--max-queue-per-tenant", type=int, default=256, help="queued requests per tenant before 429")
     parser.add_argument("--fcfs", action="store_true", help="first-come-first-served instead of fair share")
+    parser.add_argument("--no-preemption", dest="preemption", action="store_false",
+                        help="never preempt an over-share tenant's running request (slot headroom only)")
     parser.add_argument("--routing", default="affinity", choices=("affinity", "least_loaded", "random"),
                         help="worker choice: prefix-cache affinity then least loaded (default), or a baseline")
     parser.add_argument("--scheduler-id", default=None, help="id of this replica (default sched-<pid>)")
@@ -129,7 +131,8 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
     key, info = scheduler_key(ref.name, ref.version), {"scheduler_id": sid, "pid": os.getpid()}
     held = [await campaign(reg, key, info, ttl=args.lease_ttl)]
     svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
-                                                args.max_queue_per_tenant, args.fcfs, routing=args.routing),
+                                                args.max_queue_per_tenant, args.fcfs, routing=args.routing,
+                                                preemption=args.preemption),
                            await JetStreamJournal.open(bus, ref.name, ref.version))
     await svc.start()
     _export_queue(svc)

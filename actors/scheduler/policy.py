@@ -38,6 +38,13 @@ class WorkerView:
         return (self.leased and fresh and not self.draining and self.free_slots > 0
                 and self.free_blocks >= self.blocks_for(num_prompt_tokens + 1))
 
+    def can_take_preempting(self, num_prompt_tokens: int, now: float, stale_after: float) -> bool:
+        """Live, fresh credits, not draining, and a KV cache that could ever hold the prompt: a dispatch
+        that preempts one of its running requests (which frees that request's slot and blocks)."""
+        fresh = now - self.last_credit_ts <= stale_after
+        return (self.leased and fresh and not self.draining
+                and self.total_blocks >= self.blocks_for(num_prompt_tokens + 1))
+
     def take(self, request_id: str, num_prompt_tokens: int) -> None:
         """Charge one dispatch against this worker's credits and record it in flight."""
         self.free_slots -= 1
@@ -207,3 +214,28 @@ def weight_share(tenant: str, weights: dict[str, float]) -> float:
     """``tenant``'s weight over the sum of ``weights`` (the active tenants'); 0 when absent."""
     total = sum(weights.values())
     return weights.get(tenant, 0.0) / total if total > 0 else 0.0
+
+
+def fair_slots(total_slots: int, share: float) -> int:
+    """A tenant's fair number of slots: ``ceil(total_slots x share)`` (share = weight / active total)."""
+    return math.ceil(total_slots * share - 1e-9)
+
+
+def preemption_victim(head_tenant: str, held: dict[str, int], fair: dict[str, int],
+                      running: list[tuple[str, str]]) -> str | None:
+    """Request to preempt so ``head_tenant``'s queued request can run now, or None (wait instead).
+
+    Only a tenant below its fair slots (``held[t] < fair[t]``) may displace, and only a request of the
+    tenant furthest above its own fair slots; of that tenant's requests the newest (last in ``running``,
+    which lists (request id, tenant) of preemptible running requests oldest first) — it has the least
+    work to recompute. Each preemption thus moves the split of slots toward the weighted fair split;
+    it never takes a slot from a tenant at or below its share. Recompute preemption as in vLLM (Kwon et
+    al. 2023); the choice of victim tenant follows max-min fairness (docs/decisions/0018).
+    """
+    if held.get(head_tenant, 0) >= fair.get(head_tenant, 0):
+        return None
+    over = {t: n - fair.get(t, 0) for t, n in held.items() if t != head_tenant and n > fair.get(t, 0)}
+    if not over:
+        return None
+    worst = max(sorted(over), key=lambda t: over[t])
+    return next((rid for rid, t in reversed(running) if t == worst), None)

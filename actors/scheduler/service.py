@@ -20,7 +20,8 @@ from actors.aio import wait_event
 from actors.recent import RecentIds
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig)
-from actors.scheduler.policy import ThroughputMeter, WorkerTable, tenant_cap, weight_share
+from actors.scheduler.policy import (ThroughputMeter, WorkerTable, fair_slots, preemption_victim, tenant_cap,
+                                     weight_share)
 from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
@@ -49,6 +50,7 @@ class SchedulerConfig:
     routing: str = "affinity"  # "affinity" (prefix cache, then least loaded) | "least_loaded" | "random"
     tenant_active_s: float = 60.0  # a tenant that submitted within this window counts as active (s)
     drain_s: float = 6.0  # on stop: keep dispatching the queue to the (still running) workers this long (s)
+    preemption: bool = True  # a tenant below its fair slots may displace an over-share tenant's request
 
     def __post_init__(self) -> None:
         subjects.sched_submit(self.name, self.version)
@@ -86,6 +88,8 @@ class SchedulerService:
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
         self.num_dispatched = 0
+        self.num_preemptions = 0  # dispatches that displaced (preempted) another tenant's running request
+        self._preempted: set[str] = set()  # requests preempted on their worker and not done yet
 
     async def start(self) -> None:
         """Subscribe to the version's subjects and start the dispatch loop."""
@@ -160,6 +164,7 @@ class SchedulerService:
         the others with a retryable in-band 503 ``worker_lost``. Returns the re-queued ones."""
         redo = []
         for rid, started in lost.items():
+            self._preempted.discard(rid)
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
@@ -258,6 +263,7 @@ class SchedulerService:
         except ValueError:
             return
         self.table.on_done(rec.request_id)
+        self._preempted.discard(rec.request_id)
         self._traces.pop(rec.request_id)
         req = self.requests.pop(rec.request_id, None)
         self.meter.add(time.monotonic(), rec.prompt_tokens + rec.completion_tokens)
@@ -299,19 +305,59 @@ class SchedulerService:
             return False
         num_prompt = len(head.prompt_token_ids)
         worker, hashes = self._route(head)
+        victim = ""
         if worker is None:
             if self.table.fits_nowhere(num_prompt, time.monotonic()):
                 await self._refuse_oversized(self.queue.pop(skip).item)
                 return True
-            return False
+            worker, victim = self._displace(head)
+            if worker is None:
+                return False
         req = self.queue.pop(skip).item
         worker.take(req.request_id, num_prompt)
-        if not await self._send(worker.worker_id, req):
+        if not await self._send(worker.worker_id, req, victim):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
-        else:
-            self.prefixes.record(hashes, worker.worker_id)
+            return not victim  # a refused preemption waits for the next credits instead of spinning
+        self.prefixes.record(hashes, worker.worker_id)
+        if victim:
+            self.num_preemptions += 1
+            self._preempted.add(victim)
+            log.info("dispatched %s (tenant %s) preempting %s", req.request_id, req.tenant, victim)
         return True
+
+    def _displace(self, head: GenerateRequest):
+        """(worker, victim request id) when ``head``'s tenant is below its fair slots and an over-share
+        tenant runs a request on a worker that could hold ``head``; (None, "") otherwise."""
+        active = self._active_tenants()
+        if not self.cfg.preemption or self.cfg.fcfs or head.tenant not in active or len(active) < 2:
+            return None, ""
+        total, now = self.table.total_slots(), time.monotonic()
+        weights = {t: self.weights.get(t, 1.0) for t in active}
+        fair = {t: fair_slots(total, weight_share(t, weights)) for t in active}
+        where, running = {}, []
+        for w in self.table.workers.values():
+            if w.can_take_preempting(len(head.prompt_token_ids), now, self.table.stale_after_s):
+                for rid in w.inflight:
+                    if rid in self.requests and rid not in self._preempted:
+                        where[rid] = w
+                        running.append((self.requests[rid].marks.get("dispatch", 0.0), rid))
+        running.sort()
+        victim = preemption_victim(head.tenant, self._held(), fair,
+                                   [(rid, self.requests[rid].tenant) for _, rid in running])
+        return (where[victim], victim) if victim else (None, "")
+
+    def _active_tenants(self) -> list[str]:
+        """Tenants that submitted within ``tenant_active_s``."""
+        now = time.monotonic()
+        return [t for t, ts in self._seen.items() if now - ts <= self.cfg.tenant_active_s]
+
+    def _held(self) -> dict[str, int]:
+        """Dispatched, unfinished requests per tenant (preempted ones included: they still hold a place)."""
+        held: dict[str, int] = {}
+        for r in self.requests.values():
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        return held
 
     def _route(self, req: GenerateRequest):
         """(worker or None, prompt block hashes) by the configured routing policy."""
@@ -326,22 +372,19 @@ class SchedulerService:
 
     def _tenants_at_cap(self) -> frozenset[str]:
         """Tenants holding their maximum share of slots (skipped while others wait; fcfs: none)."""
-        now = time.monotonic()
-        active = [t for t, ts in self._seen.items() if now - ts <= self.cfg.tenant_active_s]
+        active = self._active_tenants()
         if self.cfg.fcfs or len(active) < 2:  # one tenant alone may use every slot
             return frozenset()
         total = self.table.total_slots()
         weights = {t: self.weights.get(t, 1.0) for t in active}
-        held: dict[str, int] = {}
-        for r in self.requests.values():
-            held[r.tenant] = held.get(r.tenant, 0) + 1
+        held = self._held()
         return frozenset(t for t, n in held.items()
                          if n >= tenant_cap(total, self.cfg.headroom_fraction, weight_share(t, weights)))
 
-    async def _send(self, worker_id: str, req: GenerateRequest) -> bool:
+    async def _send(self, worker_id: str, req: GenerateRequest, preempt: str = "") -> bool:
         req = replace(req, marks={**req.marks, "dispatch": time.time()})
         self.requests[req.request_id] = req
-        data = Dispatch(req, self.cfg.scheduler_id).encode()
+        data = Dispatch(req, self.cfg.scheduler_id, preempt).encode()
         parent = self._traces.get(req.request_id)  # None: tracing off, or replayed from the journal (no trace)
         headers = None if parent is None else tracing.record_span(
             "queue", req.marks.get("sched_in", req.marks["dispatch"]), req.marks["dispatch"], parent,

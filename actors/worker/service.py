@@ -56,6 +56,7 @@ class WorkerConfig:
     stats_interval_s: float = 1.0
     idle_wait_s: float = 0.05  # sleep of the step loop when nothing is scheduled
     probe_interval_s: float = 2.0  # how often live streams check that their receiver still listens (s)
+    max_preempted: int = 8  # most requests held beyond the engine's slots (preempted ones waiting to resume)
     counters: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +99,8 @@ class WorkerService:
         self._fault_tasks: set[asyncio.Task] = set()
         self.live: dict[str, _Live] = {}
         self._adds: list[GenerateRequest] = []
+        self._preempts: list[str] = []  # running requests to preempt before the next step (fair share)
+        self._front: set[str] = set()  # queued adds that displace a preempted request (added at the head)
         self._aborts: list[tuple[str, str]] = []
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake = asyncio.Event()
@@ -156,15 +159,26 @@ class WorkerService:
         pending = len(self._adds)
         return not self.draining and free_slots - pending > 0 and free_blocks > 0
 
+    def can_preempt(self, victim: str) -> bool:
+        """True when a dispatch may displace ``victim`` (fair-share preemption): it runs here, is not
+        being cancelled or preempted already, and fewer than ``max_num_seqs + max_preempted`` requests
+        are held (the bound on requests beyond the engine's slots)."""
+        lv = self.live.get(victim)
+        held = len(self.live) + len(self._adds)
+        return (not self.draining and lv is not None and not lv.aborted and victim not in self._preempts
+                and held < self.engine.max_num_seqs + self.cfg.max_preempted)
+
     async def _on_dispatch(self, msg: Msg) -> None:
         try:
-            req = Dispatch.decode(msg.data).request
+            dispatch = Dispatch.decode(msg.data)
         except ValueError as exc:
             log.warning("bad dispatch: %s", exc)
             if msg.reply:
                 await msg.respond(DispatchAck(False, f"bad dispatch: {exc}").encode())
             return
-        ok = self.can_accept(req) and req.request_id not in self.live
+        req = dispatch.request
+        displace = bool(dispatch.preempt) and not self.can_accept(req) and self.can_preempt(dispatch.preempt)
+        ok = (self.can_accept(req) or displace) and req.request_id not in self.live
         if msg.reply:
             await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
         if ok:
@@ -182,6 +196,9 @@ class WorkerService:
                 self._fault_tasks.add(t)
                 t.add_done_callback(self._fault_tasks.discard)
                 return
+            if displace:
+                self._preempts.append(dispatch.preempt)
+                self._front.add(req.request_id)
             self._adds.append(req)
             self._wake.set()
 
@@ -222,11 +239,18 @@ class WorkerService:
     def _apply_pending(self) -> list[tuple[_Live, str]]:
         """Apply queued adds/aborts to the engine; returns requests that failed to be added."""
         failed = []
+        preempts, self._preempts = self._preempts, []
+        for rid in preempts:  # before the adds: the displacing request goes ahead of its victim
+            if rid in self.live and self.engine.preempt_request(rid):
+                log.info("preempted %s (fair share)", rid)
         adds, self._adds = self._adds, []
         for req in adds:
+            front = req.request_id in self._front
+            self._front.discard(req.request_id)
             try:
                 self.engine.add_request(EngineRequest(req.request_id, tuple(req.prompt_token_ids),
-                                                      to_sampling(req.sampling), arrival_time=time.monotonic()))
+                                                      to_sampling(req.sampling), arrival_time=time.monotonic()),
+                                        front=front)
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
         self._apply_aborts()
@@ -289,9 +313,8 @@ class WorkerService:
                 await self._finish_abort(lv)
 
     def engine_has(self, request_id: str) -> bool:
-        """Whether the engine still holds ``request_id`` (engines without the query: assume no)."""
-        fn = getattr(self.engine, "has_request", None)
-        return bool(fn and fn(request_id))
+        """Whether the engine still holds ``request_id``."""
+        return self.engine.has_request(request_id)
 
     async def _publish_outputs(self, outputs: list[StepOutput]) -> None:
         now = time.time()

@@ -123,8 +123,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def add_request(self, req: EngineRequest) -> None:
-        """Queue ``req``; ValueError if its prompt is empty, too long, has bad ids, or the id is taken."""
+    def add_request(self, req: EngineRequest, front: bool = False) -> None:
+        """Queue ``req`` (``front``: ahead of every waiting request, e.g. after ``preempt_request`` made
+        room for it); ValueError if its prompt is empty, too long, has bad ids, or the id is taken."""
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("prompt_token_ids is empty")
@@ -138,7 +139,18 @@ class LLMEngine:
             req, list(req.prompt_token_ids), make_generator(req.params.seed),
             IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
         )
-        self.scheduler.add(req.request_id, n, self._requests[req.request_id].token_ids)
+        self.scheduler.add(req.request_id, n, self._requests[req.request_id].token_ids, front=front)
+
+    def preempt_request(self, request_id: str) -> bool:
+        """Recompute-preempt a running request between steps (vLLM's recompute preemption, Kwon et al.
+        2023): its KV blocks are freed (full blocks stay in the prefix cache) and it waits at the queue
+        head; when readmitted it recomputes prompt + generated tokens and goes on generating as if
+        uninterrupted. False when the request is not running (unknown, finished or already waiting)."""
+        return self.scheduler.preempt(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """True while ``request_id`` waits or runs in the engine (an abort not yet reported counts as gone)."""
+        return request_id in self._requests
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its blocks; next ``step()`` reports it finished ("abort")."""

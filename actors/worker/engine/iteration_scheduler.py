@@ -10,11 +10,16 @@ Policy per ``schedule()``:
 1. Running sequences, oldest first, get their tokens.  When blocks run out, the newest running
    sequence is preempted (blocks freed, ``num_computed_tokens = 0``, put back at the head of the
    waiting queue; it is recomputed later).
-2. If nothing was preempted, waiting sequences are admitted FCFS while ``max_num_seqs``,
+2. If nothing was preempted, waiting sequences are admitted in queue order while ``max_num_seqs``,
    ``max_num_batched_tokens`` and free blocks allow (no skipping: the queue head blocks the rest).
    A sequence whose tokens start with cached full blocks (block manager prefix cache) starts with
    those tokens computed; only the rest counts against the token budget.
 Sequences join and leave the running set only between steps.
+
+Fair-share preemption (docs/decisions/0018-fair-share-preemption.md): the caller may ``preempt`` a
+running sequence between steps (same recompute preemption, requeued at the waiting head) and ``add``
+the sequence that displaces it with ``front=True``, so it is admitted at the next step and the
+victim right after it, when a slot frees.
 """
 
 from __future__ import annotations
@@ -94,8 +99,9 @@ class IterationScheduler:
         """True while any sequence waits or runs."""
         return bool(self._seqs)
 
-    def add(self, seq_id: str, num_prompt_tokens: int, token_ids: list[int] | None = None) -> None:
-        """Queue a new sequence at the tail of the waiting queue.
+    def add(self, seq_id: str, num_prompt_tokens: int, token_ids: list[int] | None = None,
+            front: bool = False) -> None:
+        """Queue a new sequence at the tail of the waiting queue (``front``: at its head).
 
         ``token_ids``: the sequence's live token list (prompt, then generated tokens appended by the
         caller); given, the block manager's prefix cache is consulted on admission and filled as
@@ -105,7 +111,20 @@ class IterationScheduler:
             raise ValueError(f"duplicate sequence id {seq_id!r}")
         seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids)
         self._seqs[seq_id] = seq
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def preempt(self, seq_id: str) -> bool:
+        """Preempt a running sequence now (between steps): blocks freed, recomputed later from the
+        waiting head. False when ``seq_id`` is not running (unknown, waiting or finished)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq not in self.running:
+            return False
+        self.running.remove(seq)
+        self._preempt(seq, None)
+        return True
 
     def remove(self, seq_id: str) -> bool:
         """Drop a finished/aborted sequence and free its blocks; False if unknown."""
@@ -171,14 +190,15 @@ class IterationScheduler:
             plan.seqs.append(self._item(seq, n))
             budget -= n
 
-    def _preempt(self, seq: SchedSeq, plan: StepPlan) -> None:
+    def _preempt(self, seq: SchedSeq, plan: StepPlan | None) -> None:
         """Recompute preemption: free blocks, reset progress, requeue at the waiting head."""
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        plan.preempted.append(seq.seq_id)
+        if plan is not None:
+            plan.preempted.append(seq.seq_id)
 
     @staticmethod
     def _item(seq: SchedSeq, n: int) -> ScheduledSeq:

@@ -1,0 +1,96 @@
+"""Fair-share preemption: the pure victim choice, the iteration scheduler's preempt/front-add, and the
+engine's tokens after a preempt-and-resume (same greedy tokens as an uninterrupted run)."""
+
+from __future__ import annotations
+
+from actors.scheduler.policy import fair_slots, preemption_victim
+from actors.worker.engine.block_manager import BlockManager
+from actors.worker.engine.iteration_scheduler import IterationScheduler
+from tests.unit.test_engine_tiny import GREEDY, make_engine, req, run_all, solo_tokens, tiny_path, tokens  # noqa: F401
+
+RUNNING = [("a1", "A"), ("a2", "A"), ("b1", "B"), ("a3", "A"), ("c1", "C")]
+
+
+def test_fair_slots_rounds_up_the_weighted_share():
+    assert fair_slots(8, 0.5) == 4 and fair_slots(8, 0.25) == 2 and fair_slots(8, 1 / 3) == 3
+    assert fair_slots(8, 0.0) == 0 and fair_slots(0, 0.5) == 0
+
+
+def test_victim_is_the_newest_request_of_the_tenant_most_over_its_share():
+    held, fair = {"A": 6, "B": 1, "C": 1}, {"A": 3, "B": 3, "C": 3}
+    assert preemption_victim("B", held, fair, RUNNING) == "a3"
+    held = {"A": 4, "B": 1, "C": 6}
+    assert preemption_victim("B", held, fair, RUNNING) == "c1"
+
+
+def test_no_preemption_at_or_above_fair_share_or_without_an_over_share_tenant():
+    fair = {"A": 4, "B": 4}
+    assert preemption_victim("B", {"A": 4, "B": 4}, fair, RUNNING) is None  # B already has its share
+    assert preemption_victim("B", {"A": 4, "B": 1}, fair, RUNNING) is None  # A is not over its share
+    assert preemption_victim("A", {"A": 7, "B": 1}, fair, RUNNING) is None  # the over-share tenant itself
+    assert preemption_victim("B", {"A": 7, "B": 1}, fair, [("b1", "B")]) is None  # nothing of A preemptible
+
+
+def test_weights_set_the_fair_slots():
+    fair = {"A": fair_slots(8, 0.75), "B": fair_slots(8, 0.25)}  # 6 and 2
+    assert preemption_victim("B", {"A": 7, "B": 1}, fair, RUNNING) == "a3"
+    assert preemption_victim("B", {"A": 6, "B": 2}, fair, RUNNING) is None
+
+
+def scheduler(max_seqs=2):
+    return IterationScheduler(BlockManager(100, 4), max_seqs, 64)
+
+
+def step(s):
+    plan = s.schedule()
+    s.commit(plan)
+    for item in plan.seqs:
+        if item.samples:
+            s.append_token(item.seq_id)
+    return plan
+
+
+def test_preempt_then_front_add_runs_the_newcomer_next_and_the_victim_after():
+    s = scheduler()
+    s.add("a1", 5)
+    s.add("a2", 5)
+    step(s)
+    step(s)
+    assert s.preempt("a2") and not s.preempt("a2")  # a second call finds it waiting, not running
+    s.add("b", 3, front=True)
+    plan = step(s)
+    assert [i.seq_id for i in plan.seqs] == ["a1", "b"] and [w.seq_id for w in s.waiting] == ["a2"]
+    s.remove("a1")
+    plan = step(s)
+    a2 = next(i for i in plan.seqs if i.seq_id == "a2")
+    assert (a2.start, a2.num_new_tokens, a2.samples) == (0, 7, True)  # recomputes prompt + its 2 tokens
+
+
+def test_preempt_of_unknown_or_waiting_sequence_is_false():
+    s = scheduler(max_seqs=1)
+    s.add("a", 3)
+    s.add("b", 3)
+    step(s)
+    assert not s.preempt("b") and not s.preempt("nope") and s.preempt("a")
+
+
+def test_engine_preempted_request_resumes_with_the_same_greedy_tokens(tiny_path):
+    prompts = [[1, 40, 50, 60, 70, 80, 90] * 2, [1, 41, 52, 60, 71, 80] * 3, [1, 45, 55, 65]]
+    solo = [solo_tokens(tiny_path, p, n=16) for p in prompts]
+    e = make_engine(tiny_path, max_num_seqs=2)
+    e.add_request(req("a", prompts[0], max_tokens=16, **GREEDY))
+    e.add_request(req("b", prompts[1], max_tokens=16, **GREEDY))
+    outs: dict[str, list] = {}
+    for _ in range(5):
+        for o in e.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert e.preempt_request("b") and e.has_request("b")
+    e.add_request(req("c", prompts[2], max_tokens=16, **GREEDY), front=True)
+    first = e.step()
+    assert {o.request_id for o in first} == {"a", "c"}  # the newcomer runs at once, "b" waits
+    for o in first:
+        outs.setdefault(o.request_id, []).append(o)
+    for rid, more in run_all(e).items():
+        outs.setdefault(rid, []).extend(more)
+    assert [tokens(outs[r]) for r in ("a", "b", "c")] == solo
+    assert not e.has_request("b")
