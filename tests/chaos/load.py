@@ -7,9 +7,10 @@ time, and submits async jobs through ``POST /v1/jobs``. Each request waits at mo
 
 * ``completed`` -- 200 and a complete answer (non-streaming: a choice with a finish_reason; streaming:
   a final chunk with a finish_reason and ``data: [DONE]``, no error event);
-* ``retryable`` -- 429 or 5xx with ``Retry-After``; an in-stream error event whose code or type says
-  *try again* (:data:`RETRYABLE_CODES` / :data:`RETRYABLE_TYPES`); a connection refused or cut by a
-  gateway that the current fault killed (the client then uses the other gateway);
+* ``retryable`` -- 429 or 5xx with ``Retry-After``; an in-stream error event with ``retryable: true``
+  (the gateway's extension field; without it, a code or type that says *try again*:
+  :data:`RETRYABLE_CODES` / :data:`RETRYABLE_TYPES`); a connection refused or cut by a gateway that the
+  current fault killed (the client then uses the other gateway);
 * ``failed`` -- anything else (a 4xx, a 5xx without Retry-After, an unknown error, a transport error
   on a gateway that was not killed, a truncated stream);
 * ``hung`` -- no final answer within deadline + 5 s.
@@ -29,8 +30,8 @@ import httpx
 import orjson
 
 # In-stream error codes / types the platform sends with retryable=True (gateway/inflight.py,
-# gateway/frontend.py, actors/scheduler, actors/validator, actors/worker). The SSE error event carries the
-# OpenAI error object only (no status, no Retry-After), so the code is what tells a client to retry.
+# gateway/frontend.py, actors/scheduler, actors/validator, actors/worker): the fallback when an SSE error
+# event lacks the ``retryable`` extension field.
 RETRYABLE_CODES = frozenset({
     "bus_disconnected", "deadline_exceeded", "deadline_unmeetable", "engine_error", "journal_unavailable",
     "queue_full", "tenant_queue_full", "stream_gap", "stream_overflow", "upstream_timeout", "worker_lost",
@@ -245,7 +246,10 @@ class ChaosClient:
                 if "error" in event:
                     err = event["error"] or {}
                     out.detail = f"in-stream {err.get('code') or err.get('type')}"
-                    retry = err.get("code") in RETRYABLE_CODES or err.get("type") in RETRYABLE_TYPES
+                    if "retryable" in err:  # the gateway's extension field (status, retryable, retry_after)
+                        retry = bool(err["retryable"])
+                    else:  # a gateway without it: judge by the code / type
+                        retry = err.get("code") in RETRYABLE_CODES or err.get("type") in RETRYABLE_TYPES
                     out.outcome = "retryable" if retry else "failed"
                     return
                 if any(c.get("finish_reason") for c in event.get("choices") or []):

@@ -58,6 +58,10 @@ def test_stream_outcomes():
     odd = {"error": {"message": "?", "type": "invalid_request_error", "param": None, "code": "something"}}
     assert run(stream(sse(CHUNK, odd)), "chat-stream")[0].outcome == "failed"
     assert run(stream(sse(CHUNK)), "chat-stream")[0].outcome == "failed"  # ended without a final chunk
+    flagged = {"error": {**odd["error"], "status": 503, "retryable": True, "retry_after": 1}}
+    assert run(stream(sse(CHUNK, flagged, b"[DONE]")), "chat-stream")[0].outcome == "retryable"
+    refused = {"error": {**lost["error"], "status": 400, "retryable": False}}  # the flag wins over the code
+    assert run(stream(sse(CHUNK, refused, b"[DONE]")), "chat-stream")[0].outcome == "failed"
 
 
 def test_transport_errors_and_failover():
