@@ -173,7 +173,7 @@ class Supervisor:
         supervise: bool = True,
         max_restarts: int = 5,
         restart_window_s: float = 60.0,
-        stop_timeout_s: float = 10.0,
+        stop_timeout_s: float = 15.0,  # > a worker's default --drain-timeout (10 s) plus its close
         python: str | None = None,
         watch_registry: bool = True,
         registry_poll_s: float = 0.5,
