@@ -355,7 +355,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     report: dict[str, Any] = {
         "state_dir": str(state_dir),
-        "endpoints": {"nats_url": nats_url, "etcd_url": etcd_url, "http_url": http_url},
+        "endpoints": {"nats_url": redact_url(nats_url) if nats_url else nats_url, "etcd_url": etcd_url,
+                      "http_url": http_url},  # the operator password stays in the 0600 endpoints.json
         "processes": {k: {"pid": v, "alive": _pid_alive(v)} for k, v in pids.items() if isinstance(v, int)},
         "ready": (http_status(f"{http_url}/readyz") == 200) if http_url else None,
     }

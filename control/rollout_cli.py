@@ -12,7 +12,8 @@
 Every edit reads ``/actorserve/models/{name}/routing`` with its mod_revision, applies one of
 control/routing.py's edits (``by="cli"``) and writes it back only if nobody (another operator, the
 rollout controller) wrote in between; otherwise it re-reads and re-applies (which may then refuse, e.g.
-"no rollout is running" after the controller rolled back). Errors: a message on stderr, exit 2.
+"no rollout is running" after the controller rolled back). Errors: a message on stderr, exit 2 (refused)
+or 1 (etcd unreachable).
 etcd is found like every other verb (``--etcd``, ``$ACTORSERVE_ETCD``, ``<state-dir>/endpoints.json``).
 """
 
@@ -122,6 +123,7 @@ def run(func, args: argparse.Namespace) -> int:
     """Run one subcommand against etcd; refused edits and bad input print to stderr and return 2."""
     from control.registry import Registry
 
+    etcd_url = "?"
     try:
         _, etcd_url = resolve_endpoints(args, need_nats=False)
 
@@ -137,8 +139,8 @@ def run(func, args: argparse.Namespace) -> int:
 
         if not isinstance(e, (TimeoutError, OSError, aetcd.exceptions.ClientError)):
             raise
-        print(f"actorserve: etcd unreachable: {e or type(e).__name__}", file=sys.stderr)
-        return 2
+        print(f"actorserve: etcd at {etcd_url} unreachable: {e or type(e).__name__}", file=sys.stderr)
+        return 1  # as `models` and `tenants`: 1 = etcd unreachable, 2 = refused
 
 
 async def _active_versions(reg, name: str) -> dict[str, dict[str, Any]]:

@@ -106,6 +106,14 @@ def _run(func, args: argparse.Namespace) -> int:
     except (TenantError, ValueError) as e:
         print(f"actorserve: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # etcd unreachable (TimeoutError, OSError, aetcd ClientError): one line, no traceback
+        import aetcd.exceptions
+
+        if not isinstance(e, (TimeoutError, OSError, aetcd.exceptions.ClientError)):
+            raise
+        print(f"actorserve: etcd at {etcd_url} unreachable (is the stack running?): {e or type(e).__name__}",
+              file=sys.stderr)
+        return 1
 
 
 _HASH_FIELDS = ("hash", "nats_hash")  # never printed: the API-key hash and the NATS user's bcrypt hash

@@ -102,12 +102,16 @@ async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | No
     """Wait for the next chunk of ``entry`` in order; None if ``poll_s`` seconds pass first.
 
     Raises StreamError on: deadline passed (503 deadline_exceeded), no chunk within the inactivity
-    timeout since the last one (503 upstream_timeout), a sequence gap or a different worker (502
-    stream_gap), or a pushed failure (e.g. NATS disconnect). A final chunk carrying ``error`` is
-    returned as is. ``poll_s`` lets a caller check for client disconnects between waits.
+    timeout since the last one once streaming has started (503 upstream_timeout), a sequence gap or a
+    different worker (502 stream_gap), or a pushed failure (e.g. NATS disconnect). A final chunk
+    carrying ``error`` is returned as is. ``poll_s`` lets a caller check for client disconnects between
+    waits. Before the first chunk only the deadline bounds the wait: a request may sit in the
+    scheduler's queue for most of its deadline (the scheduler ends it at the deadline), and a silence
+    limit there failed admitted requests long before it.
     """
     now = time.time()
-    limit = min(entry.deadline, entry.last_activity + entry.inactivity_s)
+    started = entry.next_seq > 0 or bool(entry.child_seq)
+    limit = min(entry.deadline, entry.last_activity + entry.inactivity_s) if started else entry.deadline
     if now >= limit:
         raise _timeout_error(entry, now)
     wait = limit - now if poll_s is None else min(poll_s, limit - now)

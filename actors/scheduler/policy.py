@@ -86,6 +86,7 @@ class WorkerTable:
     def __init__(self, stale_after_s: float = 2.0) -> None:
         self.workers: dict[str, WorkerView] = {}
         self.stale_after_s = stale_after_s  # credits older than this are not trusted (s)
+        self.balance_fraction = 0.25  # affinity may pick a worker at most this share of its slots busier
 
     def get(self, worker_id: str) -> WorkerView:
         """The view of ``worker_id``, created empty on first mention."""
@@ -154,11 +155,18 @@ class WorkerTable:
     def pick(self, num_prompt_tokens: int, now: float, affinity=None) -> WorkerView | None:
         """Worker that can take the request, or None = no room.
 
-        ``affinity(worker) -> int`` (e.g. cached prefix blocks) ranks first when given; ties and the
-        default go to the least loaded (most free slots, then blocks)."""
+        ``affinity(worker) -> int`` (e.g. cached prefix blocks) ranks first when given, but only among
+        workers whose free slots are within ``balance_fraction`` of their slots (at least 1) of the most
+        free one: a prefix every request shares (a chat template's system prompt) must not pile all load
+        on one worker (the balance threshold of SGLang's cache-aware router works the same way). Ties
+        and the default go to the least loaded (most free slots, then blocks)."""
         able = [w for w in self.workers.values() if w.can_take(num_prompt_tokens, now, self.stale_after_s)]
         if not able:
             return None
+        if affinity is not None:
+            most_free = max(w.free_slots for w in able)
+            able = [w for w in able
+                    if w.free_slots >= most_free - max(1, int(w.total_slots * self.balance_fraction))]
         score = affinity or (lambda w: 0)
         return max(able, key=lambda w: (score(w), w.free_slots, w.free_blocks))
 

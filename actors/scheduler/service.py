@@ -249,6 +249,8 @@ class SchedulerService:
             return
         self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, time.monotonic(),
                               c.total_blocks, c.total_slots)
+        if c.num_waiting == 0 and c.worker_id in self.table.workers:  # nothing paused there any more
+            self._preempted.difference_update(self.table.workers[c.worker_id].inflight)
         if c.free_slots > 0:
             self._kick.set()
 
@@ -318,7 +320,9 @@ class SchedulerService:
         if not await self._send(worker.worker_id, req, victim):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
-            return not victim  # a refused preemption waits for the next credits instead of spinning
+            if victim:  # refused: the victim is not running there (paused or just admitted); try another
+                self._preempted.add(victim)
+            return not victim  # a refused preemption waits for the next kick instead of spinning
         self.prefixes.record(hashes, worker.worker_id)
         if victim:
             self.num_preemptions += 1

@@ -73,7 +73,7 @@ async def main(args: argparse.Namespace) -> None:
         if manifest is None:
             raise SystemExit(f"model version {ref.name}@{ref.version} is not registered")
         engine = await asyncio.to_thread(build_engine, manifest, args)
-        log.info("worker %s loaded %s@%s; KV cache: %s", worker_id, ref.name, ref.version,
+        log.info("worker %s loaded %s@%s; %s", worker_id, ref.name, ref.version,
                  engine.kv.describe() if hasattr(engine, "kv") else "?")
         bus = await NatsBus.connect(nats_url, name=f"worker-{worker_id}")
         from actors.worker.faults import from_manifest as faults_from_manifest

@@ -166,7 +166,7 @@ class WorkerService:
         lv = self.live.get(victim)
         held = len(self.live) + len(self._adds)
         return (not self.draining and lv is not None and not lv.aborted and victim not in self._preempts
-                and held < self.engine.max_num_seqs + self.cfg.max_preempted)
+                and self.engine.is_running(victim) and held < self.engine.max_num_seqs + self.cfg.max_preempted)
 
     async def _on_dispatch(self, msg: Msg) -> None:
         try:
@@ -239,10 +239,6 @@ class WorkerService:
     def _apply_pending(self) -> list[tuple[_Live, str]]:
         """Apply queued adds/aborts to the engine; returns requests that failed to be added."""
         failed = []
-        preempts, self._preempts = self._preempts, []
-        for rid in preempts:  # before the adds: the displacing request goes ahead of its victim
-            if rid in self.live and self.engine.preempt_request(rid):
-                log.info("preempted %s (fair share)", rid)
         adds, self._adds = self._adds, []
         for req in adds:
             front = req.request_id in self._front
@@ -253,6 +249,10 @@ class WorkerService:
                                         front=front)
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
+        preempts, self._preempts = self._preempts, []
+        for rid in preempts:  # after the adds: each victim waits behind everything accepted with it
+            if rid in self.live and self.engine.preempt_request(rid):
+                log.info("preempted %s (fair share)", rid)
         self._apply_aborts()
         return failed
 

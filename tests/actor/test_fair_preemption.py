@@ -98,3 +98,45 @@ async def test_worker_displaces_the_victim_which_resumes_and_completes(tiny_path
 async def dispatch_to(bus, r: GenerateRequest, preempt: str = "") -> bool:
     reply = await bus.request(subjects.work("w1"), Dispatch(r, "s", preempt).encode(), 1.0)
     return DispatchAck.decode(reply.data).accepted
+
+
+async def test_a_resumed_victim_may_be_preempted_again_once_its_worker_has_nothing_waiting():
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", drain_s=0.2))
+    await svc.start()
+    sent: list = []
+    await full_worker(bus, "w1", sent)
+    svc.on_worker_lease("w1", True)
+
+    async def credits(free: int, waiting: int) -> None:
+        await bus.publish(subjects.credits("m", "1", "w1"),
+                          Credits("w1", "m", "1", 90, 100, free, 4, 16, num_waiting=waiting).encode())
+
+    async def submit(rid: str, tenant: str) -> None:
+        await bus.request(subjects.sched_submit("m", "1"), treq(rid, tenant).encode(), 1.0)
+
+    async def done(rid: str, tenant: str) -> None:
+        await bus.publish(subjects.done("m", "1"), CompletionRecord(rid, tenant, "m", "1", "ok", "length", 3, 4,
+                                                                    {}).encode())
+    await credits(4, 0)
+    await submit("l0", "light")
+    await asyncio.sleep(0.1)
+    await done("l0", "light")
+    for i in range(3):  # 4 slots: heavy's cap is 3, fair share 2 each
+        await submit(f"h{i}", "heavy")
+    await asyncio.sleep(0.2)
+    await credits(0, 0)
+    await submit("l1", "light")
+    await asyncio.sleep(0.2)
+    await done("l1", "light")
+    await credits(0, 1)  # h2 paused on the worker
+    await submit("l2", "light")
+    await asyncio.sleep(0.2)
+    assert sent[-2:] == [("l1", "h2"), ("l2", "h1")]  # h2 is paused: not chosen again
+    await done("l2", "light")
+    await credits(0, 0)  # both resumed: nothing waits on the worker any more
+    await asyncio.sleep(0.1)
+    await submit("l3", "light")
+    await asyncio.sleep(0.2)
+    assert sent[-1] == ("l3", "h2")
+    await svc.stop(fail_queued=False)

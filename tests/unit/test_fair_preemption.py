@@ -66,6 +66,18 @@ def test_preempt_then_front_add_runs_the_newcomer_next_and_the_victim_after():
     assert (a2.start, a2.num_new_tokens, a2.samples) == (0, 7, True)  # recomputes prompt + its 2 tokens
 
 
+def test_the_victim_waits_behind_requests_admitted_with_the_newcomer():
+    s = scheduler(max_seqs=3)
+    for sid in ("a1", "a2"):
+        s.add(sid, 5)
+    step(s)
+    s.add("n", 3)  # an ordinary dispatch into the free slot...
+    s.add("b", 3, front=True)  # ...and one that displaces a2, accepted in the same batch
+    assert s.preempt("a2") and s.is_running("a1") and not s.is_running("a2")
+    plan = step(s)
+    assert {i.seq_id for i in plan.seqs} == {"a1", "b", "n"} and [w.seq_id for w in s.waiting] == ["a2"]
+
+
 def test_preempt_of_unknown_or_waiting_sequence_is_false():
     s = scheduler(max_seqs=1)
     s.add("a", 3)

@@ -58,9 +58,12 @@ async def test_deadline_and_inactivity():
         await next_chunk(e)
     assert ei.value.error["code"] == "deadline_exceeded"
     e = InflightTable().open("r", time.time() + 5, 0.1)
+    assert await next_chunk(e, poll_s=0.3) is None  # queued, nothing streamed yet: only the deadline bounds it
+    e.queue.put_nowait(Chunk("r", 0, token_ids=(5,), text="a"))
+    assert (await next_chunk(e)).seq == 0
     with pytest.raises(StreamError) as ei:
         await next_chunk(e)
-    assert ei.value.error["code"] == "upstream_timeout"
+    assert ei.value.error["code"] == "upstream_timeout"  # streaming started, then 0.1 s of silence
     e = InflightTable().open("r", time.time() + 5, 5)
     assert await next_chunk(e, poll_s=0.01) is None  # poll slice, not an error
 
@@ -115,7 +118,7 @@ async def test_gateway_cancels_generation_when_it_gives_up():
     bus = MemoryBus()
     fe = Frontend(bus, resolver=None, cfg=FrontendConfig("gw-1"))
     await fe.start()
-    entry = fe.table.open("slow", time.time() + 5, 0.1)  # 0.1 s inactivity timeout
+    entry = fe.table.open("slow", time.time() + 0.2, 0.1)  # nothing arrives before the deadline
     sub = Submitted(entry, "slow", "chat", "m", "1", {}, 1)
     with pytest.raises(StreamError):
         await fe.next(sub)

@@ -31,8 +31,27 @@ def test_index_matches_leading_blocks_and_is_bounded():
 
 def test_pick_prefers_affinity_then_load():
     t = WorkerTable()
-    for wid, slots in (("w1", 2), ("w2", 6)):
+    for wid, slots in (("w1", 5), ("w2", 6)):
         t.on_lease(wid, True)
-        t.on_credits(wid, 100, slots, 16, False, 0.0)
+        t.on_credits(wid, 100, slots, 16, False, 0.0, 100, 8)
     assert t.pick(10, 0.1).worker_id == "w2"
     assert t.pick(10, 0.1, lambda w: 5 if w.worker_id == "w1" else 0).worker_id == "w1"
+
+
+def test_affinity_yields_to_load_when_its_worker_is_much_busier():
+    from actors.scheduler.policy import WorkerTable
+
+    t = WorkerTable()
+    for wid in ("w1", "w2"):
+        t.on_lease(wid, True)
+        t.on_credits(wid, 100, 8, 16, False, 0.0, 100, 8)
+    home = lambda w: 3 if w.worker_id == "w1" else 0  # noqa: E731 - every prompt shares w1's cached prefix
+    got = []
+    for i in range(8):
+        w = t.pick(10, 0.1, home)
+        w.take(f"r{i}", 10)
+        got.append(w.worker_id)
+    assert got.count("w1") == 5 and got.count("w2") == 3  # w1 while at most 2 slots busier, then spread
+    t.workers["w2"].free_slots = 7  # a prefix on a barely busier worker still wins
+    t.workers["w1"].free_slots = 6
+    assert t.pick(10, 0.1, home).worker_id == "w1"

@@ -143,10 +143,14 @@ class LLMEngine:
 
     def preempt_request(self, request_id: str) -> bool:
         """Recompute-preempt a running request between steps (vLLM's recompute preemption, Kwon et al.
-        2023): its KV blocks are freed (full blocks stay in the prefix cache) and it waits at the queue
-        head; when readmitted it recomputes prompt + generated tokens and goes on generating as if
+        2023): its KV blocks are freed (full blocks stay in the prefix cache) and it waits at the tail of
+        the queue; when readmitted it recomputes prompt + generated tokens and goes on generating as if
         uninterrupted. False when the request is not running (unknown, finished or already waiting)."""
         return self.scheduler.preempt(request_id)
+
+    def is_running(self, request_id: str) -> bool:
+        """True when ``request_id`` is in the running batch (admitted, not waiting or preempted)."""
+        return self.scheduler.is_running(request_id)
 
     def has_request(self, request_id: str) -> bool:
         """True while ``request_id`` waits or runs in the engine (an abort not yet reported counts as gone)."""

@@ -16,10 +16,10 @@ Policy per ``schedule()``:
    those tokens computed; only the rest counts against the token budget.
 Sequences join and leave the running set only between steps.
 
-Fair-share preemption (docs/decisions/0018-fair-share-preemption.md): the caller may ``preempt`` a
-running sequence between steps (same recompute preemption, requeued at the waiting head) and ``add``
-the sequence that displaces it with ``front=True``, so it is admitted at the next step and the
-victim right after it, when a slot frees.
+Fair-share preemption (docs/decisions/0018-fair-share-preemption.md): the caller may ``add`` the
+sequence that displaces another with ``front=True`` and then ``preempt`` the running victim between
+steps (same recompute preemption, but requeued at the waiting *tail*: behind the newcomer and behind
+anything admitted with it, so the slot it frees goes to them).
 """
 
 from __future__ import annotations
@@ -116,14 +116,21 @@ class IterationScheduler:
         else:
             self.waiting.append(seq)
 
-    def preempt(self, seq_id: str) -> bool:
-        """Preempt a running sequence now (between steps): blocks freed, recomputed later from the
-        waiting head. False when ``seq_id`` is not running (unknown, waiting or finished)."""
+    def is_running(self, seq_id: str) -> bool:
+        """True when ``seq_id`` is in the running set (not waiting, not unknown)."""
         seq = self._seqs.get(seq_id)
-        if seq is None or seq not in self.running:
+        return seq is not None and seq in self.running
+
+    def preempt(self, seq_id: str) -> bool:
+        """Preempt a running sequence now (between steps): blocks freed, requeued at the waiting tail and
+        recomputed when readmitted. False when ``seq_id`` is not running (unknown, waiting or finished)."""
+        if not self.is_running(seq_id):
             return False
+        seq = self._seqs[seq_id]
         self.running.remove(seq)
         self._preempt(seq, None)
+        self.waiting.remove(seq)  # _preempt requeued it at the head (block-shortage rule): move to the tail
+        self.waiting.append(seq)
         return True
 
     def remove(self, seq_id: str) -> bool:
