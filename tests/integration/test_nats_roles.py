@@ -15,6 +15,7 @@ import pytest
 from nats.js.api import KeyValueConfig
 
 from bus import subjects
+from bus.memory import subject_matches
 from control.embedded import EmbeddedNats
 from control.nats_roles import ROLES, role_passwords, role_permissions
 
@@ -29,22 +30,11 @@ SAMPLES = [
 ]
 
 
-def _match(pattern: str, subject: str) -> bool:
-    """NATS wildcard match of a concrete ``subject`` against ``pattern`` (``*`` one token, ``>`` the rest)."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
-
-
 def _allowed(role: str, op: str, subject: str) -> bool:
     perms = role_permissions(role)[op]
-    if any(_match(p, subject) for p in perms.get("deny", [])):
+    if any(subject_matches(p, subject) for p in perms.get("deny", [])):
         return False
-    return any(_match(p, subject) for p in perms.get("allow", []))
+    return any(subject_matches(p, subject) for p in perms.get("allow", []))
 
 
 async def _wait_until(cond, timeout: float = 5.0) -> None:
