@@ -320,9 +320,9 @@ class SchedulerService:
         if not await self._send(worker.worker_id, req, victim):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
-            if victim:  # refused: the victim is not running there (paused or just admitted); try another
-                self._preempted.add(victim)
-            return not victim  # a refused preemption waits for the next kick instead of spinning
+            if victim:  # refused: the victim is not running there (paused or not admitted yet); the next
+                self._preempted.add(victim)  # pass tries another at once (each refusal excludes one: no spin)
+            return True
         self.prefixes.record(hashes, worker.worker_id)
         if victim:
             self.num_preemptions += 1
@@ -345,10 +345,14 @@ class SchedulerService:
                 for rid in w.inflight:
                     if rid in self.requests and rid not in self._preempted:
                         where[rid] = w
-                        running.append((self.requests[rid].marks.get("dispatch", 0.0), rid))
+                        # (streamed a token, dispatch time): the victim is the last of its tenant, so the
+                        # newest request already decoding; one still prefilling or waiting in the engine
+                        # only when none of that tenant's is decoding (the worker refuses a victim that
+                        # is not running)
+                        running.append((w.inflight[rid], self.requests[rid].marks.get("dispatch", 0.0), rid))
         running.sort()
         victim = preemption_victim(head.tenant, self._held(), fair,
-                                   [(rid, self.requests[rid].tenant) for _, rid in running])
+                                   [(rid, self.requests[rid].tenant) for _, _, rid in running])
         return (where[victim], victim) if victim else (None, "")
 
     def _active_tenants(self) -> list[str]:

@@ -140,3 +140,34 @@ async def test_a_resumed_victim_may_be_preempted_again_once_its_worker_has_nothi
     await asyncio.sleep(0.2)
     assert sent[-1] == ("l3", "h2")
     await svc.stop(fail_queued=False)
+
+
+async def test_the_victim_is_the_newest_request_already_decoding_and_a_refusal_tries_the_next_at_once():
+    import orjson
+
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", drain_s=0.2))
+    await svc.start()
+    sent: list = []
+
+    async def worker(msg):  # refuses to displace h4 (say, not admitted into its batch yet)
+        d = Dispatch.decode(msg.data)
+        sent.append((d.request.request_id, d.preempt))
+        await msg.respond(DispatchAck(d.preempt != "h4").encode())
+    await bus.subscribe(subjects.work("w1"), worker)
+    svc.on_worker_lease("w1", True)
+    await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 100, 100, 8, 8, 16).encode())
+    await bus.request(subjects.sched_submit("m", "1"), treq("l0", "light").encode(), 1.0)
+    for i in range(7):
+        await bus.request(subjects.sched_submit("m", "1"), treq(f"h{i}", "heavy").encode(), 1.0)
+    await asyncio.sleep(0.2)
+    for rid in ("h3", "h4"):  # h3 and h4 are decoding; h5, h6 have not streamed a token yet
+        await bus.publish(subjects.sched_events("m", "1"), orjson.dumps({"event": "first_token", "request_id": rid}))
+    await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 90, 100, 0, 8, 16).encode())
+    await asyncio.sleep(0.05)
+    await bus.request(subjects.sched_submit("m", "1"), treq("l1", "light").encode(), 1.0)
+    async with asyncio.timeout(1):
+        while ("l1", "h3") not in sent:
+            await asyncio.sleep(0.005)
+    assert sent[8:] == [("l1", "h4"), ("l1", "h3")]  # newest decoding first; refused -> the next one
+    await svc.stop(fail_queued=False)
