@@ -112,8 +112,9 @@ class MemoryBus:
         sub = await self.subscribe(inbox, on_reply)
         try:
             await self.publish(subject, data, reply=inbox, headers=headers)
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError as exc:
+            async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancel (actors.aio.wait_event)
+                return await fut
+        except TimeoutError as exc:
             raise BusTimeout(f"no reply on {subject} within {timeout} s") from exc
         finally:
             await sub.unsubscribe()

@@ -88,7 +88,8 @@ async def sync_workers(reg, svc: SchedulerService, name: str, version: str, peri
     try:
         while True:
             try:
-                await asyncio.wait_for(relist(), max(period_s, 1.0))
+                async with asyncio.timeout(max(period_s, 1.0)):  # not wait_for: it can swallow a cancel
+                    await relist()
                 outage.ok()
             except Exception as exc:  # etcd unreachable: keep the last known table (logged once per outage)
                 outage.failed(exc)

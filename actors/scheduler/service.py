@@ -119,7 +119,10 @@ class SchedulerService:
                              "the request was dispatched; retry", "unavailable")
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=5.0)
+            for t in stuck:
+                log.warning("scheduler task did not stop within 5 s of cancel: %s", t.get_stack())
 
     async def _drain_queue(self, budget_s: float) -> None:
         """Wait (at most ``budget_s``) until the dispatch loop has emptied the queue."""
