@@ -29,13 +29,19 @@ async def full_worker(bus: MemoryBus, wid: str, dispatches: list) -> None:
     await bus.subscribe(subjects.work(wid), on)
 
 
-async def test_scheduler_preempts_the_over_share_tenant_up_to_the_fair_split():
+async def scheduler_with_worker() -> tuple[MemoryBus, SchedulerService, list]:
+    """A started scheduler for m@1 with one leased worker "w1" that acks every dispatch into ``sent``."""
     bus = MemoryBus()
     svc = SchedulerService(bus, SchedulerConfig("m", "1", drain_s=0.2))
     await svc.start()
     sent: list = []
     await full_worker(bus, "w1", sent)
     svc.on_worker_lease("w1", True)
+    return bus, svc, sent
+
+
+async def test_scheduler_preempts_the_over_share_tenant_up_to_the_fair_split():
+    bus, svc, sent = await scheduler_with_worker()
     await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 100, 100, 8, 8, 16).encode())
     await bus.request(subjects.sched_submit("m", "1"), treq("l0", "light").encode(), 1.0)
     for i in range(12):
@@ -101,12 +107,7 @@ async def dispatch_to(bus, r: GenerateRequest, preempt: str = "") -> bool:
 
 
 async def test_a_resumed_victim_may_be_preempted_again_once_its_worker_has_nothing_waiting():
-    bus = MemoryBus()
-    svc = SchedulerService(bus, SchedulerConfig("m", "1", drain_s=0.2))
-    await svc.start()
-    sent: list = []
-    await full_worker(bus, "w1", sent)
-    svc.on_worker_lease("w1", True)
+    bus, svc, sent = await scheduler_with_worker()
 
     async def credits(free: int, waiting: int) -> None:
         await bus.publish(subjects.credits("m", "1", "w1"),
