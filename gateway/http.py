@@ -19,6 +19,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.base import BusError
+from gateway import sse
 from gateway import tracing as gw_tracing
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
 from gateway.inflight import StreamError
@@ -251,7 +252,7 @@ class SseWriter:
 
     async def send(self, obj: dict) -> None:
         """One ``data:`` event (raises ConnectionResetError if the client is gone)."""
-        await self.resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+        await self.resp.write(sse.data_event(sse.json_payload(obj)))
 
     async def run(self, merger: ChoiceMerger, first, next_fn, cancel_fn) -> None:
         """Stream ``first`` and every following chunk; errors mid-stream become an error event."""
@@ -270,4 +271,4 @@ class SseWriter:
         except StreamError as exc:
             await cancel_fn()
             await self.send(inband_error(exc.error))
-        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write(sse.DONE)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
+from gateway import sse
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class IdempotencyStore:
                     status, err_body = e.status, e.body()
                     break
                 for ev in merger.add(chunk):
-                    live.push(orjson.dumps(ev))
+                    live.push(sse.json_payload(ev))
         except StreamError as exc:
             await front.fe.cancel(sub.request_id, "stream_error", num_choices=sub.num_choices)
             e = front.fe.resolve_error(exc)
@@ -214,7 +215,7 @@ class IdempotencyStore:
             headers["x-actorserve-timing"] = orjson.dumps(merger.final_timing()).decode()
         if live.stream:
             if err_body is not None:
-                live.push(orjson.dumps(err_body))
+                live.push(sse.json_payload(err_body))
             result_json = err_body if (err_body is not None and not live.events) else None
         else:
             result_json = err_body if err_body is not None else merger.body()
@@ -279,14 +280,14 @@ class IdempotencyStore:
         try:
             while True:
                 while sent < len(live.events):
-                    await resp.write(b"data: " + live.events[sent] + b"\n\n")
+                    await resp.write(sse.data_event(live.events[sent]))
                     sent += 1
                 if live.done:
                     break
                 live.changed.clear()
                 if sent >= len(live.events) and not live.done:
                     await live.changed.wait()
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(sse.DONE)
         except (ConnectionResetError, RuntimeError):
             pass  # the run goes on and its result is stored
         return resp
@@ -300,8 +301,8 @@ class IdempotencyStore:
         await resp.prepare(request)
         try:
             for e in events:
-                await resp.write(b"data: " + e.encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+                await resp.write(sse.data_event(sse.json_payload(orjson.loads(e))))
+            await resp.write(sse.DONE)
         except (ConnectionResetError, RuntimeError):
             pass
         return resp
