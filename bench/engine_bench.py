@@ -193,7 +193,7 @@ def bench_engine(path: str, sz: Sizes, dtype: str, quantization: str | None, log
     max_seqs = max(sz.levels)
     kv_tokens = max(max_seqs * (sz.prompt + sz.gen + 16), 2 * (sz.prefix + sz.suffix) + max(sz.prefill)) + 64
     kwargs = dict(model_path=path, dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len)
-    if quantization:
+    if quantization and quantization != "none":
         kwargs["quantization"] = quantization
     import gguf
 
@@ -206,7 +206,7 @@ def bench_engine(path: str, sz: Sizes, dtype: str, quantization: str | None, log
     cfg = EngineConfig(**kwargs, block_size=block, kv_cache_bytes=per_block * (kv_tokens // block + 2))
     engine = LLMEngine(cfg)
     rng = random.Random(0)
-    res: dict = {"dtype": str(getattr(engine, "dtype_name", cfg.dtype))}
+    res: dict = {"dtype": str(getattr(engine, "dtype_name", cfg.dtype)), "quantization": engine.quantization}
     fm = flop_model(engine.model_config)
 
     res["decode_tok_s"] = {}
@@ -281,7 +281,7 @@ def bench_baseline(path: str, sz: Sizes, log) -> dict:
 # ------------------------------------------------------------------------------------ main
 
 
-def run(model: str | None = None, quick: bool = False, dtype: str = "auto", quantization: str | None = None,
+def run(model: str | None = None, quick: bool = False, dtype: str = "auto", quantization: str | None = "auto",
         threads: int | None = None, baseline: bool = True, log=print) -> dict:
     """Run the whole benchmark; returns the JSON-ready result dict."""
     import torch
@@ -319,7 +319,7 @@ def run(model: str | None = None, quick: bool = False, dtype: str = "auto", quan
         "ratios": {k: eng["decode_tok_s"][k] / v for k, v in base["baseline_decode_tok_s"].items() if v > 0},
         "flop_model": {**fm, "formula": "decode token: 2N+2E+A*ctx; prefill P: 2NP+2E+A*P(P+1)/2 "
                        "(N: layer linear params, E: vocab*d, A: 4*layers*heads*head_dim)"},
-        "environment": environment(eng["dtype"], quantization),
+        "environment": environment(eng["dtype"], eng["quantization"]),
         "engine_stats": eng["engine_stats"],
         "sizes": sz.__dict__,
         "quick": quick,
@@ -357,7 +357,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="our engine's dtype (default: auto = bfloat16 where the CPU has bf16 matmul)")
-    p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weight-only quantization")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="weight-only quantization of our engine (default: auto = the GGUF's own precision: "
+                        "int4 for the shipped Q4_1 model)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
 

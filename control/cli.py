@@ -271,7 +271,9 @@ def _bench_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="engine dtype (default: auto = bfloat16 where the CPU has bf16 matmul)")
-    p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weight-only quantization")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="weight-only quantization of our engine (default: auto = the GGUF's own precision: "
+                        "int4 for the shipped Q4_1 model)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
 

@@ -33,3 +33,23 @@ def prefill_logits(engine, prompt: list[int]):
         return engine.model.forward(engine._tensor(prompt), meta, engine.kv.tensor)
     finally:
         engine.block_manager.free("__probe__")
+
+
+def stepwise_logits(engine, prompt: list[int]):
+    """Logits [len(prompt), vocab] (float32) computed one token per forward (each a 1-row, decode-shaped
+    step over the K/V cached by the previous ones), from an idle engine's model."""
+    import torch
+
+    from actors.worker.engine.model import BatchMetadata
+
+    table = engine.block_manager.allocate("__probe__", len(prompt))
+    try:
+        bs, rows = engine.config.block_size, []
+        slots = [table[p // bs] * bs + p % bs for p in range(len(prompt))]
+        for p, tok in enumerate(prompt):
+            meta = BatchMetadata(engine._tensor([p]), engine._tensor([slots[p]]), engine._tensor(slots[: p + 1]),
+                                 [1], [p + 1], engine._tensor([0]))
+            rows.append(engine.model.forward(engine._tensor([tok]), meta, engine.kv.tensor))
+        return torch.cat(rows)
+    finally:
+        engine.block_manager.free("__probe__")

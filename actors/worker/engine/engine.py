@@ -24,10 +24,10 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes
 from .gguf_loader import load_gguf
 from .hardware import DTYPES, resolve_dtype
-from .quant import QUANTIZERS, make_linear_factory
+from .quant import QUANTIZERS, make_linear_factory, resolve_quantization
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
-from .model import BatchMetadata, LlamaModel
+from .model import BatchMetadata, LlamaModel, packed_linear_factory
 from .sampler import make_generator, sample_batch, top_logprobs
 from .types import EngineRequest, EngineStats, StepOutput
 
@@ -50,7 +50,8 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output cap (tokens); None = GGUF context_length
     progress: bool = False  # tqdm bar while loading
     enable_prefix_caching: bool = True  # share cached full KV blocks of equal token prefixes
-    quantization: str | None = None  # None | "int8" | "int4" (weight-only, projections; see quant.py)
+    quantization: str | None = None  # None | "int8" | "int4" | "auto" (weight-only, projections; see quant.py)
+    quant_dense_copy: bool = True  # quantized: steps of many rows use a bf16 AMX copy of the quantized values
     num_threads: int | None = None  # torch threads for large steps; None = torch's default (all cores)
     small_step_tokens: int = 0  # steps with <= this many tokens run on one thread (0 = never; see 0006)
 
@@ -64,8 +65,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.quantization not in (None, *QUANTIZERS):
-            raise ValueError(f"quantization must be None or one of {sorted(QUANTIZERS)}")
+        if self.quantization not in (None, "auto", *QUANTIZERS):
+            raise ValueError(f"quantization must be None or one of {sorted([*QUANTIZERS, 'auto'])}")
 
 
 @dataclass
@@ -95,8 +96,10 @@ class LLMEngine:
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
         log.info(self.kv.describe())
         self.max_model_len = self._resolve_max_model_len()
+        self.quantization = resolve_quantization(config.quantization, config.model_path)  # "auto" resolved
+        dense = packed_linear_factory(dtype, config.device) if config.quant_dense_copy else None
         self.model = LlamaModel(self.model_config, weights, self.max_model_len,
-                                make_linear_factory(config.quantization))
+                                make_linear_factory(self.quantization, dense))
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.token_bytes = load_token_bytes(config.model_path)
@@ -108,7 +111,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self._threads = torch.get_num_threads()
-        log.info("engine: dtype %s, quantization %s, %d torch threads", self.dtype_name, config.quantization,
+        log.info("engine: dtype %s, quantization %s, %d torch threads", self.dtype_name, self.quantization,
                  self._threads)
 
     def _resolve_max_model_len(self) -> int:

@@ -188,8 +188,9 @@ class PackedLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
 
 
-def dense_linear_factory(dtype: torch.dtype, device: str):
-    """``PackedLinear`` for bf16 on CPU with oneDNN (checked by a trial product), else ``Linear``."""
+def packed_linear_factory(dtype: torch.dtype, device: str):
+    """``make_linear(weight, name)`` building ``PackedLinear`` for bf16 on CPU with oneDNN (checked by
+    a trial product), or None where that kernel is unavailable."""
     if device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         try:
             w = torch.randn(8, 32, dtype=dtype)
@@ -198,7 +199,12 @@ def dense_linear_factory(dtype: torch.dtype, device: str):
                 return lambda weight, name: PackedLinear(weight)
         except (RuntimeError, AttributeError):  # op missing in this build
             pass
-    return lambda weight, name: Linear(weight)
+    return None
+
+
+def dense_linear_factory(dtype: torch.dtype, device: str):
+    """``PackedLinear`` for bf16 on CPU with oneDNN (``packed_linear_factory``), else ``Linear``."""
+    return packed_linear_factory(dtype, device) or (lambda weight, name: Linear(weight))
 
 
 @dataclass
