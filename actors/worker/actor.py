@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                         help="compute dtype (auto: bfloat16 where the device multiplies bf16 fast, else float32)")
+    parser.add_argument("--quantization", default="none", choices=["none", "auto", "int8", "int4"],
+                        help="weight-only quantization of the projections (auto: the GGUF's own precision, "
+                        "int4 for a Q4 file; docs/decisions/0006-engine-speed.md)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--lease-ttl", type=int, default=3, help="etcd lease TTL in seconds (<= 5)")
     parser.add_argument("--no-progress", action="store_true", help="hide the model loading progress bar")
@@ -49,7 +52,9 @@ def build_engine(manifest: dict, args: argparse.Namespace):
     from actors.worker.engine.engine import EngineConfig, LLMEngine
     if manifest.get("format", "gguf") != "gguf":
         raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
+    quant = getattr(args, "quantization", "none")
     cfg = EngineConfig(model_path=manifest["artifact"], dtype=args.dtype, device=args.device,
+                       quantization=None if quant == "none" else quant,
                        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=manifest.get("context_length") or None, progress=not args.no_progress)
@@ -85,7 +90,7 @@ async def main(args: argparse.Namespace) -> None:
         gauges.register()  # KV cache usage, running/waiting, batch size, tokens/s on this worker's /metrics
         tracker = asyncio.create_task(track_worker(svc.stats_msg, gauges))
         info = {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
-                "device": args.device, "dtype": args.dtype,
+                "device": args.device, "dtype": args.dtype, "quantization": getattr(engine, "quantization", None),
                 "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
         holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
         try:

@@ -66,3 +66,21 @@ def test_bf16_split_matches_dense_within_bf16_rounding():
 ])
 def test_auto_quantization_by_gguf_tensor_types(types, expected):
     assert quantization_for_types(types) == expected
+
+
+@pytest.mark.parametrize("flag,expected", [("none", None), ("auto", "int8"), ("int4", "int4")])
+def test_worker_quantization_flag(tmp_path, flag, expected):
+    """The worker's --quantization reaches the engine; "auto" on the tiny model (F32 projections plus
+    one Q8_0 ffn_down) resolves to int8."""
+    import argparse
+
+    from actors.worker.actor import add_arguments, build_engine
+    from tests.engine_fixtures import write_tiny_llama_gguf
+
+    path = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny@1", "--quantization", flag, "--kv-cache-bytes", str(2**20),
+                              "--no-progress"])
+    engine = build_engine({"artifact": path, "format": "gguf"}, args)
+    assert engine.quantization == expected
