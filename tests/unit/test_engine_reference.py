@@ -216,3 +216,25 @@ def test_fp32_greedy_same_alone_and_in_batch_of_32(engine):
                 assert top2[0] - top2[1] < NEAR_TIE, (i, step)
                 break  # after a (legitimate) flip the continuations differ
     print("near ties:", near_ties)
+
+
+@pytest.mark.parametrize("dtype,atol", [("float32", 1e-3), ("bfloat16", None)])
+def test_native_kernels_match_the_pytorch_path(dtype, atol):
+    """The C++ CPU kernels (decode attention, fused norm/RoPE/SwiGLU) against the PyTorch path of the
+    same engine, whole prefills and one-token steps (float32: 1e-3 like the HF check; bf16: its bound)."""
+    from actors.worker.engine import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler here: only the PyTorch path exists")
+    eng = LLMEngine(EngineConfig(model_path=MODEL_PATH, dtype=dtype, kv_cache_bytes=16 * 2**20))
+    assert eng.model.kernels is not None
+    native = [torch.cat([f(eng, p) for p in PROMPTS]) for f in (prefill_logits, stepwise_logits)]
+    eng.model.kernels = None
+    torch_path = [torch.cat([f(eng, p) for p in PROMPTS]) for f in (prefill_logits, stepwise_logits)]
+    for a, b in zip(native, torch_path):
+        if atol is not None:
+            assert (a - b).abs().max().item() <= atol
+        else:
+            max_rel, min_top1 = OPTION_TOLERANCES[("bfloat16", None)]
+            assert ((a - b).norm() / b.norm()).item() <= max_rel
+            assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= min_top1

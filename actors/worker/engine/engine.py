@@ -52,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share cached full KV blocks of equal token prefixes
     quantization: str | None = None  # None | "int8" | "int4" | "auto" (weight-only, projections; see quant.py)
     quant_dense_copy: bool = True  # quantized: steps of many rows use a bf16 AMX copy of the quantized values
+    native_kernels: bool = True  # CPU: decode attention by the C++ kernel (cpu_kernels.py) when it builds
     num_threads: int | None = None  # torch threads for large steps; None = torch's default (all cores)
     small_step_tokens: int = 0  # steps with <= this many tokens run on one thread (0 = never; see 0006)
 
@@ -99,7 +100,7 @@ class LLMEngine:
         self.quantization = resolve_quantization(config.quantization, config.model_path)  # "auto" resolved
         dense = packed_linear_factory(dtype, config.device) if config.quant_dense_copy else None
         self.model = LlamaModel(self.model_config, weights, self.max_model_len,
-                                make_linear_factory(self.quantization, dense))
+                                make_linear_factory(self.quantization, dense), config.native_kernels)
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.token_bytes = load_token_bytes(config.model_path)

@@ -1,0 +1,180 @@
+"""Native CPU kernels of the engine, built at run time with the system C++ compiler (csrc/cpu_kernels.cpp).
+
+* ``paged_decode_attention``: attention of 1-token queries reading K/V in place from the paged
+  cache through each sequence's block table, where the PyTorch path copies every sequence's blocks
+  out of the cache per layer (``index_select``) and runs SDPA on the copy;
+* ``add_rms_norm``, ``rope_kv``, ``silu_mul``: one call each for what takes 3-12 small PyTorch ops
+  (residual add + RMSNorm; RoPE on Q and K plus the K/V cache write; SwiGLU), the per-op overhead
+  that dominates a small decode step.
+
+Each reproduces the PyTorch expression it replaces, roundings included (tests/unit/test_cpu_kernels.py
+compares them).  See docs/decisions/0006-engine-speed.md for measurements.
+
+Build: ``g++ -O3 -march=native -fopenmp -shared`` into ``$ACTORSERVE_KERNEL_DIR`` (default
+``~/.cache/actorserve/kernels``), keyed by a hash of the source, the flags, the compiler version
+and this CPU's feature flags, written to a temporary name and renamed (concurrent workers race
+safely).  The kernel's OpenMP calls resolve to the ``libgomp.so.1`` torch has already loaded, so
+both share one thread pool.  No compiler, a failed build or ``ACTORSERVE_NATIVE_KERNELS=0`` leaves
+:func:`load` returning None and the engine on the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .hardware import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20"]
+LIBS = ["-lmvec"]  # glibc's vector math (expf x16) for the AVX-512 softmax
+BUILD_TIMEOUT_S = 120
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _kernel_dir() -> Path:
+    return Path(os.environ.get("ACTORSERVE_KERNEL_DIR") or Path.home() / ".cache" / "actorserve" / "kernels")
+
+
+def _build(cxx: str) -> Path:
+    """Compile SOURCE (if not cached) and return the shared object's path; raises on failure."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, " ".join(sorted(cpu_flags()))])
+                         .encode()).hexdigest()[:16]
+    out = _kernel_dir() / f"cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, text=True,
+                       timeout=BUILD_TIMEOUT_S)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> "CpuKernels | None":
+    """The compiled kernel, or None where it cannot be built (logged once)."""
+    if os.environ.get("ACTORSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        log.warning("no C++ compiler: the engine's CPU kernels stay on the PyTorch path")
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build(cxx))))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("native CPU kernels unavailable (%s); using the PyTorch path", str(detail)[:500])
+        return None
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"cpu kernel: {what}")
+
+
+class CpuKernels:
+    """ctypes wrappers of csrc/cpu_kernels.cpp.  Every tensor is a CPU tensor of one dtype (float32 or
+    bfloat16, ``supports``); each method raises ValueError on a layout or dtype it cannot read."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        sigs = {
+            "actorserve_paged_decode_attention": [i32, p, i64, p, i64, p, p, p, p, i64, p, i32, i32, i32, i32, i32, f32],
+            "actorserve_add_rms_norm": [i32, p, p, p, p, i64, i32, f32],
+            "actorserve_rope_kv": [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p],
+            "actorserve_silu_mul": [i32, p, p, i64, i32],
+        }
+        for name, argtypes in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, i32
+            setattr(self, "_" + name.removeprefix("actorserve_"), fn)
+
+    @staticmethod
+    def supports(dtype: torch.dtype, device: torch.device | str) -> bool:
+        """True for CPU tensors of float32 or bfloat16."""
+        return torch.device(device).type == "cpu" and dtype in _DTYPE_CODES
+
+    @staticmethod
+    def _rc(rc: int, name: str) -> None:
+        _check(rc == 0, f"{name} refused its shapes (code {rc})")
+
+    def paged_decode_attention(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, scale: float) -> None:
+        """Attention of the 1-token queries ``q[rows]`` into ``out[rows]``, K/V read in place.
+
+        q, out: [T, H, hd] (row-strided, heads contiguous), the cache's dtype.  k_cache, v_cache:
+        [num_blocks, block_size, Hkv, hd] contiguous.  rows, context_lens: int32 [S]; block_tables:
+        int32 [S, max_blocks] contiguous.  ``scale``: softmax temperature (1/sqrt(hd) as SDPA).
+        """
+        T, H, hd = q.shape
+        _, bs, Hkv, hd_k = k_cache.shape
+        _check(hd_k == hd and q.dtype == k_cache.dtype == out.dtype, "attention: dtype or head_dim mismatch")
+        _check(q.stride(2) == 1 and q.stride(1) == hd and out.stride(2) == 1 and out.stride(1) == hd,
+               "attention: q/out heads must be contiguous")
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous(),
+               "attention: caches and block tables must be contiguous")
+        _check(rows.dtype == block_tables.dtype == context_lens.dtype == torch.int32, "attention: int32 indices")
+        self._rc(self._paged_decode_attention(
+            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), rows.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            context_lens.data_ptr(), rows.numel(), H, Hkv, hd, bs, scale), "attention")
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``h += delta`` in place (when given), then RMSNorm of h -> new tensor; h, delta [rows, d]."""
+        _check(h.dim() == 2 and h.is_contiguous() and weight.is_contiguous() and weight.dtype == h.dtype,
+               "rms_norm: h [rows, d] and weight contiguous, one dtype")
+        _check(delta is None or (delta.shape == h.shape and delta.is_contiguous() and delta.dtype == h.dtype),
+               "rms_norm: delta like h")
+        out = torch.empty_like(h)
+        self._rc(self._add_rms_norm(_DTYPE_CODES[h.dtype], h.data_ptr(), None if delta is None else delta.data_ptr(),
+                                    weight.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], eps), "rms_norm")
+        return out
+
+    def rope_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> None:
+        """Rotate the Q and K heads of ``qkv`` [T, (H + 2 Hkv) hd] in place and write K, V to their slots.
+
+        positions, slot_mapping: int64 [T]; cos, sin: float32 [max_pos, hd] contiguous; caches
+        [num_blocks, block_size, Hkv, hd] contiguous (a slot is block * block_size + offset).
+        """
+        _check(qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim,
+               "rope: qkv [T, (H + 2 Hkv) hd] with contiguous rows")
+        _check(positions.dtype == slot_mapping.dtype == torch.int64 and positions.is_contiguous()
+               and slot_mapping.is_contiguous(), "rope: int64 positions and slots")
+        _check(cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous(),
+               "rope: float32 tables")
+        _check(k_cache.dtype == v_cache.dtype == qkv.dtype and k_cache.is_contiguous() and v_cache.is_contiguous(),
+               "rope: caches contiguous, qkv's dtype")
+        self._rc(self._rope_kv(_DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads,
+                               num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()), "rope")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: ``silu(g) * u`` for ``gate_up`` [rows, 2f] = [g | u] -> [rows, f]."""
+        _check(gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0,
+               "silu_mul: gate_up [rows, 2f] contiguous")
+        rows, f = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, f, dtype=gate_up.dtype)
+        self._rc(self._silu_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, f), "silu_mul")
+        return out

@@ -1,0 +1,115 @@
+"""The C++ CPU kernels (actors/worker/engine/cpu_kernels.py) against the PyTorch expressions they replace."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors.worker.engine import cpu_kernels
+from actors.worker.engine.model import RotaryEmbedding, rms_norm
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler here: the engine runs its PyTorch path")
+
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: only operation order differs.  bf16: one rounding step (2^-8 relative) may differ.
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+def _ref_attention(q, kc, vc, rows, tables, lens):
+    """Per sequence: gather its blocks, causal-free SDPA of its one query over its context."""
+    bs, Hkv, hd = kc.shape[1], kc.shape[2], kc.shape[3]
+    out = torch.zeros_like(q)
+    G = q.shape[1] // Hkv
+    for s in range(rows.numel()):
+        n = int(lens[s])
+        blocks = tables[s, : -(-n // bs)].long()
+        k = kc.index_select(0, blocks).reshape(-1, Hkv, hd)[:n].transpose(0, 1)  # [Hkv, n, hd]
+        v = vc.index_select(0, blocks).reshape(-1, Hkv, hd)[:n].transpose(0, 1)
+        qs = q[int(rows[s])].reshape(Hkv, G, hd)
+        out[int(rows[s])] = F.scaled_dot_product_attention(qs.float(), k.float(), v.float()).reshape(-1, hd).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hkv,hd", [(9, 3, 64), (4, 4, 32), (6, 2, 24)])  # 24: not a multiple of 16 (scalar path)
+def test_paged_decode_attention(dtype, H, Hkv, hd):
+    torch.manual_seed(0)
+    bs, nb = 16, 64
+    kc, vc = torch.randn(nb, bs, Hkv, hd, dtype=dtype), torch.randn(nb, bs, Hkv, hd, dtype=dtype)
+    lens = torch.tensor([1, 17, 200, 64, 33], dtype=torch.int32)
+    width = -(-int(lens.max()) // bs)
+    tables = torch.stack([torch.randperm(nb)[:width] for _ in lens]).to(torch.int32)
+    rows = torch.tensor([4, 0, 2, 6, 5], dtype=torch.int32)  # out of order, with gaps (prefill rows)
+    q = torch.randn(7, H + 2 * Hkv, hd, dtype=dtype)[:, :H]  # row-strided like the model's QKV slice
+    out = torch.full((7, H, hd), 7.0, dtype=dtype)
+    KERNELS.paged_decode_attention(q, out, kc, vc, rows, tables, lens, 1 / math.sqrt(hd))
+    ref = _ref_attention(q, kc, vc, rows, tables, lens)
+    torch.testing.assert_close(out[rows.long()], ref[rows.long()], **TOL[dtype])
+    untouched = [r for r in range(7) if r not in rows.tolist()]
+    assert bool((out[untouched] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_add_rms_norm(dtype, rows):
+    torch.manual_seed(1)
+    h, delta = torch.randn(rows, 576, dtype=dtype), torch.randn(rows, 576, dtype=dtype)
+    w = torch.rand(576, dtype=dtype) + 0.5
+    want_h = h + delta
+    want = rms_norm(want_h, w, 1e-5)
+    got = KERNELS.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(h, want_h)  # the residual add rounds like torch's
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(KERNELS.add_rms_norm(h.clone(), None, w, 1e-5), rms_norm(h, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_rotates_in_place_and_writes_the_cache(dtype):
+    torch.manual_seed(2)
+    H, Hkv, hd, T, bs, nb = 9, 3, 64, 6, 16, 8
+    rope = RotaryEmbedding(hd, 10000.0, 512, "cpu")
+    qkv = torch.randn(T, (H + 2 * Hkv) * hd, dtype=dtype)
+    positions = torch.tensor([0, 5, 17, 300, 301, 511])
+    slots = torch.tensor([3, 40, 41, 100, 7, 127])
+    kc, vc = torch.zeros(nb, bs, Hkv, hd, dtype=dtype), torch.zeros(nb, bs, Hkv, hd, dtype=dtype)
+    want_qk = rope.apply(qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd), positions)
+    want_v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd).clone()
+    KERNELS.rope_kv(qkv, H, Hkv, hd, positions, rope.cos, rope.sin, slots, kc, vc)
+    torch.testing.assert_close(qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd), want_qk, **TOL[dtype])
+    torch.testing.assert_close(kc.view(-1, Hkv, hd)[slots], want_qk[:, H:], **TOL[dtype])
+    assert torch.equal(vc.view(-1, Hkv, hd)[slots], want_v)
+    others = [i for i in range(nb * bs) if i not in slots.tolist()]
+    assert bool((kc.view(-1, Hkv, hd)[others] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("f", [1536, 40])  # 40: a 16-lane body plus a scalar tail
+def test_silu_mul(dtype, f):
+    torch.manual_seed(3)
+    gu = torch.randn(5, 2 * f, dtype=dtype) * 4
+    want = F.silu(gu[:, :f]) * gu[:, f:]
+    torch.testing.assert_close(KERNELS.silu_mul(gu), want, **TOL[dtype])
+
+
+def test_bad_layouts_raise_value_error():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="rms_norm"):
+        KERNELS.add_rms_norm(x.t(), None, torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="silu_mul"):
+        KERNELS.silu_mul(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="int32"):
+        q = torch.randn(1, 2, 8)
+        KERNELS.paged_decode_attention(q, q.clone(), torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8),
+                                       torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), 0.3)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("ACTORSERVE_NATIVE_KERNELS", "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+    finally:
+        monkeypatch.delenv("ACTORSERVE_NATIVE_KERNELS")
+        cpu_kernels.load.cache_clear()
