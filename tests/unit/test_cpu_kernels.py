@@ -34,14 +34,15 @@ def _ref_attention(q, kc, vc, rows, tables, lens):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,Hkv,hd", [(9, 3, 64), (4, 4, 32), (6, 2, 24)])  # 24: not a multiple of 16 (scalar path)
-def test_paged_decode_attention(dtype, H, Hkv, hd):
+@pytest.mark.parametrize("nseq", [5, 1])  # 5: a task per sequence; 1: a task per (sequence, KV head)
+def test_paged_decode_attention(dtype, H, Hkv, hd, nseq):
     torch.manual_seed(0)
     bs, nb = 16, 64
     kc, vc = torch.randn(nb, bs, Hkv, hd, dtype=dtype), torch.randn(nb, bs, Hkv, hd, dtype=dtype)
-    lens = torch.tensor([1, 17, 200, 64, 33], dtype=torch.int32)
+    lens = torch.tensor([1, 17, 200, 64, 33][-nseq:], dtype=torch.int32)
     width = -(-int(lens.max()) // bs)
     tables = torch.stack([torch.randperm(nb)[:width] for _ in lens]).to(torch.int32)
-    rows = torch.tensor([4, 0, 2, 6, 5], dtype=torch.int32)  # out of order, with gaps (prefill rows)
+    rows = torch.tensor([4, 0, 2, 6, 5][-nseq:], dtype=torch.int32)  # out of order, with gaps (prefill rows)
     q = torch.randn(7, H + 2 * Hkv, hd, dtype=dtype)[:, :H]  # row-strided like the model's QKV slice
     out = torch.full((7, H, hd), 7.0, dtype=dtype)
     KERNELS.paged_decode_attention(q, out, kc, vc, rows, tables, lens, 1 / math.sqrt(hd))

@@ -353,21 +353,39 @@ class LlamaModel:
         for g in plan.decodes:
             out[g.rows] = self._decode_group(q, g, k_blocks, v_blocks, rows_all=False)
         for p in plan.prefills:
-            # 4-D inputs with K/V repeated per query group: SDPA's CPU flash kernel (3-D inputs or
-            # enable_gqa fall back to the math path: measured 12x slower for a 2048-token prompt).
-            qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
+            rows = slice(p.q_start, p.q_start + p.q_len)
             if p.blocks is None:
-                ks = k[p.q_start : p.q_start + p.q_len]
-                vs = v[p.q_start : p.q_start + p.q_len]
+                out[rows] = self._fresh_prefill(q[rows], k[rows], v[rows])
             else:
-                L = p.blocks.shape[0] * k_blocks.shape[1]
-                ks = k_blocks.index_select(0, p.blocks).view(L, Hkv, hd)
-                vs = v_blocks.index_select(0, p.blocks).view(L, Hkv, hd)
-            ks = ks.to(qs.dtype).repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
-            vs = vs.to(qs.dtype).repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=p.blocks is None, attn_mask=p.mask)
-            out[p.q_start : p.q_start + p.q_len] = o[0].transpose(0, 1)
+                out[rows] = self._prefill_after_prefix(q[rows], p, k_blocks, v_blocks)
         return out
+
+    def _fresh_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk with no cached prefix: q [n, H, hd], k/v [n, Hkv, hd] -> [n, H, hd].
+
+        4-D inputs with K/V repeated per query group and ``is_causal``: SDPA's CPU flash kernel (3-D
+        inputs or enable_gqa fall back to the math path: 12x slower for a 2048-token prompt; folding
+        the group into the query axis needs an explicit mask: 1.4x / 2.4x slower at 512 / 2048)."""
+        G = self.num_groups
+        qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        ks = k.to(q.dtype).repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        vs = v.to(q.dtype).repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1)
+
+    def _prefill_after_prefix(self, q: torch.Tensor, p: _Prefill, k_blocks, v_blocks) -> torch.Tensor:
+        """A chunk following cached blocks (prefix-cache hit, later chunk of a chunked prefill).
+
+        q [n, H, hd] -> [n, H, hd].  GQA by folding the query group into the query axis
+        (``[1, Hkv, n*G, hd]`` against un-repeated K/V ``[1, Hkv, L, hd]``, mask rows repeated per
+        group): same result as repeating K/V, measured 0.66 ms against 1.76 ms per layer for 64
+        queries over 1,088 keys (bf16)."""
+        Hkv, hd, G = self.config.num_kv_heads, self.config.head_dim, self.num_groups
+        n, L = q.shape[0], p.blocks.shape[0] * k_blocks.shape[1]
+        ks = k_blocks.index_select(0, p.blocks).view(L, Hkv, hd).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = v_blocks.index_select(0, p.blocks).view(L, Hkv, hd).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        qs = q.reshape(n, Hkv, G, hd).permute(1, 0, 2, 3).reshape(1, Hkv, n * G, hd)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask.repeat_interleave(G, 0))
+        return o[0].view(Hkv, n, G, hd).permute(1, 0, 2, 3).reshape(n, Hkv * G, hd)
 
     def _decode_group(self, q, g: _DecodeGroup, k_blocks, v_blocks, rows_all: bool) -> torch.Tensor:
         """1-token queries of one group against their gathered blocks -> [B, H, hd]."""

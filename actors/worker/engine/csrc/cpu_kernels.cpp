@@ -19,6 +19,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -92,41 +94,60 @@ void softmax_rows_avx512(float* scores, int G, int ctx) {
   }
 }
 
+// Heads h0 .. h0 + nh - 1 of one sequence.  Both passes walk the tokens in order and read each
+// token's nh heads as one contiguous run (the whole row when nh = Hkv), so a block is streamed
+// front to back; the next token's row is prefetched.  qf [nh][G][hd] (pre-scaled), scores
+// [nh * G][ctx], acc [nh * G][hd] (float32).
 template <typename T, int G>
-void one_head_avx512(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int hd, int bs,
-                     int64_t tok_stride, int h, float* scores, float* acc) {
+void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int hd, int bs,
+                  int64_t tok_stride, int h0, int nh, float* scores, float* acc) {
   const int C = hd / 16;
-  for (int t = 0; t < ctx; ++t) {  // pass 1
-    const T* kt = k + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
-    __m512 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
-    for (int c = 0; c < C; ++c) {
-      const __m512 kk = load16(kt + 16 * c);
-      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * hd + 16 * c), kk, a[g]);
+  auto row = [&](const T* base, int t) {
+    return base + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + static_cast<int64_t>(h0) * hd;
+  };
+  const int run_bytes = nh * hd * static_cast<int>(sizeof(T));
+  for (int t = 0; t < ctx; ++t) {  // pass 1: scores[hh * G + g][t] = q_g . k_t
+    if (t + 1 < ctx)
+      for (int off = 0; off < run_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row(k, t + 1)) + off, _MM_HINT_T0);
+    const T* kt = row(k, t);
+    for (int hh = 0; hh < nh; ++hh) {
+      __m512 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m512 kk = load16(kt + hh * hd + 16 * c);
+        for (int g = 0; g < G; ++g)
+          a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (hh * G + g) * hd + 16 * c), kk, a[g]);
+      }
+      for (int g = 0; g < G; ++g) scores[static_cast<size_t>(hh * G + g) * ctx + t] = _mm512_reduce_add_ps(a[g]);
     }
-    for (int g = 0; g < G; ++g) scores[static_cast<size_t>(g) * ctx + t] = _mm512_reduce_add_ps(a[g]);
   }
-  softmax_rows_avx512(scores, G, ctx);
-  for (int c = 0; c < C; ++c) {  // pass 2, 16 lanes of head_dim at a time
-    __m512 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
-    for (int t = 0; t < ctx; ++t) {
-      const T* vt = v + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
-      const __m512 vv = load16(vt + 16 * c);
-      for (int g = 0; g < G; ++g)
-        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[static_cast<size_t>(g) * ctx + t]), vv, a[g]);
+  softmax_rows_avx512(scores, nh * G, ctx);
+  for (int i = 0; i < nh * G * hd; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+  for (int t = 0; t < ctx; ++t) {  // pass 2: acc[hh * G + g] += p[hh * G + g][t] * v_t
+    if (t + 1 < ctx)
+      for (int off = 0; off < run_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row(v, t + 1)) + off, _MM_HINT_T0);
+    const T* vt = row(v, t);
+    for (int hh = 0; hh < nh; ++hh) {
+      __m512 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[static_cast<size_t>(hh * G + g) * ctx + t]);
+      for (int c = 0; c < C; ++c) {
+        const __m512 vv = load16(vt + hh * hd + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          float* ag = acc + (hh * G + g) * hd + 16 * c;
+          _mm512_storeu_ps(ag, _mm512_fmadd_ps(p[g], vv, _mm512_loadu_ps(ag)));
+        }
+      }
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * hd + 16 * c, a[g]);
   }
 }
 
 template <typename T>
-bool one_head_fast(int G, const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int hd, int bs,
-                   int64_t tok_stride, int h, float* scores, float* acc) {
+bool heads_fast(int G, const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int hd, int bs,
+                int64_t tok_stride, int h0, int nh, float* scores, float* acc) {
   if (hd % 16 != 0) return false;
   switch (G) {
 #define AS_CASE(n) \
-    case n: one_head_avx512<T, n>(qf, k, v, table, ctx, hd, bs, tok_stride, h, scores, acc); return true;
+    case n: heads_avx512<T, n>(qf, k, v, table, ctx, hd, bs, tok_stride, h0, nh, scores, acc); return true;
     AS_CASE(1) AS_CASE(2) AS_CASE(3) AS_CASE(4) AS_CASE(5) AS_CASE(6) AS_CASE(7) AS_CASE(8)
 #undef AS_CASE
     default: return false;
@@ -134,60 +155,70 @@ bool one_head_fast(int G, const float* qf, const T* k, const T* v, const int32_t
 }
 #else
 template <typename T>
-bool one_head_fast(int, const float*, const T*, const T*, const int32_t*, int, int, int, int64_t, int, float*,
-                   float*) {
+bool heads_fast(int, const float*, const T*, const T*, const int32_t*, int, int, int, int64_t, int, int, float*,
+                float*) {
   return false;
 }
 #endif
 
+// One head of one sequence, portable C++ (no AVX-512, or a head_dim / group size it does not cover).
+template <typename T>
+void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int G, int hd, int bs,
+                 int64_t tok_stride, int h, float* scores, float* acc) {
+  for (int t = 0; t < ctx; ++t) {  // pass 1: scores[g][t] = q_g . k_t
+    const T* kt = k + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = qf + g * hd;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < hd; ++d) dot += qg[d] * to_f32(kt[d]);
+      scores[static_cast<size_t>(g) * ctx + t] = dot;
+    }
+  }
+  softmax_rows(scores, G, ctx);
+  std::fill(acc, acc + G * hd, 0.f);
+  for (int t = 0; t < ctx; ++t) {  // pass 2: acc_g += p_g[t] * v_t
+    const T* vt = v + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[static_cast<size_t>(g) * ctx + t];
+      float* ag = acc + g * hd;
+#pragma omp simd
+      for (int d = 0; d < hd; ++d) ag[d] += p * to_f32(vt[d]);
+    }
+  }
+}
+
+// A task is one sequence (all its KV heads: blocks read front to back) when there are enough
+// sequences to keep every thread busy, else one (sequence, KV head) pair.
 template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, T* out, int64_t out_row_stride, const T* k,
                       const T* v, const int32_t* rows, const int32_t* tables, int64_t table_stride,
                       const int32_t* lens, int num_seqs, int H, int Hkv, int hd, int bs, float scale) {
   const int G = H / Hkv;
   const int64_t tok_stride = static_cast<int64_t>(Hkv) * hd;  // elements between tokens of a block
+  const int nh = num_seqs >= 2 * omp_get_max_threads() ? Hkv : 1;
+  const int tasks_per_seq = Hkv / nh;
 #pragma omp parallel
   {
-    std::vector<float> qf(static_cast<size_t>(G) * hd), acc(static_cast<size_t>(G) * hd), scores;
+    std::vector<float> qf(static_cast<size_t>(nh) * G * hd), acc(static_cast<size_t>(nh) * G * hd), scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < static_cast<int64_t>(num_seqs) * Hkv; ++task) {
-      const int s = static_cast<int>(task / Hkv), h = static_cast<int>(task % Hkv);
+    for (int64_t task = 0; task < static_cast<int64_t>(num_seqs) * tasks_per_seq; ++task) {
+      const int s = static_cast<int>(task / tasks_per_seq), h0 = static_cast<int>(task % tasks_per_seq) * nh;
       const int ctx = lens[s];
       const int32_t* table = tables + s * table_stride;
-      const T* qrow = q + rows[s] * q_row_stride + static_cast<int64_t>(h) * G * hd;
-      for (int i = 0; i < G * hd; ++i) qf[i] = to_f32(qrow[i]) * scale;
-      scores.resize(static_cast<size_t>(G) * ctx);
-      T* orow = out + rows[s] * out_row_stride + static_cast<int64_t>(h) * G * hd;
-      if (one_head_fast(G, qf.data(), k, v, table, ctx, hd, bs, tok_stride, h, scores.data(), acc.data())) {
-        for (int i = 0; i < G * hd; ++i) store(orow + i, acc[i]);
-        continue;
+      const T* qrow = q + rows[s] * q_row_stride + static_cast<int64_t>(h0) * G * hd;
+      for (int i = 0; i < nh * G * hd; ++i) qf[i] = to_f32(qrow[i]) * scale;
+      scores.resize(static_cast<size_t>(nh) * G * ctx);
+      if (!heads_fast(G, qf.data(), k, v, table, ctx, hd, bs, tok_stride, h0, nh, scores.data(), acc.data())) {
+        for (int hh = 0; hh < nh; ++hh)
+          head_scalar(qf.data() + hh * G * hd, k, v, table, ctx, G, hd, bs, tok_stride, h0 + hh,
+                      scores.data() + static_cast<size_t>(hh) * G * ctx, acc.data() + hh * G * hd);
       }
-      for (int t = 0; t < ctx; ++t) {  // pass 1: scores[g][t] = scale * q_g . k_t
-        const T* kt = k + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
-        for (int g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * hd;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < hd; ++d) dot += qg[d] * to_f32(kt[d]);
-          scores[static_cast<size_t>(g) * ctx + t] = dot;
-        }
-      }
-      softmax_rows(scores.data(), G, ctx);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int t = 0; t < ctx; ++t) {  // pass 2: acc_g += p_g[t] * v_t
-        const T* vt = v + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
-        for (int g = 0; g < G; ++g) {
-          const float p = scores[static_cast<size_t>(g) * ctx + t];
-          float* ag = acc.data() + g * hd;
-#pragma omp simd
-          for (int d = 0; d < hd; ++d) ag[d] += p * to_f32(vt[d]);
-        }
-      }
-      for (int i = 0; i < G * hd; ++i) store(orow + i, acc[i]);
+      T* orow = out + rows[s] * out_row_stride + static_cast<int64_t>(h0) * G * hd;
+      for (int i = 0; i < nh * G * hd; ++i) store(orow + i, acc[i]);
     }
   }
 }
-
 
 }  // namespace
 
