@@ -114,3 +114,30 @@ def test_disabled_by_environment(monkeypatch):
     finally:
         monkeypatch.delenv("ACTORSERVE_NATIVE_KERNELS")
         cpu_kernels.load.cache_clear()
+
+
+def test_a_corrupt_cached_build_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTORSERVE_KERNEL_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        import shutil
+
+        built = cpu_kernels._build(shutil.which("g++") or shutil.which("c++"))  # compiled, not loaded
+        built.write_bytes(built.read_bytes()[:100])  # truncated
+        kernels = cpu_kernels.load()
+        assert kernels is not None
+        x = torch.randn(2, 64)
+        torch.testing.assert_close(kernels.add_rms_norm(x.clone(), None, torch.ones(64), 1e-5),
+                                   rms_norm(x, torch.ones(64), 1e-5), **TOL[torch.float32])
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTORSERVE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+    finally:
+        cpu_kernels.load.cache_clear()

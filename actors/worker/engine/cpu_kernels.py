@@ -68,6 +68,18 @@ def _build(cxx: str) -> Path:
     return out
 
 
+def _open(cxx: str) -> ctypes.CDLL:
+    """Build (or reuse) and load the library; a cached file that does not load (truncated, from
+    another machine) is removed and built once more.  Raises OSError / SubprocessError."""
+    path = _build(cxx)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("cached CPU kernels %s did not load (%s); rebuilding", path, exc)
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(_build(cxx)))
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> "CpuKernels | None":
     """The compiled kernel, or None where it cannot be built (logged once)."""
@@ -78,8 +90,8 @@ def load() -> "CpuKernels | None":
         log.warning("no C++ compiler: the engine's CPU kernels stay on the PyTorch path")
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(cxx))))
-    except (OSError, subprocess.SubprocessError) as exc:
+        return CpuKernels(_open(cxx))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("native CPU kernels unavailable (%s); using the PyTorch path", str(detail)[:500])
         return None
