@@ -80,7 +80,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     by top-k/top-p) have empty intervals and are never drawn.
     """
     cdf = probs.cumsum(-1)
-    u = torch.rand(1, generator=generator, dtype=cdf.dtype) * cdf[-1]
+    u = torch.rand(1, generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[-1]  # CPU generator, any device
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[-1] - 1)
 
 
