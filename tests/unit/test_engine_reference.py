@@ -169,7 +169,9 @@ def test_auto_quantization_follows_the_file():
     resolves it the same way: tests/unit/test_engine_quant.py::test_worker_quantization_flag)."""
     from actors.worker.engine.quant import resolve_quantization
 
-    assert resolve_quantization("auto", MODEL_PATH) == "int4"
+    assert resolve_quantization("auto", MODEL_PATH, "bfloat16", "cpu") == "int4"
+    assert resolve_quantization("auto", MODEL_PATH, "float32", "cpu") is None
+    assert resolve_quantization("auto", MODEL_PATH, "bfloat16", "cuda:0") is None
 
 
 # Near-tie tolerance for fp32 batch invariance: batched and solo runs use different matmul

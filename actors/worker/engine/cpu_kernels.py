@@ -13,8 +13,9 @@ compares them).  See docs/decisions/0006-engine-speed.md for measurements.
 Build: ``g++ -O3 -march=native -fopenmp -shared`` into ``$ACTORSERVE_KERNEL_DIR`` (default
 ``~/.cache/actorserve/kernels``), keyed by a hash of the source, the flags, the compiler version
 and this CPU's feature flags, written to a temporary name and renamed (concurrent workers race
-safely).  The kernel's OpenMP calls resolve to the ``libgomp.so.1`` torch has already loaded, so
-both share one thread pool.  No compiler, a failed build or ``ACTORSERVE_NATIVE_KERNELS=0`` leaves
+safely), with a ``.sha256`` sidecar checked before every load (a cut file would SIGBUS in
+``dlopen``).  The kernel's OpenMP calls resolve to the ``libgomp.so.1`` torch has already loaded,
+so both share one thread pool.  No compiler, a failed build or ``ACTORSERVE_NATIVE_KERNELS=0`` leaves
 :func:`load` returning None and the engine on the PyTorch path.
 """
 
@@ -25,9 +26,11 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -47,36 +50,83 @@ def _kernel_dir() -> Path:
     return Path(os.environ.get("ACTORSERVE_KERNEL_DIR") or Path.home() / ".cache" / "actorserve" / "kernels")
 
 
-def _build(cxx: str) -> Path:
-    """Compile SOURCE (if not cached) and return the shared object's path; raises on failure."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(so: Path) -> bool:
+    """True if ``so`` and its ``.sha256`` sidecar exist and agree.  A truncated or rewritten library
+    must never reach ``dlopen``: mapping a cut ELF file can end the process with SIGBUS, not an
+    exception."""
+    side = so.with_suffix(".sha256")
+    try:
+        return side.read_text().strip() == _digest(so)
+    except OSError:
+        return False
+
+
+def _remove_stale_temps(folder: Path, older_than_s: float = 3600.0) -> None:
+    """Temporary outputs of builds that were killed (an hour old or more)."""
+    now = time.time()
+    for tmp in folder.glob("*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > older_than_s:
+                tmp.unlink()
+        except OSError:
+            pass
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build(cxx: list[str]) -> Path:
+    """Compile SOURCE unless a verified build is cached; return the shared object's path.
+
+    Raises OSError (unwritable folder, empty or non-ELF output) or subprocess errors (compiler
+    missing, failing or over ``BUILD_TIMEOUT_S``)."""
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, " ".join(sorted(cpu_flags()))])
                          .encode()).hexdigest()[:16]
     out = _kernel_dir() / f"cpu_kernels-{key}.so"
-    if out.exists():
+    if _verified(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(out.parent)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, text=True,
+        subprocess.run([*cxx, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, text=True,
                        timeout=BUILD_TIMEOUT_S)
-        os.replace(tmp, out)
+        data = Path(tmp).read_bytes()
+        if not data.startswith(b"\x7fELF"):
+            raise OSError(f"{' '.join(cxx)} wrote no shared object ({len(data)} bytes)")
+        _write_atomic(out.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
+        _write_atomic(out, data)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
 
 
-def _open(cxx: str) -> ctypes.CDLL:
-    """Build (or reuse) and load the library; a cached file that does not load (truncated, from
-    another machine) is removed and built once more.  Raises OSError / SubprocessError."""
+def _open(cxx: list[str]) -> ctypes.CDLL:
+    """Build (or reuse) and load the library; a verified file that still does not load (built for
+    another machine with the same key) is removed and built once more.  Raises OSError / SubprocessError."""
     path = _build(cxx)
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:
         log.warning("cached CPU kernels %s did not load (%s); rebuilding", path, exc)
-        path.unlink(missing_ok=True)
+        path.with_suffix(".sha256").unlink(missing_ok=True)
         return ctypes.CDLL(str(_build(cxx)))
 
 
@@ -85,8 +135,8 @@ def load() -> "CpuKernels | None":
     """The compiled kernel, or None where it cannot be built (logged once)."""
     if os.environ.get("ACTORSERVE_NATIVE_KERNELS", "1") == "0":
         return None
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+    cxx = shlex.split(os.environ.get("CXX", "")) or [c for c in (shutil.which("g++") or shutil.which("c++"),) if c]
+    if not cxx:
         log.warning("no C++ compiler: the engine's CPU kernels stay on the PyTorch path")
         return None
     try:

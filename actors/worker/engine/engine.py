@@ -97,7 +97,11 @@ class LLMEngine:
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
         log.info(self.kv.describe())
         self.max_model_len = self._resolve_max_model_len()
-        self.quantization = resolve_quantization(config.quantization, config.model_path)  # "auto" resolved
+        self.quantization = resolve_quantization(config.quantization, config.model_path, self.dtype_name,
+                                                 config.device)  # "auto" resolved
+        if self.quantization and (self.dtype_name != "bfloat16" or not config.device.startswith("cpu")):
+            log.warning("weight-only %s with %s on %s runs slower than dense weights (quant.py)",
+                        self.quantization, self.dtype_name, config.device)
         dense = packed_linear_factory(dtype, config.device) if config.quant_dense_copy else None
         self.model = LlamaModel(self.model_config, weights, self.max_model_len,
                                 make_linear_factory(self.quantization, dense), config.native_kernels)
