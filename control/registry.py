@@ -190,6 +190,17 @@ def _key(k: str) -> bytes:
     return k.encode("utf-8")
 
 
+# gRPC channel reconnect backoff (gRPC's doc/connection-backoff.md: 1 s initial, x1.6, up to 120 s by
+# default). After a few seconds of etcd being away the default delay grows past a lease's TTL, so a
+# keepalive reached a restarted etcd 3.9 s after it came back and the 2 s lease had expired (CI of
+# stop 12). Leases here live 2-5 s: reconnect within half a second.
+GRPC_RECONNECT_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 500,
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker lease
 
@@ -367,7 +378,8 @@ class Registry:
         answer within ``timeout`` seconds.
         """
         host, port = parse_etcd_url(etcd_url)
-        client = aetcd.Client(host=host, port=port, timeout=timeout, connect_wait_timeout=int(max(1, timeout)))
+        client = aetcd.Client(host=host, port=port, timeout=timeout, connect_wait_timeout=int(max(1, timeout)),
+                              options=GRPC_RECONNECT_OPTIONS)
         reg = cls(client, timeout=timeout, url=etcd_url)
         try:
             await reg._call(client.connect())
