@@ -301,7 +301,7 @@ class IdempotencyStore:
         await resp.prepare(request)
         try:
             for e in events:
-                await resp.write(sse.data_event(sse.json_payload(orjson.loads(e))))
+                await resp.write(sse.data_event(sse.escape_line_breaks(e.encode())))  # older gateways stored raw
             await resp.write(sse.DONE)
         except (ConnectionResetError, RuntimeError):
             pass

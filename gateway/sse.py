@@ -22,15 +22,19 @@ DONE = b"data: [DONE]\n\n"
 """The OpenAI end-of-stream event."""
 
 
+def escape_line_breaks(payload: bytes) -> bytes:
+    """UTF-8 JSON ``payload`` with U+0085, U+2028 and U+2029 written as JSON escapes (same value)."""
+    for raw, escaped in _LINE_BREAKS:
+        if raw in payload:
+            payload = payload.replace(raw, escaped)
+    return payload
+
+
 def json_payload(obj) -> bytes:
     """``obj`` as compact JSON (UTF-8 bytes) with no character any common client reads as a line end.
 
     Raises ``orjson.JSONEncodeError`` (a TypeError) if ``obj`` is not JSON-serialisable."""
-    out = orjson.dumps(obj)
-    for raw, escaped in _LINE_BREAKS:
-        if raw in out:
-            out = out.replace(raw, escaped)
-    return out
+    return escape_line_breaks(orjson.dumps(obj))
 
 
 def data_event(payload: bytes) -> bytes:

@@ -24,7 +24,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes
 from .gguf_loader import load_gguf
 from .hardware import DTYPES, resolve_dtype
-from .quant import QUANTIZERS, make_linear_factory, resolve_quantization
+from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
 from .model import BatchMetadata, LlamaModel, packed_linear_factory
@@ -99,7 +99,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.quantization = resolve_quantization(config.quantization, config.model_path, self.dtype_name,
                                                  config.device)  # "auto" resolved
-        if self.quantization and (self.dtype_name != "bfloat16" or not config.device.startswith("cpu")):
+        if self.quantization and not quantized_kernels_pay(self.dtype_name, config.device):
             log.warning("weight-only %s with %s on %s runs slower than dense weights (quant.py)",
                         self.quantization, self.dtype_name, config.device)
         dense = packed_linear_factory(dtype, config.device) if config.quant_dense_copy else None

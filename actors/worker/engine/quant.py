@@ -130,6 +130,11 @@ def quantization_for_types(type_names) -> str | None:
     return None
 
 
+def quantized_kernels_pay(dtype: str, device: str) -> bool:
+    """True where the packed int8/int4 products beat dense ones on small steps: bfloat16 on CPU."""
+    return dtype == "bfloat16" and device.startswith("cpu")
+
+
 def resolve_quantization(name: str | None, model_path: str, dtype: str = "bfloat16", device: str = "cpu") -> str | None:
     """``name`` unchanged unless ``"auto"``: then by the GGUF projection tensor types (module docstring),
     and only for bfloat16 on CPU.  Elsewhere the quantized products are slower than dense ones
@@ -137,7 +142,7 @@ def resolve_quantization(name: str | None, model_path: str, dtype: str = "bfloat
     0.34 ms dense; non-CPU devices dequantize per call), so "auto" means none there."""
     if name != "auto":
         return name
-    if dtype != "bfloat16" or not device.startswith("cpu"):
+    if not quantized_kernels_pay(dtype, device):
         return None
     import gguf
 
