@@ -86,3 +86,75 @@ def test_worker_quantization_flag(tmp_path, flag, dtype, expected):
                               "--kv-cache-bytes", str(2**20), "--no-progress"])
     engine = build_engine({"artifact": path, "format": "gguf"}, args)
     assert engine.quantization == expected
+
+
+# --------------------------------------------------------------------------- AMX int4 (csrc/int4_gemm.cpp)
+def _amx_kernels():
+    from actors.worker.engine import cpu_kernels
+
+    k = cpu_kernels.load()
+    return k if k is not None and k.has_amx else None
+
+
+needs_amx = pytest.mark.skipif(_amx_kernels() is None, reason="no AMX-BF16 on this CPU, or no C++ compiler")
+
+
+def test_amx_pack_round_trips():
+    from actors.worker.engine.quant import pack_int4_amx, quantize_int4, unpack_int4_amx
+
+    torch.manual_seed(2)
+    q, sz = quantize_int4(torch.randn(48, 96).bfloat16())
+    qw, szp = pack_int4_amx(q, sz)
+    assert qw.shape == (3, 3, 16, 16) and szp.shape == (3, 3, 2, 16)
+    q2, sz2 = unpack_int4_amx(qw, szp)
+    assert torch.equal(q2, q) and torch.equal(sz2, sz)
+    # element e of tile row r is W[n0 + e // 2, k0 + 2r + e % 2] (the VNNI pairing of csrc/int4_gemm.cpp)
+    assert qw[1, 2, 5, 3].item() & 15 == q[16 + 1, 64 + 2 * 5 + 1].item()
+    assert qw[1, 2, 5, 3].item() >> 4 == q[16 + 8 + 1, 64 + 2 * 5 + 1].item()
+
+
+@needs_amx
+@pytest.mark.parametrize("out_f,in_f", [(96, 64), (48, 1536), (960, 576)])
+def test_amx_int4_matches_dense_product_of_its_weights(out_f, in_f):
+    from actors.worker.engine.quant import AmxInt4Linear
+
+    torch.manual_seed(3)
+    w = (torch.randn(out_f, in_f) * 0.05).bfloat16()
+    lin = AmxInt4Linear(w, _amx_kernels())
+    # the same quantized values as the packed torch kernel's Int4Linear (bit for bit after bf16 rounding)
+    assert torch.equal(lin.dequantize().bfloat16(), Int4Linear(w).dequantize().bfloat16())
+    dense = lin.dequantize().bfloat16()
+    x = torch.randn(100, in_f).bfloat16()
+    for rows in (1, 3, 16, 17, 32, 33, 100):  # tails padded inside the kernel; 16/32-row blocks read in place
+        got = lin(x[:rows]).float()
+        ref = torch.nn.functional.linear(x[:rows], dense).float()
+        # float32 sums in another order, then one bf16 rounding: within 2 bf16 steps of the output
+        assert (got - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item()
+    strided = x[:, :in_f] if in_f == 64 else torch.randn(8, in_f + 32).bfloat16()[:, :in_f]  # row stride != K
+    torch.testing.assert_close(lin(strided).float(), torch.nn.functional.linear(strided, dense).float(),
+                               atol=2 ** -7 * 8, rtol=2 ** -7)
+
+
+@needs_amx
+def test_factory_uses_amx_int4_where_it_applies():
+    from actors.worker.engine.quant import AmxInt4Linear
+
+    make = make_linear_factory("int4", lambda weight, name: Linear(weight), kernels=_amx_kernels())
+    assert isinstance(make(torch.randn(64, 64).bfloat16(), "o"), AmxInt4Linear)
+    assert isinstance(make(torch.randn(64, 64), "o"), SplitLinear)  # float32 model: AMX path is bf16 only
+    assert isinstance(make_linear_factory("int4", None)(torch.randn(64, 64).bfloat16(), "o"), Int4Linear)
+    assert not AmxInt4Linear.supports(torch.randn(40, 64).bfloat16(), _amx_kernels())  # 40 outputs: not whole tiles
+    assert not AmxInt4Linear.supports(torch.randn(64, 48).bfloat16(), _amx_kernels())  # 48 inputs: not whole groups
+
+
+@needs_amx
+def test_amx_int4_refuses_bad_layouts():
+    from actors.worker.engine.quant import AmxInt4Linear
+
+    k = _amx_kernels()
+    lin = AmxInt4Linear(torch.randn(32, 64).bfloat16(), k)
+    with pytest.raises(ValueError, match="int4_linear"):
+        k.int4_linear(torch.randn(2, 64), lin.qweight, lin.scale_zeros, torch.empty(2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="packed weight shape"):
+        k.int4_linear(torch.randn(2, 96).bfloat16(), lin.qweight, lin.scale_zeros,
+                      torch.empty(2, 32, dtype=torch.bfloat16))

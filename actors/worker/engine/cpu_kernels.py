@@ -1,11 +1,14 @@
-"""Native CPU kernels of the engine, built at run time with the system C++ compiler (csrc/cpu_kernels.cpp).
+"""Native CPU kernels of the engine, built at run time with the system C++ compiler (csrc/*.cpp).
 
 * ``paged_decode_attention``: attention of 1-token queries reading K/V in place from the paged
   cache through each sequence's block table, where the PyTorch path copies every sequence's blocks
   out of the cache per layer (``index_select``) and runs SDPA on the copy;
 * ``add_rms_norm``, ``rope_kv``, ``silu_mul``: one call each for what takes 3-12 small PyTorch ops
   (residual add + RMSNorm; RoPE on Q and K plus the K/V cache write; SwiGLU), the per-op overhead
-  that dominates a small decode step.
+  that dominates a small decode step;
+* ``int4_linear`` (csrc/int4_gemm.cpp, CPUs with AMX-BF16): the weight-only int4 product, the
+  weight dequantized tile by tile on the vector units and multiplied on the AMX tile unit (quant.py
+  ``AmxInt4Linear``).
 
 Each reproduces the PyTorch expression it replaces, roundings included (tests/unit/test_cpu_kernels.py
 compares them).  See docs/decisions/0006-engine-speed.md for measurements.
@@ -39,7 +42,7 @@ from .hardware import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "int4_gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf x16) for the AVX-512 softmax
 BUILD_TIMEOUT_S = 120
@@ -90,12 +93,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _build(cxx: list[str]) -> Path:
-    """Compile SOURCE unless a verified build is cached; return the shared object's path.
+    """Compile SOURCES into one library unless a verified build is cached; return the shared object's path.
 
     Raises OSError (unwritable folder, empty or non-ELF output) or subprocess errors (compiler
     missing, failing or over ``BUILD_TIMEOUT_S``)."""
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, " ".join(sorted(cpu_flags()))])
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), *FLAGS, *LIBS, version, " ".join(sorted(cpu_flags()))])
                          .encode()).hexdigest()[:16]
     out = _kernel_dir() / f"cpu_kernels-{key}.so"
     if _verified(out):
@@ -105,7 +108,7 @@ def _build(cxx: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([*cxx, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, text=True,
+        subprocess.run([*cxx, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], check=True, capture_output=True, text=True,
                        timeout=BUILD_TIMEOUT_S)
         data = Path(tmp).read_bytes()
         if not data.startswith(b"\x7fELF"):
@@ -163,11 +166,14 @@ class CpuKernels:
             "actorserve_add_rms_norm": [i32, p, p, p, p, i64, i32, f32],
             "actorserve_rope_kv": [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p],
             "actorserve_silu_mul": [i32, p, p, i64, i32],
+            "actorserve_int4_linear": [p, i64, p, p, p, i64, i32, i32, i32],
+            "actorserve_amx_available": [],
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
             setattr(self, "_" + name.removeprefix("actorserve_"), fn)
+        self.has_amx = self._amx_available() == 1  # built with AMX-BF16 and the kernel granted tile data
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -240,3 +246,20 @@ class CpuKernels:
         out = torch.empty(rows, f, dtype=gate_up.dtype)
         self._rc(self._silu_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, f), "silu_mul")
         return out
+
+    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = x @ W^T`` for the int4 weight packed by ``quant.pack_int4_amx`` (needs ``has_amx``).
+
+        x [M, K] and out [M, N]: bfloat16 with contiguous rows (any row stride); qweight uint8
+        [N/16, K/32, 16, 16]; scale_zeros bfloat16 [N/16, K/32, 2, 16].  Raises ValueError on other
+        layouts, N % 16 or K % 32 != 0, K > 16384, or without AMX."""
+        M, K = x.shape
+        N = out.shape[1]
+        _check(self.has_amx, "int4_linear: this CPU or build has no AMX-BF16")
+        _check(x.dtype == out.dtype == scale_zeros.dtype == torch.bfloat16 and qweight.dtype == torch.uint8,
+               "int4_linear: bf16 x/out/scales, uint8 weight")
+        _check(x.stride(1) == 1 and out.stride(1) == 1 and out.shape[0] == M, "int4_linear: x [M, K], out [M, N] rows")
+        _check(qweight.shape == (N // 16, K // 32, 16, 16) and scale_zeros.shape == (N // 16, K // 32, 2, 16)
+               and qweight.is_contiguous() and scale_zeros.is_contiguous(), "int4_linear: packed weight shape")
+        self._rc(self._int4_linear(x.data_ptr(), x.stride(0), qweight.data_ptr(), scale_zeros.data_ptr(),
+                                   out.data_ptr(), out.stride(0), M, N, K), "int4_linear")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu_kernels
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes
 from .gguf_loader import load_gguf
@@ -103,8 +104,9 @@ class LLMEngine:
             log.warning("weight-only %s with %s on %s runs slower than dense weights (quant.py)",
                         self.quantization, self.dtype_name, config.device)
         dense = packed_linear_factory(dtype, config.device) if config.quant_dense_copy else None
+        kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
         self.model = LlamaModel(self.model_config, weights, self.max_model_len,
-                                make_linear_factory(self.quantization, dense), config.native_kernels)
+                                make_linear_factory(self.quantization, dense, kernels=kernels), config.native_kernels)
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.token_bytes = load_token_bytes(config.model_path)

@@ -58,24 +58,32 @@ class Int8Linear:
         return F.linear(x, self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None])
 
 
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 of ``weight`` [out, in] per group of ``group`` inputs: ``w ~= (q - 8) * s + z``.
+
+    Returns q int32 [out, in] in 0..15 and scale_zeros [in / group, out, 2] (s, z) in the weight's
+    dtype.  Raises ValueError if ``in`` is not a multiple of ``group``."""
+    out_f, in_f = weight.shape
+    if in_f % group:
+        raise ValueError(f"int4 needs in_features ({in_f}) divisible by the group size {group}")
+    w = weight.float().reshape(out_f, in_f // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+    zero = lo + 8.0 * scale
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(out_f, in_f), torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(weight.dtype)
+
+
 class Int4Linear:
     """Weight-only int4 (groups of ``INT4_GROUP`` inputs) ``y = x @ W^T``; ``weight`` [out, in] float."""
 
     DENSE_ABOVE_ROWS = 8  # crossover against pre-packed bf16 (module docstring)
 
     def __init__(self, weight: torch.Tensor, group: int = INT4_GROUP) -> None:
-        out_f, in_f = weight.shape
-        if in_f % group:
-            raise ValueError(f"int4 needs in_features ({in_f}) divisible by the group size {group}")
-        w = weight.float().reshape(out_f, in_f // group, group)
-        lo, hi = w.amin(-1), w.amax(-1)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        zero = lo + 8.0 * scale  # w ~= (q - 8) * scale + zero
-        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        q, self.scale_zeros = quantize_int4(weight, group)
         self.group = group
-        self.out_features = out_f
-        self._q = q.reshape(out_f, in_f)
-        self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(weight.dtype)  # [G, out, 2]
+        self.out_features = weight.shape[0]
+        self._q = q
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self._q, 1) if weight.device.type == "cpu" \
             else None
         if self.packed is not None:
@@ -111,6 +119,67 @@ class SplitLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.small(x) if x.shape[0] <= self.max_small_rows else self.dense(x)
+
+
+def pack_int4_amx(q: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int [N, K] (0..15) and scale_zeros [K / 32, N, 2] -> the AMX tile layout of csrc/int4_gemm.cpp.
+
+    Returns qweight uint8 [N/16, K/32, 16, 16] (tile row r, byte j: element j | element j + 16 << 4,
+    element e = W[n0 + e // 2, k0 + 2 r + e % 2], the VNNI pairing TDPBF16PS reads) and scale_zeros
+    bfloat16 [N/16, K/32, 2, 16] (the tile's 16 column scales, then zeros).  Needs N % 16 == 0 and
+    groups of 32."""
+    N, K = q.shape
+    t = q.reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 32, 16, 32)
+    qweight = (t[..., :16] | (t[..., 16:] << 4)).to(torch.uint8).contiguous()
+    sz = scale_zeros.permute(1, 0, 2).reshape(N // 16, 16, K // 32, 2).permute(0, 2, 3, 1)
+    return qweight, sz.to(torch.bfloat16).contiguous()
+
+
+def unpack_int4_amx(qweight: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_int4_amx``: q int32 [N, K] and scale_zeros bfloat16 [K / 32, N, 2]."""
+    nb, kb = qweight.shape[:2]
+    t = torch.cat([qweight & 15, qweight >> 4], dim=-1).to(torch.int32)  # [nb, kb, 16, 32]
+    q = t.reshape(nb, kb, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
+    sz = scale_zeros.permute(0, 3, 1, 2).reshape(nb * 16, kb, 2).permute(1, 0, 2)
+    return q, sz.contiguous()
+
+
+class AmxInt4Linear:
+    """Weight-only int4 (Int4Linear's quantization) on AMX: ``y = x @ W^T`` for x bf16 [rows, in].
+
+    One kernel for every row count (csrc/int4_gemm.cpp): the packed weight (0.625 bytes per
+    weight with its scales, against 2 for bf16) is dequantized tile by tile into the exact bf16
+    values of ``dequantize()`` and multiplied on the tile unit, so no dense copy is kept.  Measured
+    on this model's four projection shapes x 30 layers, cold weights, 2 threads (ms per pass,
+    AMX int4 / pre-packed bf16): 1 row 9.6 / 16.0; 32 rows 14.4 / 19.9; 512 rows 66.2 / 80.8
+    (docs/decisions/0006-engine-speed.md).  Needs ``kernels.has_amx``, out and in multiples of 16
+    and 32 (``supports``)."""
+
+    def __init__(self, weight: torch.Tensor, kernels) -> None:
+        q, sz = quantize_int4(weight, 32)
+        self.qweight, self.scale_zeros = pack_int4_amx(q, sz)
+        self.kernels = kernels
+        self.out_features = weight.shape[0]
+
+    @staticmethod
+    def supports(weight: torch.Tensor, kernels) -> bool:
+        """True for a CPU weight [out, in] with out % 16 == 0, in % 32 == 0 and kernels with AMX."""
+        out_f, in_f = weight.shape
+        return (kernels is not None and kernels.has_amx and weight.device.type == "cpu" and out_f % 16 == 0
+                and in_f % 32 == 0 and in_f <= 16384)
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 weight [out, in] the kernel multiplies by (before its bf16 rounding)."""
+        q, sz = unpack_int4_amx(self.qweight, self.scale_zeros)
+        sz = sz.float()
+        return (q.float() - 8.0) * sz[..., 0].t().repeat_interleave(32, 1) + sz[..., 1].t().repeat_interleave(32, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        self.kernels.int4_linear(x, self.qweight, self.scale_zeros, out)
+        return out
 
 
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
@@ -153,20 +222,23 @@ def resolve_quantization(name: str | None, model_path: str, dtype: str = "bfloat
     return quantization_for_types(types)
 
 
-def make_linear_factory(quantization: str | None, dense_factory=None, dense_above_rows: int | None = None):
+def make_linear_factory(quantization: str | None, dense_factory=None, dense_above_rows: int | None = None,
+                        kernels=None):
     """``make_linear(weight, name)`` for ``LlamaModel``; None (dense) when ``quantization`` is None.
 
-    With ``dense_factory`` (``make_linear(weight, name)`` of the dense kernel), each quantized
-    projection is a ``SplitLinear`` with a dense copy of its quantized values, used above
-    ``dense_above_rows`` rows (default: the quantizer's measured ``DENSE_ABOVE_ROWS``)."""
+    int4 with ``kernels`` (cpu_kernels.CpuKernels) that have AMX, on bf16 CPU weights of supported
+    shapes: ``AmxInt4Linear`` for every row count.  Otherwise, with ``dense_factory``
+    (``make_linear(weight, name)`` of the dense kernel), each quantized projection is a
+    ``SplitLinear`` with a dense copy of its quantized values, used above ``dense_above_rows`` rows
+    (default: the quantizer's measured ``DENSE_ABOVE_ROWS``)."""
     if quantization is None:
         return None
     cls = QUANTIZERS[quantization]
-    if dense_factory is None:
-        return lambda weight, name: cls(weight)
     rows = cls.DENSE_ABOVE_ROWS if dense_above_rows is None else dense_above_rows
 
     def make(weight: torch.Tensor, name: str):
+        if quantization == "int4" and weight.dtype == torch.bfloat16 and AmxInt4Linear.supports(weight, kernels):
+            return AmxInt4Linear(weight, kernels)
         q = cls(weight)
-        return SplitLinear(q, dense_factory(q.dequantize().to(weight.dtype), name), rows)
+        return q if dense_factory is None else SplitLinear(q, dense_factory(q.dequantize().to(weight.dtype), name), rows)
     return make

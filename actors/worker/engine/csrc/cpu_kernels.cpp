@@ -62,6 +62,18 @@ inline __m512 load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 round16(float*, __m512 x) { return x; }
+inline __m512 round16(uint16_t*, __m512 x) {  // to bf16 (nearest even), returned widened
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(uint16_t* p, __m512 x) {  // x already bf16-exact
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+
 
 }  // namespace
 // glibc's libmvec: 16 float32 exp at once (AVX-512 variant of expf, max error 4 ulp).
@@ -253,6 +265,39 @@ inline float round_to(uint16_t, float x) {
 // 2. h += delta (if given, rounded to T), then out = w * T(h * rsqrt(mean(h^2) + eps)) per row
 // (RMSNorm, Zhang & Sennrich 2019, in the Hugging Face Llama form: statistics in float32, weight
 // multiplied after the cast back).  h, delta, out: [rows, d] contiguous; w: [d].
+#if defined(__AVX512F__)
+// Vector part of one row (16 lanes at a time; returns how many elements it covered).
+template <typename T>
+int add_row(T* hr, const T* dr, int d) {
+  int i = 0;
+  for (; i + 16 <= d; i += 16) store16(hr + i, round16(hr, _mm512_add_ps(load16(hr + i), load16(dr + i))));
+  return i;
+}
+template <typename T>
+int sum_squares(const T* hr, int d, float* ss) {
+  __m512 acc = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(load16(hr + i), load16(hr + i), acc);
+  *ss = _mm512_reduce_add_ps(acc);
+  return i;
+}
+template <typename T>
+int scale_row(const T* hr, const T* w, T* orow, float inv, int d) {
+  int i = 0;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; i + 16 <= d; i += 16)
+    store16(orow + i, round16(orow, _mm512_mul_ps(load16(w + i), round16(orow, _mm512_mul_ps(load16(hr + i), vinv)))));
+  return i;
+}
+#else
+template <typename T> int add_row(T*, const T*, int) { return 0; }
+template <typename T> int sum_squares(const T*, int, float* ss) { *ss = 0.f; return 0; }
+template <typename T> int scale_row(const T*, const T*, T*, float, int) { return 0; }
+#endif
+
+// 2. h += delta (if given, rounded to T), then out = w * T(h * rsqrt(mean(h^2) + eps)) per row
+// (RMSNorm, Zhang & Sennrich 2019, in the Hugging Face Llama form: statistics in float32, weight
+// multiplied after the cast back).  h, delta, out: [rows, d] contiguous; w: [d].
 template <typename T>
 void add_rms_norm(T* h, const T* delta, const T* w, T* out, int64_t rows, int d, float eps) {
 #pragma omp parallel for schedule(static) if (rows >= 4)
@@ -260,14 +305,14 @@ void add_rms_norm(T* h, const T* delta, const T* w, T* out, int64_t rows, int d,
     T* hr = h + r * d;
     if (delta != nullptr) {
       const T* dr = delta + r * d;
-      for (int i = 0; i < d; ++i) store(hr + i, to_f32(hr[i]) + to_f32(dr[i]));
+      for (int i = add_row(hr, dr, d); i < d; ++i) store(hr + i, to_f32(hr[i]) + to_f32(dr[i]));
     }
     float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < d; ++i) ss += to_f32(hr[i]) * to_f32(hr[i]);
+    for (int i = sum_squares(hr, d, &ss); i < d; ++i) ss += to_f32(hr[i]) * to_f32(hr[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
     T* orow = out + r * d;
-    for (int i = 0; i < d; ++i) store(orow + i, to_f32(w[i]) * round_to(T{}, to_f32(hr[i]) * inv));
+    for (int i = scale_row(hr, w, orow, inv, d); i < d; ++i)
+      store(orow + i, to_f32(w[i]) * round_to(T{}, to_f32(hr[i]) * inv));
   }
 }
 
@@ -306,18 +351,6 @@ void silu_mul_row_scalar(const T* g, const T* u, T* o, int from, int f) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 round16(float*, __m512 x) { return x; }
-inline __m512 round16(uint16_t*, __m512 x) {  // to bf16 (nearest even), returned widened
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(uint16_t* p, __m512 x) {  // x already bf16-exact
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
-}
-
 template <typename T>
 int silu_mul_row(const T* g, const T* u, T* o, int f) {
   int i = 0;
