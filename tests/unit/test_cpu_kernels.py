@@ -54,10 +54,11 @@ def test_paged_decode_attention(dtype, H, Hkv, hd, nseq):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5])
-def test_add_rms_norm(dtype, rows):
+@pytest.mark.parametrize("d", [576, 40])  # 40: 16-lane vectors plus a scalar tail
+def test_add_rms_norm(dtype, rows, d):
     torch.manual_seed(1)
-    h, delta = torch.randn(rows, 576, dtype=dtype), torch.randn(rows, 576, dtype=dtype)
-    w = torch.rand(576, dtype=dtype) + 0.5
+    h, delta = torch.randn(rows, d, dtype=dtype), torch.randn(rows, d, dtype=dtype)
+    w = torch.rand(d, dtype=dtype) + 0.5
     want_h = h + delta
     want = rms_norm(want_h, w, 1e-5)
     got = KERNELS.add_rms_norm(h, delta, w, 1e-5)
@@ -158,3 +159,41 @@ def test_cxx_may_carry_arguments(tmp_path, monkeypatch):
         assert cpu_kernels.load() is not None
     finally:
         cpu_kernels.load.cache_clear()
+
+
+# --------------------------------------------------------------------------- AMX prefill attention
+needs_amx = pytest.mark.skipif(KERNELS is None or not KERNELS.has_amx, reason="no AMX-BF16 on this CPU")
+
+
+def _ref_causal(q, k, v):
+    """float32 causal SDPA with K/V repeated per query group: q [n, H, hd], k/v [n, Hkv, hd]."""
+    G = q.shape[1] // k.shape[1]
+    qs, ks, vs = (t.float().repeat_interleave(g, 1).transpose(0, 1) for t, g in ((q, 1), (k, G), (v, G)))
+    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [1, 5, 16, 33, 100, 300])  # partial 16-query tiles and 32-key blocks
+@pytest.mark.parametrize("H,Hkv", [(9, 3), (4, 4)])
+def test_prefill_attention_matches_causal_sdpa(n, H, Hkv):
+    torch.manual_seed(n)
+    qkv = torch.randn(n, (H + 2 * Hkv) * 64, dtype=torch.bfloat16) * 2  # views with the fused row stride
+    q = qkv[:, : H * 64].view(n, H, 64)
+    k = qkv[:, H * 64 : (H + Hkv) * 64].view(n, Hkv, 64)
+    v = qkv[:, (H + Hkv) * 64 :].view(n, Hkv, 64)
+    got = KERNELS.prefill_attention(q, k, v, 64 ** -0.5).float()
+    ref = _ref_causal(q, k, v)
+    # P rounded to bf16 before P V, the output once more: within a few bf16 steps of the float32 result
+    assert (got - ref).abs().max().item() <= 2 ** -6 * ref.abs().max().item()
+    # causality: changing the last token's K/V leaves every earlier output unchanged
+    if n > 1:
+        qkv[-1, H * 64 :] += 1
+        again = KERNELS.prefill_attention(q, k, v, 64 ** -0.5).float()
+        assert torch.equal(again[:-1], got[:-1]) and not torch.equal(again[-1], got[-1])
+
+
+@needs_amx
+def test_prefill_attention_refuses_other_head_sizes():
+    q, kv = torch.randn(4, 2, 32, dtype=torch.bfloat16), torch.randn(4, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        KERNELS.prefill_attention(q, kv, kv, 0.1)

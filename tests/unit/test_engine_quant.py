@@ -158,3 +158,23 @@ def test_amx_int4_refuses_bad_layouts():
     with pytest.raises(ValueError, match="packed weight shape"):
         k.int4_linear(torch.randn(2, 96).bfloat16(), lin.qweight, lin.scale_zeros,
                       torch.empty(2, 32, dtype=torch.bfloat16))
+
+
+@needs_amx
+def test_amx_swiglu_epilogue_equals_the_unfused_expression():
+    """gate_up packed for the fused SwiGLU: the plain product keeps the [gate; up] column order, and
+    ``swiglu`` equals silu_mul of it bit for bit (the same bf16 roundings)."""
+    from actors.worker.engine.quant import AmxInt4Linear
+
+    k = _amx_kernels()
+    torch.manual_seed(4)
+    w = (torch.randn(192, 64) * 0.05).bfloat16()
+    fused, plain = AmxInt4Linear(w, k, swiglu=True), AmxInt4Linear(w, k)
+    assert fused.fused_swiglu and torch.equal(fused.dequantize(), plain.dequantize())
+    for rows in (1, 17, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(fused(x), plain(x))
+        assert torch.equal(fused.swiglu(x), k.silu_mul(plain(x)))
+    assert isinstance(make_linear_factory("int4", None, kernels=k)(w, "gate_up"), AmxInt4Linear)
+    assert make_linear_factory("int4", None, kernels=k)(w, "gate_up").fused_swiglu
+    assert not make_linear_factory("int4", None, kernels=k)(w, "qkv").fused_swiglu

@@ -42,7 +42,7 @@ from .hardware import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "int4_gemm.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf x16) for the AVX-512 softmax
 BUILD_TIMEOUT_S = 120
@@ -166,8 +166,9 @@ class CpuKernels:
             "actorserve_add_rms_norm": [i32, p, p, p, p, i64, i32, f32],
             "actorserve_rope_kv": [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p],
             "actorserve_silu_mul": [i32, p, p, i64, i32],
-            "actorserve_int4_linear": [p, i64, p, p, p, i64, i32, i32, i32],
+            "actorserve_int4_linear": [p, i64, p, p, p, i64, i32, i32, i32, i32],
             "actorserve_amx_available": [],
+            "actorserve_prefill_attention": [p, i64, p, p, i64, p, i64, i32, i32, i32, i32, f32],
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)
@@ -247,14 +248,16 @@ class CpuKernels:
         self._rc(self._silu_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, f), "silu_mul")
         return out
 
-    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor, out: torch.Tensor) -> None:
+    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale_zeros: torch.Tensor, out: torch.Tensor,
+                    swiglu: bool = False) -> None:
         """``out = x @ W^T`` for the int4 weight packed by ``quant.pack_int4_amx`` (needs ``has_amx``).
 
-        x [M, K] and out [M, N]: bfloat16 with contiguous rows (any row stride); qweight uint8
-        [N/16, K/32, 16, 16]; scale_zeros bfloat16 [N/16, K/32, 2, 16].  Raises ValueError on other
-        layouts, N % 16 or K % 32 != 0, K > 16384, or without AMX."""
+        x [M, K] and out [M, N] (``swiglu``: [M, N / 2] = silu(gate) * up, W's rows in strips of 16
+        gate rows then the 16 matching up rows): bfloat16 with contiguous rows (any row stride);
+        qweight uint8 [N/16, K/32, 16, 16]; scale_zeros bfloat16 [N/16, K/32, 2, 16].  Raises
+        ValueError on other layouts, N % 16 (swiglu: 32) or K % 32 != 0, K > 16384, or without AMX."""
         M, K = x.shape
-        N = out.shape[1]
+        N = out.shape[1] * (2 if swiglu else 1)
         _check(self.has_amx, "int4_linear: this CPU or build has no AMX-BF16")
         _check(x.dtype == out.dtype == scale_zeros.dtype == torch.bfloat16 and qweight.dtype == torch.uint8,
                "int4_linear: bf16 x/out/scales, uint8 weight")
@@ -262,4 +265,21 @@ class CpuKernels:
         _check(qweight.shape == (N // 16, K // 32, 16, 16) and scale_zeros.shape == (N // 16, K // 32, 2, 16)
                and qweight.is_contiguous() and scale_zeros.is_contiguous(), "int4_linear: packed weight shape")
         self._rc(self._int4_linear(x.data_ptr(), x.stride(0), qweight.data_ptr(), scale_zeros.data_ptr(),
-                                   out.data_ptr(), out.stride(0), M, N, K), "int4_linear")
+                                   out.data_ptr(), out.stride(0), M, N, K, int(swiglu)), "int4_linear")
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of a fresh chunk (no cached prefix) on AMX; needs ``has_amx``.
+
+        q [n, H, 64], k/v [n, Hkv, 64]: bfloat16, heads contiguous, any row stride (views of the
+        fused QKV output).  Returns [n, H, 64] bfloat16.  Raises ValueError on other layouts."""
+        n, H, hd = q.shape
+        Hkv = k.shape[1]
+        _check(self.has_amx, "prefill_attention: this CPU or build has no AMX-BF16")
+        _check(q.dtype == k.dtype == v.dtype == torch.bfloat16 and hd == 64 and k.shape == v.shape == (n, Hkv, hd)
+               and H % Hkv == 0, "prefill_attention: bf16 q [n, H, 64], k/v [n, Hkv, 64]")
+        _check(all(t.stride(2) == 1 and t.stride(1) == hd for t in (q, k, v)) and k.stride(0) == v.stride(0),
+               "prefill_attention: heads contiguous, one row stride for k and v")
+        out = torch.empty(n, H, hd, dtype=torch.bfloat16)
+        self._rc(self._prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+                                         out.data_ptr(), out.stride(0), n, H, Hkv, hd, scale), "prefill_attention")
+        return out

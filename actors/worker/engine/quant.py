@@ -155,11 +155,15 @@ class AmxInt4Linear:
     (docs/decisions/0006-engine-speed.md).  Needs ``kernels.has_amx``, out and in multiples of 16
     and 32 (``supports``)."""
 
-    def __init__(self, weight: torch.Tensor, kernels) -> None:
+    def __init__(self, weight: torch.Tensor, kernels, swiglu: bool = False) -> None:
         q, sz = quantize_int4(weight, 32)
+        self.out_features = weight.shape[0]
+        self.fused_swiglu = swiglu  # weight = [gate; up]: ``swiglu(x)`` gives silu(x W_g^T) * (x W_u^T)
+        if swiglu:  # rows in strips of 16 gate then the 16 matching up rows (csrc/int4_gemm.cpp)
+            order = _swiglu_order(self.out_features)
+            q, sz = q[order], sz[:, order]
         self.qweight, self.scale_zeros = pack_int4_amx(q, sz)
         self.kernels = kernels
-        self.out_features = weight.shape[0]
 
     @staticmethod
     def supports(weight: torch.Tensor, kernels) -> bool:
@@ -168,18 +172,39 @@ class AmxInt4Linear:
         return (kernels is not None and kernels.has_amx and weight.device.type == "cpu" and out_f % 16 == 0
                 and in_f % 32 == 0 and in_f <= 16384)
 
+    def _unswizzle(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows (dim 0) of the swiglu strip order back to [gate; up]."""
+        if not self.fused_swiglu:
+            return t
+        return t.view(-1, 2, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
     def dequantize(self) -> torch.Tensor:
         """Float32 weight [out, in] the kernel multiplies by (before its bf16 rounding)."""
         q, sz = unpack_int4_amx(self.qweight, self.scale_zeros)
         sz = sz.float()
-        return (q.float() - 8.0) * sz[..., 0].t().repeat_interleave(32, 1) + sz[..., 1].t().repeat_interleave(32, 1)
+        w = (q.float() - 8.0) * sz[..., 0].t().repeat_interleave(32, 1) + sz[..., 1].t().repeat_interleave(32, 1)
+        return self._unswizzle(w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
         self.kernels.int4_linear(x, self.qweight, self.scale_zeros, out)
+        return self._unswizzle(out.t()).t() if self.fused_swiglu else out
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of the fused [gate; up] product in the kernel's epilogue: x bf16 [rows, in] ->
+        bf16 [rows, out / 2], equal to ``silu_mul(self(x))`` (the same bf16 roundings)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features // 2, dtype=torch.bfloat16)
+        self.kernels.int4_linear(x, self.qweight, self.scale_zeros, out, swiglu=True)
         return out
+
+
+def _swiglu_order(out_features: int) -> torch.Tensor:
+    """Row order of a [gate; up] weight in strips of 16 gate rows and the 16 matching up rows."""
+    return torch.arange(out_features).view(2, out_features // 32, 16).transpose(0, 1).reshape(-1)
 
 
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
@@ -238,7 +263,7 @@ def make_linear_factory(quantization: str | None, dense_factory=None, dense_abov
 
     def make(weight: torch.Tensor, name: str):
         if quantization == "int4" and weight.dtype == torch.bfloat16 and AmxInt4Linear.supports(weight, kernels):
-            return AmxInt4Linear(weight, kernels)
+            return AmxInt4Linear(weight, kernels, swiglu=name == "gate_up" and weight.shape[0] % 32 == 0)
         q = cls(weight)
         return q if dense_factory is None else SplitLinear(q, dense_factory(q.dequantize().to(weight.dtype), name), rows)
     return make

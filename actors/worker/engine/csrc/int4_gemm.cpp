@@ -31,6 +31,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define ACTORSERVE_AMX 1
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec
 #endif
 
 #if defined(ACTORSERVE_AMX)
@@ -95,8 +96,24 @@ inline void store_bf16(uint16_t* dst, const float* src, int n) {
   _mm256_mask_storeu_epi16(dst, m, (__m256i)v);
 }
 
-// C tiles of one 32-row block (rows valid) -> y.
-void store_block(uint16_t* y, int64_t ldy, int rows, int n_tiles) {
+inline __m512 round_bf16(__m512 x) {  // to bf16 (nearest even), widened back to float32
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// SwiGLU epilogue of one output row: gate = c[0:16], up = c[16:32] (each rounded to bf16 as the
+// unfused product's output is) -> bf16(bf16(silu(gate)) * up), the expression of cpu_kernels.cpp's
+// silu_mul (silu(x) = x / (1 + exp(-x)) in float32).
+inline void store_swiglu(uint16_t* dst, const float* c) {
+  const __m512 g = round_bf16(_mm512_load_ps(c)), u = round_bf16(_mm512_load_ps(c + 16));
+  const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 sg = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sg, u)));
+}
+
+// C tiles of one 32-row block (rows valid) -> y: 32 (or 16) columns, or with ``swiglu`` the 16
+// columns of silu(gate) * up of a strip whose tiles are 16 gate then 16 up columns.
+void store_block(uint16_t* y, int64_t ldy, int rows, int n_tiles, bool swiglu) {
   alignas(64) float c[32][32];
   _tile_stored(0, &c[0][0], 128);
   if (n_tiles == 2) _tile_stored(1, &c[0][16], 128);
@@ -105,6 +122,10 @@ void store_block(uint16_t* y, int64_t ldy, int rows, int n_tiles) {
     if (n_tiles == 2) _tile_stored(3, &c[16][16], 128);
   }
   for (int r = 0; r < rows; ++r) {
+    if (swiglu) {
+      store_swiglu(y + r * ldy, c[r]);
+      continue;
+    }
     store_bf16(y + r * ldy, c[r], 16);
     if (n_tiles == 2) store_bf16(y + r * ldy + 16, c[r] + 16, 16);
   }
@@ -155,6 +176,7 @@ struct Problem {
   int M, N, K;
   const uint16_t* tail;  // rows [tail_m0, M) zero-padded to 32, or nullptr when M % 32 is 0 or 16
   int tail_m0;
+  bool swiglu;  // y [M, N / 2] = silu(gate) * up, strips packed as 16 gate + 16 up rows of W
 };
 
 // Rows [m_begin, m_end) of strip ``s`` against its dequantized tiles ``b``.
@@ -164,7 +186,7 @@ void strip_rows(const Problem& p, int s, const uint16_t* b, int m_begin, int m_e
     const int rows = p.M - m0 < 32 ? p.M - m0 : 32;
     const bool padded = p.tail != nullptr && m0 == p.tail_m0;
     block_product(padded ? p.tail : p.x + m0 * p.ldx, padded ? p.K : p.ldx, rows, b, p.K / 32, n_tiles);
-    store_block(p.y + m0 * p.ldy + 32 * s, p.ldy, rows, n_tiles);
+    store_block(p.y + m0 * p.ldy + (p.swiglu ? 16 : 32) * s, p.ldy, rows, n_tiles, p.swiglu);
   }
 }
 
@@ -177,7 +199,7 @@ void strip_rows(const Problem& p, int s, const uint16_t* b, int m_begin, int m_e
 constexpr int kChunkRows = 256;
 
 void int4_gemm(const uint16_t* x, int64_t ldx, const uint8_t* qw, const uint16_t* sz, uint16_t* y, int64_t ldy,
-               int M, int N, int K) {
+               int M, int N, int K, bool swiglu) {
   const int kb = K / 32, strips = (N / 16 + 1) / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
   const size_t strip_elems = static_cast<size_t>(kb) * 1024;
   static thread_local std::vector<uint16_t> shared_buf;  // the caller's; read by the team below
@@ -187,7 +209,7 @@ void int4_gemm(const uint16_t* x, int64_t ldx, const uint8_t* qw, const uint16_t
   {
     configure_tiles();
     static thread_local std::vector<uint16_t> strip_buf, tail_buf;  // kept across calls
-    Problem p{x, ldx, y, ldy, M, N, K, nullptr, tail_m0};
+    Problem p{x, ldx, y, ldy, M, N, K, nullptr, tail_m0, swiglu};
     if (tail_rows != 0 && tail_rows != 16) {  // rows past the tail are never stored: left as they are
       uint16_t* t = align64(tail_buf, static_cast<size_t>(32) * K);
       for (int r = 0; r < tail_rows; ++r)
@@ -227,16 +249,18 @@ extern "C" int actorserve_amx_available() {
 }
 
 // 0: done; 1: shapes refused (N % 16, K % 32, K > 16384); 2: no AMX on this build or CPU.
+// ``swiglu`` 1: y [M, N / 2] = silu(gate) * up (store_swiglu), N % 32 == 0, W's rows in strips of
+// 16 gate rows then the 16 matching up rows (quant.py AmxInt4Linear(swiglu=True)).
 extern "C" int actorserve_int4_linear(const void* x, int64_t ldx, const void* qw, const void* sz, void* y, int64_t ldy,
-                                      int M, int N, int K) {
+                                      int M, int N, int K, int swiglu) {
 #if defined(ACTORSERVE_AMX)
   if (actorserve_amx_available() != 1) return 2;
-  if (N % 16 != 0 || K % 32 != 0 || K > kMaxK || M < 1) return 1;
+  if (N % 16 != 0 || K % 32 != 0 || K > kMaxK || M < 1 || (swiglu && N % 32 != 0)) return 1;
   int4_gemm(static_cast<const uint16_t*>(x), ldx, static_cast<const uint8_t*>(qw), static_cast<const uint16_t*>(sz),
-            static_cast<uint16_t*>(y), ldy, M, N, K);
+            static_cast<uint16_t*>(y), ldy, M, N, K, swiglu != 0);
   return 0;
 #else
-  (void)x, (void)ldx, (void)qw, (void)sz, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+  (void)x, (void)ldx, (void)qw, (void)sz, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)swiglu;
   return 2;
 #endif
 }
