@@ -125,7 +125,7 @@ def test_amx_int4_matches_dense_product_of_its_weights(out_f, in_f):
     assert torch.equal(lin.dequantize().bfloat16(), Int4Linear(w).dequantize().bfloat16())
     dense = lin.dequantize().bfloat16()
     x = torch.randn(100, in_f).bfloat16()
-    for rows in (1, 3, 16, 17, 32, 33, 100):  # tails padded inside the kernel; 16/32-row blocks read in place
+    for rows in (1, 2, 3, 16, 17, 32, 33, 100):  # 1-2: the AMX-free path; tails padded inside the kernel; 16/32-row blocks read in place
         got = lin(x[:rows]).float()
         ref = torch.nn.functional.linear(x[:rows], dense).float()
         # float32 sums in another order, then one bf16 rounding: within 2 bf16 steps of the output
