@@ -22,6 +22,12 @@ the dense kernel runs on matrix units, a dense copy *of the quantized values* (`
 both paths multiply by the same weights) serves steps of more than ``DENSE_ABOVE_ROWS`` rows.  It
 costs the dense bytes in memory on top of the packed ones.
 
+int4 on CPUs with AMX-BF16 (``AmxInt4Linear``, csrc/int4_gemm.cpp) replaces both: one kernel that
+dequantizes tile by tile into the AMX tile unit (and, for 1-2 rows, sums x * (q - 8) on the vector
+units with the scale factored out), faster than the dense bf16 copy at every row count measured
+and without it (0.625 bytes per weight with scales).  ``SplitLinear`` remains for int8 and for
+CPUs without AMX.
+
 ``"auto"`` (``resolve_quantization``; bf16 on CPU only) follows the GGUF file: projections stored in 4-bit types
 (Q4_0, Q4_1, Q4_K, IQ4_*) get ``int4``, 5- to 8-bit types ``int8``, float types none.  For a Q4_1
 file the int4 re-encoding is the file's own precision: Q4_1 stores ``w = d * q + m`` per 32
@@ -149,11 +155,14 @@ class AmxInt4Linear:
 
     One kernel for every row count (csrc/int4_gemm.cpp): the packed weight (0.625 bytes per
     weight with its scales, against 2 for bf16) is dequantized tile by tile into the exact bf16
-    values of ``dequantize()`` and multiplied on the tile unit, so no dense copy is kept.  Measured
-    on this model's four projection shapes x 30 layers, cold weights, 2 threads (ms per pass,
-    AMX int4 / pre-packed bf16): 1 row 9.6 / 16.0; 32 rows 14.4 / 19.9; 512 rows 66.2 / 80.8
-    (docs/decisions/0006-engine-speed.md).  Needs ``kernels.has_amx``, out and in multiples of 16
-    and 32 (``supports``)."""
+    values of ``dequantize()`` and multiplied on the tile unit, so no dense copy is kept; 1-2 rows
+    skip AMX (group scale factored out of the sum, see the kernel).  Measured on this model's four
+    projection shapes x 30 layers, cold weights, 2 threads, one process (ms per pass, this /
+    pre-packed bf16 of the same values): 1 row 7.6 / 21.7; 8 rows 11.3 / 23.6; 32 rows 14.0 /
+    27.0; 64 rows 19.9 / 30.7; 512 rows 90.1 / 106.3; 2048 rows ~340 / ~260
+    (docs/decisions/0006-engine-speed.md).  ``swiglu=True`` (the fused [gate; up] weight) orders
+    the rows so that ``swiglu(x)`` applies SwiGLU in the product's epilogue.  Needs
+    ``kernels.has_amx``, out and in multiples of 16 and 32 (``supports``)."""
 
     def __init__(self, weight: torch.Tensor, kernels, swiglu: bool = False) -> None:
         q, sz = quantize_int4(weight, 32)

@@ -110,6 +110,11 @@ void softmax_rows_avx512(float* scores, int G, int ctx) {
 // token's nh heads as one contiguous run (the whole row when nh = Hkv), so a block is streamed
 // front to back; the next token's row is prefetched.  qf [nh][G][hd] (pre-scaled), scores
 // [nh * G][ctx], acc [nh * G][hd] (float32).
+// Tokens ahead whose K (pass 1) or V (pass 2) row is prefetched: the next row alone left 64 sequences x
+// 200 tokens x 30 layers at 33.8 ms; 8 ahead 29.4 ms (16: 29.2).  Blocks are scattered, so the
+// hardware prefetcher cannot run ahead across them.
+constexpr int kPrefetchTokens = 8;
+
 template <typename T, int G>
 void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int hd, int bs,
                   int64_t tok_stride, int h0, int nh, float* scores, float* acc) {
@@ -119,8 +124,9 @@ void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table,
   };
   const int run_bytes = nh * hd * static_cast<int>(sizeof(T));
   for (int t = 0; t < ctx; ++t) {  // pass 1: scores[hh * G + g][t] = q_g . k_t
-    if (t + 1 < ctx)
-      for (int off = 0; off < run_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row(k, t + 1)) + off, _MM_HINT_T0);
+    if (t + kPrefetchTokens < ctx)
+      for (int off = 0; off < run_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row(k, t + kPrefetchTokens)) + off, _MM_HINT_T0);
     const T* kt = row(k, t);
     for (int hh = 0; hh < nh; ++hh) {
       __m512 a[G];
@@ -136,8 +142,9 @@ void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table,
   softmax_rows_avx512(scores, nh * G, ctx);
   for (int i = 0; i < nh * G * hd; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
   for (int t = 0; t < ctx; ++t) {  // pass 2: acc[hh * G + g] += p[hh * G + g][t] * v_t
-    if (t + 1 < ctx)
-      for (int off = 0; off < run_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row(v, t + 1)) + off, _MM_HINT_T0);
+    if (t + kPrefetchTokens < ctx)
+      for (int off = 0; off < run_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row(v, t + kPrefetchTokens)) + off, _MM_HINT_T0);
     const T* vt = row(v, t);
     for (int hh = 0; hh < nh; ++hh) {
       __m512 p[G];
