@@ -8,10 +8,13 @@
   that dominates a small decode step;
 * ``int4_linear`` (csrc/int4_gemm.cpp, CPUs with AMX-BF16): the weight-only int4 product, the
   weight dequantized tile by tile on the vector units and multiplied on the AMX tile unit (quant.py
-  ``AmxInt4Linear``).
+  ``AmxInt4Linear``);
+* ``prefill_attention`` (csrc/prefill_attention.cpp, AMX-BF16, head_dim 64): causal attention of
+  a fresh prefill chunk, flash-style on the tile unit (model.py ``_fresh_prefill``).
 
-Each reproduces the PyTorch expression it replaces, roundings included (tests/unit/test_cpu_kernels.py
-compares them).  See docs/decisions/0006-engine-speed.md for measurements.
+The small-op kernels reproduce the PyTorch expression they replace, roundings included; the
+attention and int4 kernels agree with theirs within the bf16 roundings their docstrings state
+(tests/unit/test_cpu_kernels.py, tests/unit/test_engine_quant.py).  See docs/decisions/0006-engine-speed.md for measurements.
 
 Build: ``g++ -O3 -march=native -fopenmp -shared`` into ``$ACTORSERVE_KERNEL_DIR`` (default
 ``~/.cache/actorserve/kernels``), keyed by a hash of the source, the flags, the compiler version
