@@ -197,3 +197,6 @@ def test_prefill_attention_refuses_other_head_sizes():
     q, kv = torch.randn(4, 2, 32, dtype=torch.bfloat16), torch.randn(4, 2, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="prefill_attention"):
         KERNELS.prefill_attention(q, kv, kv, 0.1)
+    q64 = torch.randn(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no KV heads"):
+        KERNELS.prefill_attention(q64, q64[:, :0], q64[:, :0], 0.1)

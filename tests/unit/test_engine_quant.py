@@ -178,3 +178,19 @@ def test_amx_swiglu_epilogue_equals_the_unfused_expression():
     assert isinstance(make_linear_factory("int4", None, kernels=k)(w, "gate_up"), AmxInt4Linear)
     assert make_linear_factory("int4", None, kernels=k)(w, "gate_up").fused_swiglu
     assert not make_linear_factory("int4", None, kernels=k)(w, "qkv").fused_swiglu
+
+
+@needs_amx
+def test_amx_int4_refuses_unsupported_weights_and_takes_empty_batches():
+    from actors.worker.engine.quant import AmxInt4Linear
+
+    k = _amx_kernels()
+    with pytest.raises(ValueError, match="out % 16"):
+        AmxInt4Linear(torch.randn(40, 128).bfloat16(), k)
+    with pytest.raises(ValueError, match="out % 32"):
+        AmxInt4Linear(torch.randn(48, 128).bfloat16(), k, swiglu=True)
+    lin = AmxInt4Linear(torch.randn(32, 64).bfloat16(), k, swiglu=True)
+    assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+    assert lin.swiglu(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 16)
+    with pytest.raises(ValueError, match="2-D"):
+        k.int4_linear(torch.randn(2, 64).bfloat16(), lin.qweight, lin.scale_zeros, torch.empty(64, dtype=torch.bfloat16))

@@ -259,6 +259,7 @@ class CpuKernels:
         gate rows then the 16 matching up rows): bfloat16 with contiguous rows (any row stride);
         qweight uint8 [N/16, K/32, 16, 16]; scale_zeros bfloat16 [N/16, K/32, 2, 16].  Raises
         ValueError on other layouts, N % 16 (swiglu: 32) or K % 32 != 0, K > 16384, or without AMX."""
+        _check(x.dim() == 2 and out.dim() == 2, "int4_linear: x [M, K] and out [M, N] must be 2-D")
         M, K = x.shape
         N = out.shape[1] * (2 if swiglu else 1)
         _check(self.has_amx, "int4_linear: this CPU or build has no AMX-BF16")
@@ -275,9 +276,11 @@ class CpuKernels:
 
         q [n, H, 64], k/v [n, Hkv, 64]: bfloat16, heads contiguous, any row stride (views of the
         fused QKV output).  Returns [n, H, 64] bfloat16.  Raises ValueError on other layouts."""
+        _check(q.dim() == k.dim() == v.dim() == 3, "prefill_attention: q [n, H, 64], k/v [n, Hkv, 64]")
         n, H, hd = q.shape
         Hkv = k.shape[1]
         _check(self.has_amx, "prefill_attention: this CPU or build has no AMX-BF16")
+        _check(Hkv > 0 and n > 0, "prefill_attention: no tokens or no KV heads")
         _check(q.dtype == k.dtype == v.dtype == torch.bfloat16 and hd == 64 and k.shape == v.shape == (n, Hkv, hd)
                and H % Hkv == 0, "prefill_attention: bf16 q [n, H, 64], k/v [n, Hkv, 64]")
         _check(all(t.stride(2) == 1 and t.stride(1) == hd for t in (q, k, v)) and k.stride(0) == v.stride(0),

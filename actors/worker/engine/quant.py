@@ -165,6 +165,9 @@ class AmxInt4Linear:
     ``kernels.has_amx``, out and in multiples of 16 and 32 (``supports``)."""
 
     def __init__(self, weight: torch.Tensor, kernels, swiglu: bool = False) -> None:
+        if not self.supports(weight, kernels) or (swiglu and weight.shape[0] % 32):
+            raise ValueError(f"AmxInt4Linear: weight {tuple(weight.shape)} needs out % {32 if swiglu else 16} == 0, "
+                             "in % 32 == 0, in <= 16384 and CPU kernels with AMX")
         q, sz = quantize_int4(weight, 32)
         self.out_features = weight.shape[0]
         self.fused_swiglu = swiglu  # weight = [gate; up]: ``swiglu(x)`` gives silu(x W_g^T) * (x W_u^T)
@@ -198,15 +201,20 @@ class AmxInt4Linear:
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        if x.shape[0] == 0:
+            return out
         self.kernels.int4_linear(x, self.qweight, self.scale_zeros, out)
         return self._unswizzle(out.t()).t() if self.fused_swiglu else out
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the fused [gate; up] product in the kernel's epilogue: x bf16 [rows, in] ->
-        bf16 [rows, out / 2], equal to ``silu_mul(self(x))`` (the same bf16 roundings)."""
+        bf16 [rows, out / 2], equal to ``silu_mul(self(x))`` (the same bf16 roundings; subnormal
+        results are flushed to zero by VCVTNEPS2BF16)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features // 2, dtype=torch.bfloat16)
+        if x.shape[0] == 0:
+            return out
         self.kernels.int4_linear(x, self.qweight, self.scale_zeros, out, swiglu=True)
         return out
 

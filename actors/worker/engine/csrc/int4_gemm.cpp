@@ -103,7 +103,8 @@ inline __m512 round_bf16(__m512 x) {  // to bf16 (nearest even), widened back to
 
 // SwiGLU epilogue of one output row: gate = c[0:16], up = c[16:32] (each rounded to bf16 as the
 // unfused product's output is) -> bf16(bf16(silu(gate)) * up), the expression of cpu_kernels.cpp's
-// silu_mul (silu(x) = x / (1 + exp(-x)) in float32).
+// silu_mul (silu(x) = x / (1 + exp(-x)) in float32), except that VCVTNEPS2BF16 flushes subnormal
+// results to zero.
 inline void store_swiglu(uint16_t* dst, const float* c) {
   const __m512 g = round_bf16(_mm512_load_ps(c)), u = round_bf16(_mm512_load_ps(c + 16));
   const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));

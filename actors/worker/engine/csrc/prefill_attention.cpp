@@ -11,7 +11,8 @@
 // head once into the VNNI layouts TDPBF16PS needs:
 //   kt  per 16 keys and 32-wide half of hd: row r, element 2c + p = K[key0 + c][d0 + 2r + p]
 //   vt  per 32 keys and 16-wide quarter of hd: row r, element 2c + p = V[key0 + 2r + p][d0 + c]
-// (keys past n zero-filled and masked).
+// (keys past n zero-filled and masked).  A NaN in V reaches the queries of its 32-key block that
+// cannot see it (their weight 0 times NaN); SDPA's math path spreads it to every query.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
