@@ -35,28 +35,26 @@ extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec
 #endif
 
 #if defined(ACTORSERVE_AMX)
+// Loads an AMX tile configuration of 8 tiles, each 16 rows of 64 bytes (palette 1; Intel SDM vol. 2,
+// LDTILECFG), into the calling thread.  Shared with prefill_attention.cpp.
+// (A constant in memory, not a stack struct: with a local struct, GCC 12 -O3 emitted LDTILECFG on a
+// stack slot whose initializing stores it had dropped, and the invalid config faulted: SIGSEGV.)
+alignas(64) static const uint8_t kTileConfig16x64[64] = {
+    1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,          // palette 1, start row 0, reserved
+    64, 0, 64, 0, 64, 0, 64, 0, 64, 0, 64, 0, 64, 0, 64, 0,  // colsb[0..7] = 64 (uint16, little endian)
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,          // colsb[8..15] unused
+    16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0,  // rows[0..7] = 16
+};
+
+extern "C" void actorserve_amx_configure_16x64() { _tile_loadconfig(kTileConfig16x64); }
+
 namespace {
 
 constexpr int kTileBytes = 1024;  // 16 rows x 64 bytes
 constexpr int kMaxK = 16384;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C[m-tile][n-tile] (float32 16 x 16); 4-5: A (x rows, 16 x 32 bf16); 6-7: B (VNNI).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+void configure_tiles() { actorserve_amx_configure_16x64(); }
 
 bool request_amx_permission() {
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // linux/arch/x86/include/uapi/asm/prctl.h

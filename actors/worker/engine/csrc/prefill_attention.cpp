@@ -26,6 +26,7 @@
 #define ACTORSERVE_AMX_ATTN 1
 extern "C" __m512 _ZGVeN16v_expf(__m512);
 extern "C" int actorserve_amx_available();
+extern "C" void actorserve_amx_configure_16x64();
 #endif
 
 #if defined(ACTORSERVE_AMX_ATTN)
@@ -33,24 +34,9 @@ namespace {
 
 constexpr int kHd = 64;
 
-struct alignas(64) AttnTileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // 0-1: S (16 queries x 16 keys, f32); 2-3: Q halves (16 x 32 bf16); 4: K^T tile; 5: P (16 x 32
 // bf16); 6: V tile; 7: O quarter (16 x 16 f32).  Every tile is 16 rows of 64 bytes.
-void configure_attention_tiles() {
-  AttnTileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+void configure_attention_tiles() { actorserve_amx_configure_16x64(); }
 
 inline uint32_t pair_at(const uint16_t* row, int d) {  // bf16 elements d, d + 1 as one 32-bit word
   uint32_t w;
