@@ -168,7 +168,7 @@ class AmxInt4Linear:
         if not self.supports(weight, kernels) or (swiglu and weight.shape[0] % 32):
             raise ValueError(f"AmxInt4Linear: weight {tuple(weight.shape)} needs out % {32 if swiglu else 16} == 0, "
                              "in % 32 == 0, in <= 16384 and CPU kernels with AMX")
-        q, sz = quantize_int4(weight, 32)
+        q, sz = quantize_int4(weight, INT4_GROUP)  # the kernel's K tile is one group of 32
         self.out_features = weight.shape[0]
         self.fused_swiglu = swiglu  # weight = [gate; up]: ``swiglu(x)`` gives silu(x W_g^T) * (x W_u^T)
         if swiglu:  # rows in strips of 16 gate then the 16 matching up rows (csrc/int4_gemm.cpp)
@@ -188,7 +188,7 @@ class AmxInt4Linear:
         """Rows (dim 0) of the swiglu strip order back to [gate; up]."""
         if not self.fused_swiglu:
             return t
-        return t.view(-1, 2, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return t.view(t.shape[0] // 32, 2, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
     def dequantize(self) -> torch.Tensor:
         """Float32 weight [out, in] the kernel multiplies by (before its bf16 rounding)."""
@@ -197,26 +197,22 @@ class AmxInt4Linear:
         w = (q.float() - 8.0) * sz[..., 0].t().repeat_interleave(32, 1) + sz[..., 1].t().repeat_interleave(32, 1)
         return self._unswizzle(w)
 
+    def _product(self, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features // (2 if swiglu else 1), dtype=torch.bfloat16)
+        if x.shape[0]:
+            self.kernels.int4_linear(x if x.stride(-1) == 1 else x.contiguous(), self.qweight, self.scale_zeros, out,
+                                     swiglu=swiglu)
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        if x.shape[0] == 0:
-            return out
-        self.kernels.int4_linear(x, self.qweight, self.scale_zeros, out)
+        out = self._product(x, swiglu=False)
         return self._unswizzle(out.t()).t() if self.fused_swiglu else out
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the fused [gate; up] product in the kernel's epilogue: x bf16 [rows, in] ->
         bf16 [rows, out / 2], equal to ``silu_mul(self(x))`` (the same bf16 roundings; subnormal
         results are flushed to zero by VCVTNEPS2BF16)."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features // 2, dtype=torch.bfloat16)
-        if x.shape[0] == 0:
-            return out
-        self.kernels.int4_linear(x, self.qweight, self.scale_zeros, out, swiglu=True)
-        return out
+        return self._product(x, swiglu=True)
 
 
 def _swiglu_order(out_features: int) -> torch.Tensor:

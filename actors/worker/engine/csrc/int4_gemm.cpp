@@ -83,15 +83,9 @@ inline void dequant_tile(const uint8_t* q, const uint16_t* sz, uint16_t* dst) {
   }
 }
 
-// float32 -> bf16, nearest even (NaN kept quiet), 16 lanes.
-inline void store_bf16(uint16_t* dst, const float* src, int n) {
-  if (n == 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
-    return;
-  }
-  const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
-  const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src));
-  _mm256_mask_storeu_epi16(dst, m, (__m256i)v);
+// 16 float32 -> bf16, nearest even (NaN kept quiet).
+inline void store_bf16(uint16_t* dst, const float* src) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
 }
 
 inline __m512 round_bf16(__m512 x) {  // to bf16 (nearest even), widened back to float32
@@ -125,8 +119,8 @@ void store_block(uint16_t* y, int64_t ldy, int rows, int n_tiles, bool swiglu) {
       store_swiglu(y + r * ldy, c[r]);
       continue;
     }
-    store_bf16(y + r * ldy, c[r], 16);
-    if (n_tiles == 2) store_bf16(y + r * ldy + 16, c[r] + 16, 16);
+    store_bf16(y + r * ldy, c[r]);
+    if (n_tiles == 2) store_bf16(y + r * ldy + 16, c[r] + 16);
   }
 }
 
@@ -256,10 +250,6 @@ void int4_gemm(const uint16_t* x, int64_t ldx, const uint8_t* qw, const uint16_t
 // 4 rows 10.9 / 9.7.
 constexpr int kSmallRows = 2;
 
-inline __m512 widen_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // acc[m] (16 columns of tile ``tile``) for the M rows of x; xsum [M][K / 32] group sums of x.
 void small_tile(const uint16_t* x, int64_t ldx, const float* xsum, const uint8_t* qw, const uint16_t* sz, int tile,
                 int M, int kb, __m512* acc) {
@@ -297,7 +287,7 @@ void small_tile(const uint16_t* x, int64_t ldx, const float* xsum, const uint8_t
             _mm512_dpbf16_ps(part[m][r % kChains], (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
       }
     }
-    const __m512 s = widen_bf16(sz + t * 32), z = widen_bf16(sz + t * 32 + 16);
+    const __m512 s = bf16x16_to_f32(sz + t * 32), z = bf16x16_to_f32(sz + t * 32 + 16);
     for (int m = 0; m < M; ++m) {
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[m][0], part[m][1]), _mm512_add_ps(part[m][2], part[m][3]));
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * kb + k]), z, _mm512_fmadd_ps(sum, s, acc[m]));
@@ -312,7 +302,7 @@ void small_gemm(const uint16_t* x, int64_t ldx, const uint8_t* qw, const uint16_
   for (int m = 0; m < M; ++m)
     for (int k = 0; k < kb; ++k) {
       const uint16_t* g = x + m * ldx + 32 * k;
-      xsum[m * kb + k] = _mm512_reduce_add_ps(_mm512_add_ps(widen_bf16(g), widen_bf16(g + 16)));
+      xsum[m * kb + k] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_f32(g), bf16x16_to_f32(g + 16)));
     }
   const int units = swiglu ? tiles / 2 : tiles;  // swiglu: a unit is a gate tile and its up tile
 #pragma omp parallel for schedule(static)
@@ -327,7 +317,7 @@ void small_gemm(const uint16_t* x, int64_t ldx, const uint8_t* qw, const uint16_
         _mm512_store_ps(c + 16, acc_up[m]);
         store_swiglu(y + m * ldy + 16 * u, c);
       } else {
-        store_bf16(y + m * ldy + 16 * u, c, 16);
+        store_bf16(y + m * ldy + 16 * u, c);
       }
     }
   }
