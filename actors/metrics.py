@@ -280,8 +280,8 @@ async def keep_metrics_registered(etcd_url: str, kind: str, ident: str, info: Ma
 
     Connects its own etcd client; re-registers after a lost lease or while etcd is away (every
     ``retry_s``); on cancellation revokes the lease (bounded) so the key goes at once."""
-    from control.names import metrics_key
-    from control.registry import OutageLog, Registry
+    from control.state.names import metrics_key
+    from control.state.registry import OutageLog, Registry
 
     key = metrics_key(kind, ident)
     reg = lease = None

@@ -1,7 +1,7 @@
 """``actorserve bench fairness``: tenant B's TTFT alone, under fair share and under FCFS, and a 3:1 split.
 
 One run, one machine, loopback only, every load loop bounded in count and time:
-1. start a stack (``control.supervisor.Supervisor``, default model) and two tenants A and B;
+1. start a stack (``control.ops.supervisor.Supervisor``, default model) and two tenants A and B;
 2. capacity: completed requests/s with a closed loop of ``--concurrency`` streams;
 3. B alone at rate r = 2 x capacity / 11 (open loop): B's TTFT p50/p99 ("solo");
 4. A at 10 r plus B at r (about 2x capacity) under the fair scheduler: B's TTFT ("fair");
@@ -113,8 +113,8 @@ async def closed_loop(url: str, key: str, concurrency: int, duration_s: float, m
 
 async def setup_tenants(etcd_url: str) -> dict[str, str]:
     """Create tenants ``bench-a`` and ``bench-b`` (allowed: the default model); return their keys."""
-    from control.registry import Registry
-    from control.tenants import TenantAdmin
+    from control.state.registry import Registry
+    from control.state.tenants import TenantAdmin
     keys = {}
     async with Registry.connect(etcd_url) as reg:
         admin = TenantAdmin(reg)
@@ -125,8 +125,8 @@ async def setup_tenants(etcd_url: str) -> dict[str, str]:
 
 async def set_weights(etcd_url: str, weights: dict[str, float]) -> None:
     """Write tenant weights (schedulers re-read tenants every 2 s)."""
-    from control.registry import Registry
-    from control.tenants import TenantAdmin
+    from control.state.registry import Registry
+    from control.state.tenants import TenantAdmin
     async with Registry.connect(etcd_url) as reg:
         for t, w in weights.items():
             await TenantAdmin(reg).set_weight(t, w)
@@ -140,7 +140,7 @@ def replace_scheduler(sup, current: subprocess.Popen | None, fcfs: bool, log_dir
     else:
         current.send_signal(signal.SIGTERM)
         current.wait(20)
-    cmd = [sys.executable, "-m", "control.cli", "actor", "scheduler", "--model", f"{MODEL}@1",
+    cmd = [sys.executable, "-m", "control.ops.cli", "actor", "scheduler", "--model", f"{MODEL}@1",
            "--nats", sup.nats_url, "--etcd", sup.etcd_url] + (["--fcfs"] if fcfs else [])
     log = open(log_dir / f"bench-scheduler-{'fcfs' if fcfs else 'fair'}.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -151,8 +151,8 @@ def replace_scheduler(sup, current: subprocess.Popen | None, fcfs: bool, log_dir
 async def wait_active(etcd_url: str, pid: int, timeout_s: float = 60.0) -> None:
     """Wait until the scheduler process ``pid`` holds the version's election key (it is then subscribed
     and has listed the workers once). RuntimeError after ``timeout_s``."""
-    from control.names import scheduler_key
-    from control.registry import Registry
+    from control.state.names import scheduler_key
+    from control.state.registry import Registry
     async with Registry.connect(etcd_url) as reg:
         t_end = time.monotonic() + timeout_s
         while ((await reg.get_json(scheduler_key(MODEL, "1"))) or {}).get("pid") != pid:
@@ -170,7 +170,7 @@ def timing_pct(timings: list[dict], q: float = 0.5) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict:
     """Run all phases; returns the JSON result dict."""
-    from control.supervisor import Supervisor
+    from control.ops.supervisor import Supervisor
 
     state = Path(args.state_dir)
     sup = Supervisor(state, port=0, supervise=False,

@@ -115,7 +115,7 @@ def sched_leader(name: str, version: str) -> str:
 
 
 # -- internal NATS roles (issue #8 item 8) ------------------------------------------------------------
-# Every internal actor connects as the NATS user of its role (control/nats_roles.py builds their
+# Every internal actor connects as the NATS user of its role (control/ops/nats_roles.py builds their
 # permissions). A role's connection uses its own inbox prefix, outside every tenant's ``_INBOX.<tenant>``,
 # so a role's subscribe permission on its inbox reads no tenant's (nor another role's) replies.
 

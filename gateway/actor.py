@@ -28,7 +28,7 @@ async def main(args: argparse.Namespace) -> None:
 
     from actors.runtime import resolve_endpoints
     from bus.nats_bus import NatsBus
-    from control.registry import Registry
+    from control.state.registry import Registry
     from gateway.frontend import Frontend, FrontendConfig
     from gateway.http import HttpFront
     from gateway.models import ModelResolver

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from control import names
-from control.tenants import Tenant, TenantError, hash_key, parse_bearer
+from control.state import names
+from control.state.tenants import Tenant, TenantError, hash_key, parse_bearer
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def unauthorized(key: str | None) -> ApiError:
 class TenantCache:
     """In-memory view of every tenant, refreshed by a watch on ``/actorserve/tenants/``.
 
-    ``registry``: a connected control.registry.Registry. Use ``await start()`` / ``await stop()``.
+    ``registry``: a connected control.state.registry.Registry. Use ``await start()`` / ``await stop()``.
     """
 
     def __init__(self, registry) -> None:
@@ -98,7 +98,7 @@ class TenantCache:
         """Raise the same 404 as an unknown model if ``tenant`` may not use ``model`` (a model reference).
 
         A malformed reference is left to the resolver (which also answers 404)."""
-        from control.names import parse_model_ref
+        from control.state.names import parse_model_ref
         from gateway.models import not_found
 
         try:

@@ -5,7 +5,7 @@ refreshed by a watch on ``/actorserve/models/`` plus a periodic re-read, so a re
 on etcd. A routing edit seen by the watch is applied at once (a rollback takes effect in
 milliseconds); other edits trigger a re-read.
 
-Resolution of ``name`` (control/routing.py ``choose_version``): the routing table's canary for the
+Resolution of ``name`` (control/state/routing.py ``choose_version``): the routing table's canary for the
 requests its weight and stickiness select, else the table's stable version; with no usable stable,
 the highest active version that has live workers (else the highest active one), so registering a
 new version does not move traffic to it before it is served. ``name@version`` pins an active version.
@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from control.routing import RoutingTable, choose_version
+from control.state.routing import RoutingTable, choose_version
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class ModelSnapshot:
 
         ``tenant`` and ``request_key`` (the request id) feed the canary split's stickiness.
         """
-        from control.names import parse_model_ref
+        from control.state.names import parse_model_ref
         try:
             parsed = parse_model_ref(ref)
         except (ValueError, TypeError):
@@ -172,7 +172,7 @@ class ModelResolver:
         self.snapshot = ModelSnapshot(snap.versions, routing, snap.workers, snap.read_at)
 
     async def _watch(self) -> None:
-        from control.names import models_prefix, routing_key
+        from control.state.names import models_prefix, routing_key
         prefix = models_prefix()
         while True:
             try:
@@ -189,7 +189,7 @@ class ModelResolver:
                 await asyncio.sleep(1.0)
 
     async def _loop(self) -> None:
-        from control.registry import OutageLog
+        from control.state.registry import OutageLog
 
         outage = OutageLog(log, "gateway registry refresh (serving from the last snapshot)")
         while True:

@@ -119,7 +119,7 @@ class QuotaStore:
     # -- admission ------------------------------------------------------------------------------
 
     async def admit(self, tenant, request_id: str, now: float | None = None) -> Admission:
-        """Admit one request of ``tenant`` (a control.tenants.Tenant) or raise ApiError 429.
+        """Admit one request of ``tenant`` (a control.state.tenants.Tenant) or raise ApiError 429.
 
         Order: token windows (read-only), concurrency slot, then the rpm window (CAS). The 429 carries
         Retry-After (s) and the x-ratelimit-* headers of the exhausted quota."""

@@ -12,7 +12,7 @@ import logging
 
 from aiohttp import web
 
-from control.tenants import Tenant
+from control.state.tenants import Tenant
 from gateway.auth import TenantCache
 from gateway.quotas import Admission, QuotaStore
 from gateway.usage import UsageMeter
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class Tenancy:
     """Tenant cache + shared quota store + usage meter (+ idempotency store) of one gateway.
 
-    ``registry``: connected control.registry.Registry; ``js``: nats-py JetStreamContext (None: no
+    ``registry``: connected control.state.registry.Registry; ``js``: nats-py JetStreamContext (None: no
     quotas, usage or idempotency — authentication and model access only).
     """
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from control.embedded import EmbeddedStack
+from control.ops.embedded import EmbeddedStack
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ async def infra(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def registry(infra):
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     async with Registry.connect(infra.etcd_url) as reg:
         yield reg

@@ -59,7 +59,7 @@ def incarnation_of(info) -> str:
 
 async def sync_workers(reg, svc: SchedulerService, name: str, version: str, period_s: float = 2.0) -> None:
     """Keep ``svc``'s worker table equal to the leased worker keys in etcd (watch + periodic re-list)."""
-    from control.names import workers_prefix
+    from control.state.names import workers_prefix
 
     async def relist() -> None:
         svc.weights = tenant_weights(await reg.list_tenants())
@@ -81,7 +81,7 @@ async def sync_workers(reg, svc: SchedulerService, name: str, version: str, peri
                 log.warning("worker %s lease deleted", wid)
             svc.on_worker_lease(wid, kind == "put", incarnation_of(value))
 
-    from control.registry import OutageLog
+    from control.state.registry import OutageLog
 
     outage = OutageLog(log, f"worker re-list of {name}@{version}")
     watcher = asyncio.create_task(watch())
@@ -102,8 +102,8 @@ async def main(args: argparse.Namespace) -> None:
     """Stand by until elected active for the version, then schedule until cancelled or the lease is lost."""
     from actors.runtime import resolve_endpoints
     from bus.nats_bus import NatsBus
-    from control.names import parse_model_ref
-    from control.registry import Registry
+    from control.state.names import parse_model_ref
+    from control.state.registry import Registry
 
     ref = parse_model_ref(args.model)
     if not ref.version:
@@ -126,8 +126,8 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
     scheduler keeps serving from its last worker table; when etcd answers again it re-checks that the
     election key is still its own (docs/decisions/0017-drain-and-control-plane-loss.md)."""
     from bus.journal import JetStreamJournal
-    from control.election import campaign
-    from control.names import scheduler_key
+    from control.state.election import campaign
+    from control.state.names import scheduler_key
 
     key, info = scheduler_key(ref.name, ref.version), {"scheduler_id": sid, "pid": os.getpid()}
     held = [await campaign(reg, key, info, ttl=args.lease_ttl)]
@@ -166,7 +166,7 @@ async def hold_leadership(reg, held: list, key: str, info: dict, ttl: int, retry
     * lease gone (expired during an outage, ``lease.lost``): take the key again at once if it is free
       (the term goes on without a gap); if another replica holds it, or etcd keeps failing for
       ``retry_s`` seconds, we lost."""
-    from control.election import still_holds
+    from control.state.election import still_holds
 
     while True:
         lease = held[0]

@@ -24,7 +24,7 @@ async def main(args: argparse.Namespace) -> None:
     from actors.runtime import resolve_endpoints
     from actors.validator.service import ValidatorConfig, ValidatorService
     from bus.nats_bus import NatsBus
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     nats_url, etcd_url = resolve_endpoints(args)
     async with Registry.connect(etcd_url) as reg:

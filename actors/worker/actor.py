@@ -65,8 +65,8 @@ async def main(args: argparse.Namespace) -> None:
     """Run the worker until cancelled, then drain."""
     from actors.runtime import resolve_endpoints
     from bus.nats_bus import NatsBus
-    from control.names import parse_model_ref
-    from control.registry import Registry
+    from control.state.names import parse_model_ref
+    from control.state.registry import Registry
 
     ref = parse_model_ref(args.model)
     if not ref.version:
@@ -108,7 +108,7 @@ async def keep_registered(reg, holder: list, ref, worker_id: str, info: dict, tt
     set only when etcd answers again and no longer knows the lease (it expired during the outage, or
     was revoked): then register again at once, retrying every second while etcd does not answer
     (logged once per outage). ``holder[0]`` is the current lease (so shutdown revokes the live one)."""
-    from control.registry import OutageLog
+    from control.state.registry import OutageLog
 
     outage = OutageLog(log, f"worker {worker_id} registration")
     while True:

@@ -2,7 +2,7 @@
 
 One stack (tiny model): 2 gateways, 2 workers, 2 scheduler replicas (the supervisor's ``scheduler-0``
 plus a standby started here), a validator and the jobs actor, all supervised (dead actors, etcd and
-nats-server are restarted by ``control.supervisor.Supervisor``). The faults run in sequence, one phase
+nats-server are restarted by ``control.ops.supervisor.Supervisor``). The faults run in sequence, one phase
 each, under a bounded client mix (streaming and non-streaming chat and text completions round-robin over
 both gateways, plus async jobs):
 
@@ -36,8 +36,8 @@ from typing import Callable
 import httpx
 import pytest
 
-from control.names import scheduler_key
-from control.registry import Registry
+from control.state.names import scheduler_key
+from control.state.registry import Registry
 from tests.chaos import report
 from tests.chaos.load import ChaosClient, PhaseResult
 from tests.engine_fixtures import write_tiny_llama_gguf
@@ -62,7 +62,7 @@ JOBS_TIMEOUT_S = 60.0
 class ChaosStack:
     """The supervised stack plus the standby scheduler replica this module started."""
 
-    sup: object  # control.supervisor.Supervisor
+    sup: object  # control.ops.supervisor.Supervisor
     standby: subprocess.Popen
     key: str
     report_dir: Path
@@ -82,7 +82,7 @@ def _start_standby(sup, log_path: Path) -> subprocess.Popen:
     nats_url = role_url("scheduler") if role_url is not None else sup.nats_url
     env = {**os.environ, "ACTORSERVE_NATS": nats_url, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    return subprocess.Popen([sys.executable, "-m", "control.cli", "actor", "scheduler", "--model",
+    return subprocess.Popen([sys.executable, "-m", "control.ops.cli", "actor", "scheduler", "--model",
                              f"{MODEL}@{VERSION}", "--scheduler-id", "standby", "--etcd", sup.etcd_url,
                              "--max-queue-per-tenant", "1024"],
                             cwd=REPO, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
@@ -92,7 +92,7 @@ def _start_standby(sup, log_path: Path) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory) -> ChaosStack:
     """2 gateways, 2 workers, 2 schedulers (one started here), supervised; stopped at the end."""
-    from control.supervisor import Supervisor
+    from control.ops.supervisor import Supervisor
 
     base = tmp_path_factory.mktemp("chaos")
     gguf = str(base / "tiny.gguf")

@@ -1,4 +1,4 @@
-"""End-to-end fixtures: the whole platform as real OS processes (``control.supervisor.Supervisor``).
+"""End-to-end fixtures: the whole platform as real OS processes (``control.ops.supervisor.Supervisor``).
 
 ``stack``: one session-wide deployment serving the default model (SmolLM2-135M-Instruct), real
 nats-server and etcd on free loopback ports. Every process it starts is recorded and stopped at the
@@ -21,7 +21,7 @@ from tests.engine_fixtures import write_tiny_llama_gguf
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory):
     """The default deployment: 1 gateway, validator, scheduler, worker (SmolLM2)."""
-    from control.supervisor import Supervisor
+    from control.ops.supervisor import Supervisor
 
     # watch_registry=False: tests on this stack register tiny@1 and start its actors themselves.
     sup = Supervisor(tmp_path_factory.mktemp("e2e-state"), port=0, supervise=False, watch_registry=False,
@@ -49,8 +49,8 @@ class ActorProcs:
         self.sup, self.log_dir, self.procs = sup, log_dir, {}
 
     def start(self, label: str, *argv: str) -> subprocess.Popen:
-        """``python -m control.cli actor ...`` against the stack's NATS and etcd."""
-        cmd = [sys.executable, "-m", "control.cli", "actor", *argv, "--nats", self.sup.nats_url,
+        """``python -m control.ops.cli actor ...`` against the stack's NATS and etcd."""
+        cmd = [sys.executable, "-m", "control.ops.cli", "actor", *argv, "--nats", self.sup.nats_url,
                "--etcd", self.sup.etcd_url]
         log = open(self.log_dir / f"{label}.log", "wb")
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -15,7 +15,7 @@ from bus.nats_bus import NatsBus
 def tiny_deployment(state_dir, tiny_gguf: str, actor_args: dict, ready_s: float = 120, **kwargs) -> Iterator:
     """A Supervisor stack serving the tiny model as ``tiny`` (no restarts); stopped on exit. ``kwargs`` go to
     the Supervisor (e.g. ``env``)."""
-    from control.supervisor import Supervisor
+    from control.ops.supervisor import Supervisor
 
     sup = Supervisor(state_dir, port=0, supervise=False, model_file=tiny_gguf, model_name="tiny",
                      actor_args=actor_args, **kwargs)

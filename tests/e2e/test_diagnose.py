@@ -47,7 +47,7 @@ async def _diagnose_under_load(sup, concurrency: int, body: dict, window_s: floa
         try:
             await asyncio.sleep(WARMUP_S)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "control.cli", "diagnose", "--state-dir", str(sup.state_dir), "--json",
+                sys.executable, "-m", "control.ops.cli", "diagnose", "--state-dir", str(sup.state_dir), "--json",
                 "--window-s", str(window_s), cwd=str(REPO),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             out, err = await asyncio.wait_for(proc.communicate(), LOAD_LIMIT_S)

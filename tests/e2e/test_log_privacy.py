@@ -3,7 +3,7 @@
 
 Runs a tiny-model stack with every actor at DEBUG, sends requests carrying a distinctive canary (chat,
 streaming chat, completions, and invalid requests whose error echoes the value to the client), then
-reads every file under ``<state-dir>/logs/``. Each actor runs as its NATS role (control/nats_roles.py):
+reads every file under ``<state-dir>/logs/``. Each actor runs as its NATS role (control/ops/nats_roles.py):
 the logs must also hold no permission violation."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_prompts_and_outputs_stay_out_of_the_logs(tmp_path, tiny_gguf, opt_in):
         logs = _logs(sup)
         connz = httpx.get(f"{sup.stack.nats.monitor_url}/connz?auth=1", timeout=5).json()
     users = {c.get("authorized_user") for c in connz["connections"]}
-    # every actor connected as its role (control/nats_roles.py), none as the operator user
+    # every actor connected as its role (control/ops/nats_roles.py), none as the operator user
     assert {f"actorserve-{r}" for r in ("gateway", "validator", "scheduler", "worker", "jobs", "control")} <= users
     assert "actorserve" not in users
     assert {"gateway-0.log", "validator-0.log", "worker-0.log", "scheduler-0.log"} <= set(logs)

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from control.names import all_metrics_prefix
-from control.registry import Registry
+from control.state.names import all_metrics_prefix
+from control.state.registry import Registry
 from tests.e2e.helpers import tiny_deployment
 
 N_REQUESTS = 30

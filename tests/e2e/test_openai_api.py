@@ -298,7 +298,7 @@ def test_disconnect_while_stop_text_is_held_back(stack):
 def test_body_over_the_bus_payload_limit_is_413_not_a_timeout(stack, actor_procs):
     """Issue #8 item 8: a gateway configured to accept bodies larger than NATS's max_payload (8 MiB in the
     embedded server) answers 413 naming the bus limit at once, instead of failing the hand-off later."""
-    from control.ports import free_port
+    from control.ops.ports import free_port
     port = free_port()
     actor_procs.start("gw-big", "gateway", "--port", str(port), "--gateway-id", "gw-big",
                       "--max-body-bytes", str(32 * 1024 * 1024))

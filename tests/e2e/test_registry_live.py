@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from control.registry import Registry
-from control.routing import RoutingTable
+from control.state.registry import Registry
+from control.state.routing import RoutingTable
 from tests.e2e.helpers import tiny_deployment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,8 +26,8 @@ EDGE_KINDS = ("gateway", "validator", "jobs", "rollout")
 
 
 def cli(sup, *argv: str) -> subprocess.CompletedProcess:
-    """``python -m control.cli <argv> --state-dir <stack>``, bounded to 60 s."""
-    return subprocess.run([sys.executable, "-m", "control.cli", *argv, "--state-dir", str(sup.state_dir)],
+    """``python -m control.ops.cli <argv> --state-dir <stack>``, bounded to 60 s."""
+    return subprocess.run([sys.executable, "-m", "control.ops.cli", *argv, "--state-dir", str(sup.state_dir)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
 
 

@@ -23,8 +23,8 @@ import httpx
 import orjson
 import pytest
 
-from control.names import scheduler_key
-from control.registry import Registry
+from control.state.names import scheduler_key
+from control.state.registry import Registry
 
 DEADLINE_MS = 20_000
 WORKER_ARGS = ["--kv-cache-bytes", "8000000", "--max-num-seqs", "2", "--no-progress", "--drain-timeout", "8"]
@@ -33,7 +33,7 @@ WORKER_ARGS = ["--kv-cache-bytes", "8000000", "--max-num-seqs", "2", "--no-progr
 @pytest.fixture(scope="module")
 def rel_stack(tmp_path_factory, tiny_gguf):
     """tiny@1 with 2 workers (2 slots each), supervised: an actor that dies is restarted (and recorded)."""
-    from control.supervisor import Supervisor
+    from control.ops.supervisor import Supervisor
 
     sup = Supervisor(tmp_path_factory.mktemp("rel"), port=0, supervise=True, model_file=tiny_gguf,
                      model_name="tiny", workers=2, actor_args={"worker": WORKER_ARGS}, watch_registry=False)

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.registry import Registry
-from control.routing import RoutingTable
+from control.state.registry import Registry
+from control.state.routing import RoutingTable
 from tests.e2e.helpers import tiny_deployment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ NO_AUTO_STEP = ["--manual"]  # the rollout controller must not move the weight h
 
 def cli(sup, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``actorserve <argv> --state-dir <stack>``; bounded to 60 s."""
-    p = subprocess.run([sys.executable, "-m", "control.cli", *argv, "--state-dir", str(sup.state_dir)],
+    p = subprocess.run([sys.executable, "-m", "control.ops.cli", *argv, "--state-dir", str(sup.state_dir)],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     if check:
         assert p.returncode == 0, f"{argv}: rc={p.returncode}\n{p.stdout}\n{p.stderr}"

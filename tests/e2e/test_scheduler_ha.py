@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.names import scheduler_key
-from control.registry import Registry
+from control.state.names import scheduler_key
+from control.state.registry import Registry
 from tests.e2e.helpers import tiny_deployment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_kill_active_scheduler_under_load(ha_stack, tmp_path):
     sup = ha_stack
     key = (Path(sup.state_dir) / "dev-api-key").read_text().strip()
     headers = {"Authorization": f"Bearer {key}"}
-    standby = subprocess.Popen([sys.executable, "-m", "control.cli", "actor", "scheduler", "--model", "tiny@1",
+    standby = subprocess.Popen([sys.executable, "-m", "control.ops.cli", "actor", "scheduler", "--model", "tiny@1",
                                 "--scheduler-id", "standby", "--nats", sup.nats_url, "--etcd", sup.etcd_url],
                                cwd=REPO, stdout=open(tmp_path / "standby.log", "wb"), stderr=subprocess.STDOUT,
                                start_new_session=True)

@@ -15,13 +15,13 @@ import pytest
 from bus import subjects
 from bus.messages import CompletionRecord
 from bus.nats_bus import NatsBus
-from control.registry import Registry
-from control.tenants import TenantAdmin
+from control.state.registry import Registry
+from control.state.tenants import TenantAdmin
 
 
 @pytest.fixture(scope="module")
 def gw3(tmp_path_factory, tiny_gguf):
-    from control.supervisor import Supervisor
+    from control.ops.supervisor import Supervisor
 
     sup = Supervisor(tmp_path_factory.mktemp("tenants-state"), port=0, gateways=3, supervise=False,
                      model_file=tiny_gguf, model_name="tiny",
@@ -251,7 +251,7 @@ def test_idempotency_survives_gateway_restart_and_crash(gw3, tmp_path):
     by another replica once the owner's heartbeat is stale (and runs once more)."""
     import signal
 
-    from control.ports import free_port
+    from control.ops.ports import free_port
     from tests.e2e.conftest import ActorProcs
 
     _, _, key = new_tenant(gw3)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from control.ports import free_port
+from control.ops.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def _procs_mentioning(marker: str) -> list[int]:
 def test_up_then_sigterm_leaves_nothing(tmp_path, tiny_gguf):
     state, port = tmp_path / "state", free_port()
     log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "control.cli", "up", "--state-dir", str(state), "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "control.ops.cli", "up", "--state-dir", str(state), "--port", str(port),
                            "--model-file", tiny_gguf, "--model-name", "tiny"], cwd=REPO, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True)
     try:

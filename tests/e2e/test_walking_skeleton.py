@@ -16,7 +16,7 @@ import pytest
 from bus import subjects
 from bus.messages import CompletionRecord
 from bus.nats_bus import NatsBus
-from control.registry import Registry
+from control.state.registry import Registry
 from tests.e2e.helpers import latest_worker_stats
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -149,7 +149,7 @@ def _register_tiny(stack, tiny_gguf: str) -> None:
         async with Registry.connect(stack.etcd_url) as reg:
             await reg.put_model_version("tiny", "1", {"artifact": tiny_gguf, "format": "gguf",
                                                       "context_length": 512})
-            from control.tenants import DEV_TENANT, TenantAdmin
+            from control.state.tenants import DEV_TENANT, TenantAdmin
             adm = TenantAdmin(reg)
             dev = await adm.get(DEV_TENANT)
             await adm.allow_models(DEV_TENANT, [*dev.allowed_models, "tiny"])  # up allowed only its model

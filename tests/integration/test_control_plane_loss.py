@@ -12,9 +12,9 @@ import time
 
 from actors.scheduler.actor import hold_leadership
 from actors.worker.actor import keep_registered
-from control.embedded import EmbeddedEtcd
-from control.names import parse_model_ref
-from control.registry import Registry
+from control.ops.embedded import EmbeddedEtcd
+from control.state.names import parse_model_ref
+from control.state.registry import Registry
 
 OUTAGE_S = 6.0  # > every TTL below
 

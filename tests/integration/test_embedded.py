@@ -6,8 +6,8 @@ import urllib.request
 
 import pytest
 
-from control.embedded import EmbeddedEtcd, EmbeddedNats, read_endpoints, write_endpoints
-from control.ports import free_port, free_ports, port_open
+from control.ops.embedded import EmbeddedEtcd, EmbeddedNats, read_endpoints, write_endpoints
+from control.ops.ports import free_port, free_ports, port_open
 
 
 def _pid_gone(pid: int) -> bool:

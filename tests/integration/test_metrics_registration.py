@@ -10,8 +10,8 @@ import time
 import httpx
 
 from actors.metrics import actor_metrics, keep_metrics_registered
-from control.names import metrics_key
-from control.registry import Registry
+from control.state.names import metrics_key
+from control.state.registry import Registry
 
 
 async def _wait_for(pred, timeout: float = 6.0) -> None:

@@ -1,4 +1,4 @@
-"""Per-role NATS users on a real nats-server (control/nats_roles.py): each internal role can publish and
+"""Per-role NATS users on a real nats-server (control/ops/nats_roles.py): each internal role can publish and
 subscribe on its own subjects, and gets a permission violation, with nothing delivered, outside them.
 
 The matrix publishes / subscribes every sample subject as every role and compares what the server let
@@ -16,8 +16,8 @@ from nats.js.api import KeyValueConfig
 
 from bus import subjects
 from bus.memory import subject_matches
-from control.embedded import EmbeddedNats
-from control.nats_roles import ROLES, role_passwords, role_permissions
+from control.ops.embedded import EmbeddedNats
+from control.ops.nats_roles import ROLES, role_passwords, role_permissions
 
 # Concrete subjects touching every role's lists (and some nobody but the operator may touch).
 SAMPLES = [

@@ -4,8 +4,8 @@ import uuid
 
 import pytest
 
-from control import names
-from control.registry import ModelManifest, Registry, parse_etcd_url
+from control.state import names
+from control.state.registry import ModelManifest, Registry, parse_etcd_url
 
 
 def _uniq(prefix: str) -> str:
@@ -157,7 +157,7 @@ async def test_watch_sees_put_and_delete(registry):
 
 
 async def test_watch_survives_etcd_restart(tmp_path):
-    from control.embedded import EmbeddedEtcd
+    from control.ops.embedded import EmbeddedEtcd
 
     etcd = EmbeddedEtcd(tmp_path)
     async with etcd:
@@ -190,7 +190,7 @@ async def test_watch_survives_etcd_restart(tmp_path):
 
 
 async def test_worker_lease_survives_brief_etcd_restart(tmp_path):
-    from control.embedded import EmbeddedEtcd
+    from control.ops.embedded import EmbeddedEtcd
 
     etcd = EmbeddedEtcd(tmp_path)
     async with etcd:

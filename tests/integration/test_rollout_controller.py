@@ -17,9 +17,9 @@ from pathlib import Path
 from bus import subjects
 from bus.messages import CompletionRecord
 from bus.nats_bus import NatsBus
-from control import names
-from control.rollout_controller import RolloutController
-from control.routing import RoutingTable, start_rollout
+from control.state import names
+from actors.rollout.actor import RolloutController
+from control.state.routing import RoutingTable, start_rollout
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["--window-s", "5", "--min-samples", "5", "--step-interval-s", "0.3"]
@@ -31,7 +31,7 @@ def _model() -> str:
 
 def cli(infra, *argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACTORSERVE_ETCD": infra.etcd_url, "ACTORSERVE_NATS": infra.nats_url}
-    return subprocess.run([sys.executable, "-m", "control.cli", "rollout", *argv], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "control.ops.cli", "rollout", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -151,7 +151,7 @@ async def test_controller_never_overwrites_a_concurrent_operator_edit(infra, reg
 
         async def get_json_rev(self, key):
             got = await self.reg.get_json_rev(key)
-            from control.routing import set_weight
+            from control.state.routing import set_weight
             edited = set_weight(RoutingTable.from_dict(got[0]), 7, by="cli", reasons=["operator"])
             await self.reg.put_json(key, edited.to_dict())
             return got
@@ -160,7 +160,7 @@ async def test_controller_never_overwrites_a_concurrent_operator_edit(infra, reg
     now = time.time() + 1
     for v in ("1", "2"):
         for i in range(5):
-            from control.rollout_policy import Sample
+            from control.policy.rollout import Sample
             ctl.add_sample(name, v, Sample(now - 0.5, "ok", 10.0, 5.0))
     assert await ctl.tick(now) == []  # the controller wanted to step, lost the race, wrote nothing
     assert ctl.last_decisions[name].action == "step"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bus.messages import CompletionRecord
-from control.tenants import TenantAdmin, TenantError
+from control.state.tenants import TenantAdmin, TenantError
 from gateway.auth import TenantCache
 from gateway.openai_format import ApiError
 
@@ -28,7 +28,7 @@ def _tid(prefix: str = "t") -> str:
 
 def _cli(infra, *argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACTORSERVE_ETCD": infra.etcd_url, "ACTORSERVE_NATS": infra.nats_url}
-    return subprocess.run([sys.executable, "-m", "control.cli", "tenants", *argv], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "control.ops.cli", "tenants", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -60,7 +60,7 @@ async def test_cli_manages_tenants(infra, registry):
 
 
 async def test_revocation_reaches_every_gateway_within_1s(infra, registry):
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     adm = TenantAdmin(registry)
     name = _tid("rev")

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 from actors.worker.actor import keep_registered
-from control.names import parse_model_ref
-from control.registry import Registry
+from control.state.names import parse_model_ref
+from control.state.registry import Registry
 
 
 async def test_worker_registers_again_after_losing_its_lease(infra):

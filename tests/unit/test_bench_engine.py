@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from control.cli import main
+from control.ops.cli import main
 from tests.engine_fixtures import write_tiny_llama_gguf
 
 

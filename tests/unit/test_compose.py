@@ -9,7 +9,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from control.cli import ACTOR_MODULES, build_parser  # noqa: E402
+from control.ops.cli import ACTOR_MODULES, build_parser  # noqa: E402
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 

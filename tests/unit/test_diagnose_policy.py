@@ -1,4 +1,4 @@
-"""Pure tests of control/diagnose_policy.py and the snapshot building of control/diagnose_cli.py."""
+"""Pure tests of control/policy/diagnose.py and the snapshot building of control/ops/diagnose_cli.py."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from control import diagnose_cli as cli
-from control import diagnose_policy as p
+from control.ops import diagnose_cli as cli
+from control.policy import diagnose as p
 
 
 def snap(*, v_cpu=0.05, v_lag=0.005, g_cpu=0.1, g_lag=0.005, workers=None, sched_queue=0.0, lat=None):

@@ -8,7 +8,7 @@ import pytest
 
 from actors.metrics import LabelLimiter, LagProbe, WorkerGauges, actor_identity, record_observations
 from bus.messages import WorkerStats
-from control.names import all_metrics_prefix, metrics_key
+from control.state.names import all_metrics_prefix, metrics_key
 
 
 def test_label_limiter_caps_distinct_values():

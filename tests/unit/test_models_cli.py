@@ -1,4 +1,4 @@
-"""``actorserve models ...`` (control/models_cli.py): parsing, manifest building, refusal rules; and the
+"""``actorserve models ...`` (control/ops/models_cli.py): parsing, manifest building, refusal rules; and the
 supervisor's reconciliation of running model versions with the registry (no etcd, no processes)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from control import models_cli
-from control.cli import build_parser
-from control.models_cli import (RegistryCommandError, build_manifest, manifest_changes, parse_option,
+from control.ops import models_cli
+from control.ops.cli import build_parser
+from control.ops.models_cli import (RegistryCommandError, build_manifest, manifest_changes, parse_option,
                                 retire_blocker)
-from control.routing import RoutingTable, promote, start_rollout
+from control.state.routing import RoutingTable, promote, start_rollout
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -143,7 +143,7 @@ class _FakeProc:
 
 @pytest.fixture
 def sup(tmp_path, monkeypatch):
-    from control.supervisor import Supervisor, manifest_fingerprint
+    from control.ops.supervisor import Supervisor, manifest_fingerprint
 
     s = Supervisor(tmp_path, port=8100, workers=1, model_name="tiny", watch_registry=False)
     s.stack = SimpleNamespace(nats_url="nats://127.0.0.1:1", etcd_url="http://127.0.0.1:2",
@@ -220,7 +220,7 @@ def test_reconcile_after_stop_does_nothing(sup):
 
 
 def test_version_worker_count():
-    from control.supervisor import version_worker_count
+    from control.ops.supervisor import version_worker_count
 
     assert version_worker_count({"workers": 3}, 1) == 3
     assert version_worker_count({"workers": 0}, 1) == 0
@@ -231,7 +231,7 @@ def test_version_worker_count():
 def test_models_cli_module_is_registered_in_one_call():
     import inspect
 
-    from control import cli
+    from control.ops import cli
 
     src = inspect.getsource(cli.build_parser)
     assert "add_models_commands(sub)" in src and "register-default" not in src

@@ -1,7 +1,7 @@
 import pytest
 
-from control import names
-from control.names import ModelRef, parse_model_ref, validate_name
+from control.state import names
+from control.state.names import ModelRef, parse_model_ref, validate_name
 
 
 @pytest.mark.parametrize("value", ["a", "0", "smollm2", "llama-3_8b", "v1", "a" * 128])

@@ -1,4 +1,4 @@
-"""Per-role NATS permissions (control/nats_roles.py): pure checks of the allow lists built from
+"""Per-role NATS permissions (control/ops/nats_roles.py): pure checks of the allow lists built from
 bus/subjects.py. The server-side behaviour is tested in tests/integration/test_nats_roles.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from bus import subjects
 from bus.nats_bus import default_inbox_prefix, redact
-from control import nats_roles
-from control.nats_roles import ROLES, any_of, role_permissions, role_users
+from control.ops import nats_roles
+from control.ops.nats_roles import ROLES, any_of, role_permissions, role_users
 
 
 def _all(role: str, op: str) -> list[str]:

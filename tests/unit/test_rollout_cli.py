@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from control.cli import ACTOR_MODULES, MODEL_ACTORS, build_parser
-from control.rollout_cli import analysis_from_args, format_status, parse_steps, status_report
-from control.routing import RoutingTable, set_weight, start_rollout
+from control.ops.cli import ACTOR_MODULES, MODEL_ACTORS, build_parser
+from control.ops.rollout_cli import analysis_from_args, format_status, parse_steps, status_report
+from control.state.routing import RoutingTable, set_weight, start_rollout
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -24,7 +24,7 @@ def rejects(capsys, *argv: str) -> str:
 
 
 def test_rollout_actor_is_registered_and_not_a_model_actor():
-    assert ACTOR_MODULES["rollout"] == "control.rollout_controller"
+    assert ACTOR_MODULES["rollout"] == "actors.rollout.actor"
     assert "rollout" not in MODEL_ACTORS
     a = parse("actor", "rollout", "--etcd", "http://127.0.0.1:1", "--interval-s", "0.2")
     assert a.actor_kind == "rollout" and a.interval_s == 0.2 and a.lease_ttl == 2

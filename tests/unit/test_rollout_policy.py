@@ -1,12 +1,12 @@
-"""Canary analysis rules (control/rollout_policy.py): pure, no I/O."""
+"""Canary analysis rules (control/policy/rollout.py): pure, no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
 from bus.messages import CompletionRecord
-from control.routing import RoutingTable, start_rollout
-from control.rollout_policy import (PolicyConfig, Sample, VersionWindow, analyse, itl_ms, next_weight, percentile,
+from control.state.routing import RoutingTable, start_rollout
+from control.policy.rollout import (PolicyConfig, Sample, VersionWindow, analyse, itl_ms, next_weight, percentile,
                                     sample_from_record, summarise, ttft_ms)
 
 T0 = 1_000_000.0
@@ -124,7 +124,7 @@ def test_healthy_canary_steps_after_the_interval_then_promotes():
 
 
 def test_step_interval_counts_from_the_last_decision():
-    from control.routing import set_weight
+    from control.state.routing import set_weight
     t = set_weight(table(), 25.0, by="controller", now=T0 + 12)
     assert analyse(t, samples(40, t=T0 + 13), samples(40, t=T0 + 13), CFG, T0 + 20).action == "wait"
     assert analyse(t, samples(40, t=T0 + 13), samples(40, t=T0 + 13), CFG, T0 + 22.5).weight == 50.0

@@ -1,10 +1,10 @@
-"""Routing table rules (control/routing.py) and gateway resolution through them (gateway/models.py)."""
+"""Routing table rules (control/state/routing.py) and gateway resolution through them (gateway/models.py)."""
 
 import uuid
 
 import pytest
 
-from control import routing as r
+from control.state import routing as r
 from gateway.models import ModelSnapshot
 from gateway.openai_format import ApiError
 

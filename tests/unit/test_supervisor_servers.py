@@ -1,16 +1,16 @@
 """Supervisor restarts a dead embedded server (etcd, nats-server) on its ports, within the restart budget
-(control/supervisor.py ``_restart_servers``); fakes stand in for the server processes."""
+(control/ops/supervisor.py ``_restart_servers``); fakes stand in for the server processes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
-from control.supervisor import Supervisor
+from control.ops.supervisor import Supervisor
 
 
 class FakeServer:
-    """What _restart_servers reads of a control.embedded server: name, port, pid, running, start()."""
+    """What _restart_servers reads of a control.ops.embedded server: name, port, pid, running, start()."""
 
     def __init__(self, name: str, fail: bool = False) -> None:
         self.name, self.port, self.pid, self.running, self.fail = name, 4222, 123, True, fail

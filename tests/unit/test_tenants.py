@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control.tenants import Tenant, TenantError, hash_key, key_matches, new_api_key, parse_bearer
+from control.state.tenants import Tenant, TenantError, hash_key, key_matches, new_api_key, parse_bearer
 from gateway.auth import unauthorized
 from gateway.idempotency import body_hash, record_key
 from gateway.quotas import _fmt_reset, _headers, _rpm_change, _window_sum
@@ -70,7 +70,7 @@ def test_fanned_out_records_count_one_request():
 
 
 def test_tenants_show_prints_no_hash():
-    from control.tenants_cli import _summary
+    from control.ops.tenants_cli import _summary
 
     t = Tenant.from_record("acme", {"keys": {"k1": {"hash": "sha256:aa", "nats_hash": "$2b$10$xyz", "prefix": "sk-as-AbCd",
                                                     "created": 1.0, "revoked": None}}})

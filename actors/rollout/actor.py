@@ -2,10 +2,10 @@
 
 Listens to every completion record (``as.int.done.*.*``), keeps a sliding window of samples per model
 version, and for every model whose routing table (``/actorserve/models/{name}/routing``) is in state
-``canary`` runs :func:`control.rollout_policy.analyse` every ``--interval-s`` (0.5 s): a healthy canary's
+``canary`` runs :func:`control.policy.rollout.analyse` every ``--interval-s`` (0.5 s): a healthy canary's
 weight is stepped through ``table.steps`` and finally promoted, a canary worse than stable beyond the
 thresholds is rolled back. Each edit is a compare-and-swap write of the routing key (etcd mod_revision),
-made with control/routing.py's ``set_weight`` / ``promote`` / ``rollback`` (``by="controller"``, the
+made with control/state/routing.py's ``set_weight`` / ``promote`` / ``rollback`` (``by="controller"``, the
 decision's reasons), so an operator's concurrent edit is never overwritten: a lost race re-reads and
 re-decides on the next tick.
 
@@ -29,11 +29,11 @@ from typing import Any
 from bus import subjects
 from bus.base import Msg
 from bus.messages import CompletionRecord
-from control import names
-from control.election import campaign
-from control.rollout_policy import (Decision, PolicyConfig, Sample, VersionWindow, analyse,
+from control.state import names
+from control.state.election import campaign
+from control.policy.rollout import (Decision, PolicyConfig, Sample, VersionWindow, analyse,
                                     sample_from_record)
-from control.routing import RoutingTable, promote, rollback, set_weight
+from control.state.routing import RoutingTable, promote, rollback, set_weight
 
 log = logging.getLogger("actorserve.rollout")
 
@@ -44,7 +44,7 @@ MAX_RETENTION_S = 3600.0  # samples are never kept longer than this, whatever a 
 class RolloutController:
     """Windows of completion samples plus the analysis loop. ``start()`` / ``stop()``.
 
-    ``registry``: a control.registry.Registry; ``bus``: a bus.base.Bus. With ``elect=False`` the
+    ``registry``: a control.state.registry.Registry; ``bus``: a bus.base.Bus. With ``elect=False`` the
     controller acts without an election (tests of one replica)."""
 
     def __init__(self, bus, registry, *, interval_s: float = 0.5, controller_id: str | None = None,
@@ -236,7 +236,7 @@ async def main(args: argparse.Namespace) -> None:
     """Run the controller until cancelled; on stop, resign so a standby takes over at once."""
     from actors.runtime import resolve_endpoints
     from bus.nats_bus import NatsBus
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     nats_url, etcd_url = resolve_endpoints(args)
     async with Registry.connect(etcd_url) as reg:

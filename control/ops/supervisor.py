@@ -1,7 +1,7 @@
 """``actorserve up``: the embedded stack and one OS process per actor, supervised.
 
-:class:`Supervisor` does the work; the CLI's ``up`` verb (control/up.py ``main_up``) wraps it with
-signal handling and terminal output; control/deploy.py has the model registration it performs. Tests use the class directly::
+:class:`Supervisor` does the work; the CLI's ``up`` verb (control/ops/up.py ``main_up``) wraps it with
+signal handling and terminal output; control/ops/deploy.py has the model registration it performs. Tests use the class directly::
 
     sup = Supervisor(tmp_path / "state", port=free_port(), model_file=tiny_gguf,
                      actor_args={"worker": ["--kv-cache-bytes", "8000000"]})
@@ -15,7 +15,7 @@ signal handling and terminal output; control/deploy.py has the model registratio
 Layout under the state directory: ``endpoints.json``, ``pids.json``, ``logs/<actor>-<n>.log``
 (plus ``logs/nats.log``, ``logs/etcd.log``), ``nats/`` (JetStream store) and ``etcd/`` (data).
 
-Every actor runs as ``python -m control.cli actor KIND ...`` in its own process group; the
+Every actor runs as ``python -m control.ops.cli actor KIND ...`` in its own process group; the
 supervisor signals only those groups (and the embedded servers' groups), never anything by name.
 """
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from control.deploy import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, _run_coro,  # noqa: F401 (re-exported)
+from control.ops.deploy import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, _run_coro,  # noqa: F401 (re-exported)
                             ensure_dev_tenant, manifest_fingerprint, model_manifest,
                             register_model, start_nats_user_sync, version_worker_count)
 
@@ -50,7 +50,7 @@ PIDS_FILE = "pids.json"
 # Stop order: the rollout controller first (no decisions while the stack goes away), then the edges
 # (no new traffic), then the pipeline front to back.
 STOP_ORDER = ("rollout", "gateway", "jobs", "validator", "scheduler", "worker")
-# Start order: the slow loaders first, the edges last. A kind missing from control.cli.ACTOR_MODULES
+# Start order: the slow loaders first, the edges last. A kind missing from actors.kinds.ACTOR_MODULES
 # (e.g. "rollout" before its actor exists) is skipped.
 START_ORDER = ("worker", "scheduler", "validator", "jobs", "rollout", "gateway")
 # Actors that serve one model version (started and drained as versions come and go).
@@ -178,7 +178,7 @@ class Supervisor:
         watch_registry: bool = True,
         registry_poll_s: float = 0.5,
     ) -> None:
-        from control.names import validate_name
+        from control.state.names import validate_name
 
         if gateways < 1:
             raise ValueError("gateways must be >= 1")
@@ -208,7 +208,7 @@ class Supervisor:
         self.watch_registry = bool(watch_registry)
         self.registry_poll_s = float(registry_poll_s)
 
-        self.stack: Any = None  # control.embedded.EmbeddedStack once started
+        self.stack: Any = None  # control.ops.embedded.EmbeddedStack once started
         self.gateway_ports: list[int] = []
         self.actors: list[ActorProcess] = []
         self.manifest: dict[str, Any] | None = None
@@ -299,7 +299,7 @@ class Supervisor:
             )
 
     def _choose_ports(self) -> None:
-        from control.ports import free_ports, port_open
+        from control.ops.ports import free_ports, port_open
 
         if self.port == 0:
             self.gateway_ports = free_ports(self.gateways, _probe_host(self.host))
@@ -323,7 +323,7 @@ class Supervisor:
         gateways last) and writes ``pids.json``. On any failure everything started so far is
         stopped and the error re-raised (SupervisorError, FileNotFoundError, ValueError, ...).
         """
-        from control.embedded import EmbeddedStack, write_endpoints
+        from control.ops.embedded import EmbeddedStack, write_endpoints
 
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
@@ -362,7 +362,7 @@ class Supervisor:
 
     def _base_argv(self, kind: str) -> list[str]:
         argv = [
-            self.python, "-m", "control.cli", "actor", kind,
+            self.python, "-m", "control.ops.cli", "actor", kind,
             "--etcd", self.stack.etcd_url,
             "--state-dir", str(self.state_dir),
         ]
@@ -371,7 +371,7 @@ class Supervisor:
         return argv
 
     def _build_actors(self) -> None:
-        from control.cli import ACTOR_MODULES
+        from actors.kinds import ACTOR_MODULES
 
         ref = self.model_ref
         actors: list[ActorProcess] = []
@@ -422,10 +422,10 @@ class Supervisor:
         env["PYTHONUNBUFFERED"] = "1"
         env["ACTORSERVE_STATE_DIR"] = str(self.state_dir)
         if self.stack is not None:  # in the environment, not argv: the URL carries the role's NATS password
-            from control.nats_roles import KIND_ROLES
+            from control.ops.nats_roles import KIND_ROLES
             role = KIND_ROLES.get(kind or "")
             env["ACTORSERVE_NATS"] = self.stack.nats.role_url(role) if role else self.stack.nats_url
-        # `python -m control.cli` must import this checkout even when it is not installed.
+        # `python -m control.ops.cli` must import this checkout even when it is not installed.
         pp = env.get("PYTHONPATH", "")
         parts = [p for p in pp.split(os.pathsep) if p]
         if str(_REPO_ROOT) not in parts:
@@ -646,7 +646,7 @@ class Supervisor:
     async def _watch_registry(self) -> None:
         """Poll the registry every ``registry_poll_s`` s (one connection, reopened after errors) and
         reconcile the running model versions with it until :meth:`stop`."""
-        from control.registry import Registry
+        from control.state.registry import Registry
 
         reg = None
         allowed: set[str] | None = None  # model names the dev tenant was given (start() did the first)
@@ -672,7 +672,7 @@ class Supervisor:
                 new_names = set(models) - allowed
                 if new_names and self.dev_api_key:
                     try:
-                        from control.tenants import TenantAdmin
+                        from control.state.tenants import TenantAdmin
 
                         await TenantAdmin(reg).ensure_dev_tenant(self.state_dir, sorted(new_names))
                         allowed |= new_names
@@ -688,14 +688,14 @@ class Supervisor:
 
     def reconcile(self, models: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> tuple[list[str], list[str]]:
         """Make the running model versions match the registry listing ``models``
-        (``{name: {version: manifest}}``, as :meth:`control.registry.Registry.list_models` returns).
+        (``{name: {version: manifest}}``, as :meth:`control.state.registry.Registry.list_models` returns).
 
         Starts the scheduler and workers of every valid active version not running yet; drains (and
         forgets) those of versions that are gone, no longer active or whose manifest changed (a
         changed active one is then started again). Returns ``(started, stopped)`` refs. Called by the
         registry watch; safe to call from any thread. Does nothing once :meth:`stop` began.
         """
-        from control.registry import ModelManifest
+        from control.state.registry import ModelManifest
 
         desired: dict[str, tuple[str, int]] = {}
         for name, versions in models.items():

@@ -12,7 +12,7 @@ Stored as JSON at ``/actorserve/models/{name}/routing`` (ARCHITECTURE.md). Recor
   (percent, ascending, last one 100 = promote), e.g. ``[5, 25, 50, 100]``.
 * ``last_good``: the stable version before the rollout started (a rollback returns traffic to ``stable``,
   which is unchanged during a rollout; ``last_good`` is kept for ``promote`` followed by ``rollback``).
-* ``analysis``: rollout controller thresholds (see control/rollout_policy.py); {} means defaults.
+* ``analysis``: rollout controller thresholds (see control/policy/rollout.py); {} means defaults.
 * ``decisions``: newest last, at most MAX_DECISIONS: ``{"ts", "action", "by", "weight", "reasons"}``.
 * ``started_at`` / ``updated_at``: unix seconds.
 
@@ -75,7 +75,7 @@ class RoutingTable:
     updated_at: float | None = None
 
     def __post_init__(self) -> None:
-        from control.names import validate_name
+        from control.state.names import validate_name
         for fname in ("stable", "canary", "last_good"):
             v = getattr(self, fname)
             if v is not None:

@@ -1,4 +1,4 @@
-"""``actorserve up``: run a :class:`control.supervisor.Supervisor` in the foreground with signal handling
+"""``actorserve up``: run a :class:`control.ops.supervisor.Supervisor` in the foreground with signal handling
 and terminal output."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from control.supervisor import START_ORDER, Supervisor, SupervisorError
+from control.ops.supervisor import START_ORDER, Supervisor, SupervisorError
 
 
 def _read(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""``actorserve tenants ...``: tenant and API key management (etcd through control.tenants).
+"""``actorserve tenants ...``: tenant and API key management (etcd through control.state.tenants).
 
     actorserve tenants create NAME [--allow-models M1,M2]
     actorserve tenants list [--json]
@@ -93,8 +93,8 @@ def add_tenant_commands(sub: Any) -> None:
 
 
 def _run(func, args: argparse.Namespace) -> int:
-    from control.registry import Registry
-    from control.tenants import TenantAdmin, TenantError
+    from control.state.registry import Registry
+    from control.state.tenants import TenantAdmin, TenantError
 
     _, etcd_url = resolve_endpoints(args, need_nats=False)
 

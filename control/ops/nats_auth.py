@@ -1,5 +1,5 @@
 """NATS users of the embedded nats-server: the internal (operator) user, one user per internal role
-(control/nats_roles.py: the actors connect as these), one user per tenant API key.
+(control/ops/nats_roles.py: the actors connect as these), one user per tenant API key.
 
 The internal user ``actorserve`` may do anything; its URL is in the 0600 ``endpoints.json`` for operators,
 CLI tools and tests, and no actor started by the supervisor gets it (each gets its role's URL).
@@ -8,7 +8,7 @@ Isolation (issue #5 item 7): a tenant's NATS user may publish only to the public
 (``as.api.v1.chat|completions|cancel``) and subscribe only to its own inbox prefix ``_INBOX.<tenant>.>``
 (ARCHITECTURE.md), so it can neither read another tenant's token streams nor reach internal subjects.
 The user name is the key id, the password the API key itself, stored as a bcrypt hash in the key's
-tenant record (``nats_hash``; control/tenants.py). The gateway still authenticates the API key sent in
+tenant record (``nats_hash``; control/state/tenants.py). The gateway still authenticates the API key sent in
 the request's ``Authorization`` header and checks that the reply subject lies under that tenant's inbox
 prefix, so a tenant cannot charge or answer into another tenant's inbox either.
 
@@ -55,7 +55,7 @@ def tenant_users(tenants: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
 def authorization_block(internal_password: str, users: list[dict[str, Any]],
                         role_users: list[dict[str, Any]] = ()) -> str:
     """The ``authorization { users = [...] }`` section: the internal (operator) user (everything), the
-    internal roles' users (control/nats_roles.py ``role_users``) and the tenant ``users``."""
+    internal roles' users (control/ops/nats_roles.py ``role_users``) and the tenant ``users``."""
     internal = {"user": INTERNAL_USER, "password": internal_password,
                 "permissions": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}}
     return "authorization " + json.dumps({"users": [internal, *role_users, *users]}, indent=1) + "\n"

@@ -4,11 +4,11 @@ Verbs::
 
     actorserve up [--state-dir DIR] [--host H] [--port P] [--gateways N] [--workers N] [--model-file PATH]
     actorserve actor {gateway,validator,scheduler,worker} [--nats URL] [--etcd URL] [actor options]
-    actorserve models {register,list,show,retire,register-default} ...   (control/models_cli.py)
+    actorserve models {register,list,show,retire,register-default} ...   (control/ops/models_cli.py)
     actorserve status [--state-dir DIR] [--json]
     actorserve tenants {create,list,show,keys,set-quota,allow-models,priority,set-weight} ...
-    actorserve rollout {start,set-weight,promote,rollback,status} NAME ...   (control/rollout_cli.py)
-    actorserve diagnose [--state-dir DIR | --etcd URL] [--json] [--window-s S]   (control/diagnose_cli.py)
+    actorserve rollout {start,set-weight,promote,rollback,status} NAME ...   (control/ops/rollout_cli.py)
+    actorserve diagnose [--state-dir DIR | --etcd URL] [--json] [--window-s S]   (control/ops/diagnose_cli.py)
 
 Building the parser imports no actor module (``actorserve --help`` stays fast and torch-free); the
 actor verbs load their module only when that verb is parsed (or its help is shown): the module's
@@ -30,35 +30,18 @@ from typing import Any
 
 from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, log_level_type,
                             metrics_arguments, resolve_endpoints, run_actor_main, state_dir_of)
-from control.argtypes import non_negative_int as _non_negative_int
-from control.nats_auth import redact_url
-from control.argtypes import positive_int as _positive_int
+from control.ops.argtypes import non_negative_int as _non_negative_int
+from control.ops.nats_auth import redact_url
+from control.ops.argtypes import positive_int as _positive_int
 
 PROG = "actorserve"
 
-#: actor kind -> module exposing add_arguments(parser) and async main(args)
-ACTOR_MODULES = {
-    "gateway": "gateway.actor",
-    "validator": "actors.validator.actor",
-    "scheduler": "actors.scheduler.actor",
-    "worker": "actors.worker.actor",
-    "jobs": "actors.jobs.actor",
-    "rollout": "control.rollout_controller",
-}
-ACTOR_HELP = {
-    "gateway": "HTTP (OpenAI-compatible) and NATS API edge",
-    "validator": "chat templating, tokenization and request validation (queue group)",
-    "scheduler": "fair queues, admission and dispatch for one model version",
-    "worker": "loads one model version and runs the engine",
-    "jobs": "runs durable async jobs (JetStream) at batch priority",
-    "rollout": "canary analysis: steps, promotes or rolls back rollouts (etcd election, one active)",
-}
-MODEL_ACTORS = ("scheduler", "worker")
+from actors.kinds import ACTOR_HELP, ACTOR_MODULES, MODEL_ACTORS  # noqa: E402,F401 (re-exported)
 
 
 def model_version_ref(value: str) -> str:
     """argparse type for ``--model NAME@VERSION``: validates and returns the string unchanged."""
-    from control.names import parse_model_ref
+    from control.state.names import parse_model_ref
 
     try:
         ref = parse_model_ref(value)
@@ -213,22 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_cmd_actor)
 
     # -- models -----------------------------------------------------------------------------
-    from control.models_cli import add_models_commands
+    from control.ops.models_cli import add_models_commands
 
     add_models_commands(sub)
 
     # -- tenants ----------------------------------------------------------------------------
-    from control.tenants_cli import add_tenant_commands
+    from control.ops.tenants_cli import add_tenant_commands
 
     add_tenant_commands(sub)
 
     # -- rollout ----------------------------------------------------------------------------
-    from control.rollout_cli import add_rollout_commands
+    from control.ops.rollout_cli import add_rollout_commands
 
     add_rollout_commands(sub)
 
     # -- diagnose ---------------------------------------------------------------------------
-    from control.diagnose_cli import add_diagnose_command
+    from control.ops.diagnose_cli import add_diagnose_command
 
     add_diagnose_command(sub)
 
@@ -301,7 +284,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from control.up import main_up
+    from control.ops.up import main_up
 
     return main_up(args)
 
@@ -329,8 +312,8 @@ def _cmd_actor(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from control.registry import Registry
-    from control.supervisor import PIDS_FILE, _pid_alive, http_status
+    from control.state.registry import Registry
+    from control.ops.supervisor import PIDS_FILE, _pid_alive, http_status
 
     state_dir = state_dir_of(args)
     nats_url, etcd_url = resolve_endpoints(args, need_nats=False)
@@ -399,7 +382,7 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``actorserve`` console script (and ``python -m control.cli``)."""
+    """Entry point of the ``actorserve`` console script (and ``python -m control.ops.cli``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -26,7 +26,7 @@ Each role may subscribe to its own inbox ``_INBOX_<role>.>`` (replies to its req
 replies, consumer deliveries) and, where it serves requests, answer them (``allow_responses``: one
 reply to the reply subject of each request it received, whoever sent it). JetStream API subjects
 (``$JS.API.>``, ``$JS.ACK.<stream>.>``, ``$JS.FC.>``, ``$KV.<bucket>.>``, ``$O.<bucket>.>``) only for
-``gateway``, ``scheduler`` and ``jobs``. Tenant users are unchanged (control/nats_auth.py).
+``gateway``, ``scheduler`` and ``jobs``. Tenant users are unchanged (control/ops/nats_auth.py).
 
 Passwords: one random password per role, kept (mode 0600) in ``<state-dir>/nats-role-passwords.json``
 and in the 0600 server config; the supervisor hands each actor its role's URL in the environment
@@ -47,7 +47,7 @@ from bus import subjects
 ROLES = ("gateway", "validator", "scheduler", "worker", "jobs", "control")
 ROLE_PASSWORDS_FILE = "nats-role-passwords.json"
 
-# Supervisor actor kinds (control/cli.py ACTOR_MODULES) -> NATS role.
+# Supervisor actor kinds (actors/kinds.py ACTOR_MODULES) -> NATS role.
 KIND_ROLES = {"gateway": "gateway", "validator": "validator", "scheduler": "scheduler", "worker": "worker",
               "jobs": "jobs", "rollout": "control", "autoscaler": "control"}
 

@@ -28,7 +28,7 @@ import aetcd
 import aetcd.exceptions
 import orjson
 
-from control import names
+from control.state import names
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ class WorkerLease:
 
 
 class Registry:
-    """Typed access to the actorserve keys in etcd (see control.names for the layout).
+    """Typed access to the actorserve keys in etcd (see control.state.names for the layout).
 
     Create with ``async with Registry.connect(url) as reg`` (or ``await Registry.open(url)`` and
     ``await reg.close()``). ``timeout`` bounds every call, in seconds.
@@ -561,8 +561,8 @@ class Registry:
     async def ensure_stable(self, name: str, version: str) -> str:
         """Make ``version`` the routing table's stable version unless the table already names one; return
         the stable version. The first registered version of a model thus takes its traffic, and later
-        versions take none until a rollout or promote (control/routing.py)."""
-        from control.routing import RoutingTable
+        versions take none until a rollout or promote (control/state/routing.py)."""
+        from control.state.routing import RoutingTable
         key = names.routing_key(name)
         for _ in range(20):
             rec, rev = await self.get_json_rev(key)

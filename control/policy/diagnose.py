@@ -1,6 +1,6 @@
 """Pure policy of ``actorserve diagnose``: figures of each tier in, a verdict out (no I/O).
 
-:func:`diagnose` takes a :class:`Snapshot` (what ``control/diagnose_cli.py`` scraped from every actor's
+:func:`diagnose` takes a :class:`Snapshot` (what ``control/ops/diagnose_cli.py`` scraped from every actor's
 ``/metrics`` over a window, plus the CPU use of each actor process) and returns a :class:`Diagnosis`:
 
 - the **latency breakdown**: mean seconds and share of the request's total time spent in each stage,

@@ -122,7 +122,7 @@ async def register_model(etcd_url: str, manifest: Mapping[str, Any]) -> dict[str
 
     Returns the stored manifest as a dict. Raises ValueError for an invalid manifest.
     """
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     async with Registry.connect(etcd_url) as reg:
         stored = await reg.put_model_version(str(manifest["name"]), str(manifest["version"]), manifest)
@@ -133,24 +133,24 @@ async def register_model(etcd_url: str, manifest: Mapping[str, Any]) -> dict[str
 async def ensure_dev_tenant(etcd_url: str, state_dir: Path) -> str:
     """Create (or update) the development tenant ``dev``, allowed every registered model name, whose
     key is kept in ``<state_dir>/dev-api-key`` (created once, reused by later runs). Returns the key."""
-    from control.registry import Registry
-    from control.tenants import TenantAdmin
+    from control.state.registry import Registry
+    from control.state.tenants import TenantAdmin
 
     async with Registry.connect(etcd_url) as reg:
         return await TenantAdmin(reg).ensure_dev_tenant(state_dir, sorted(await reg.list_models()))
 
 
 async def _tenant_records(etcd_url: str) -> dict[str, Any]:
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     async with Registry.connect(etcd_url) as reg:
         return await reg.list_tenants()
 
 
 def start_nats_user_sync(stack: Any) -> Any:
-    """Keep the embedded nats-server's tenant users in step with etcd (control/nats_auth.py); returns
+    """Keep the embedded nats-server's tenant users in step with etcd (control/ops/nats_auth.py); returns
     the running TenantUserSync (``stop()`` it)."""
-    from control.nats_auth import TenantUserSync
+    from control.ops.nats_auth import TenantUserSync
 
     return TenantUserSync(lambda: _run_coro(_tenant_records(stack.etcd_url)), stack.nats.set_tenant_users).start()
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from control import names
+from control.state import names
 
 PRIORITY_CLASSES = ("interactive", "batch")
 QUOTA_FIELDS = ("rpm", "tpm", "concurrency", "daily_tokens")
@@ -112,7 +112,7 @@ class Tenant:
 
 
 class TenantAdmin:
-    """Tenant management on a connected :class:`control.registry.Registry` (used by the CLI and ``up``)."""
+    """Tenant management on a connected :class:`control.state.registry.Registry` (used by the CLI and ``up``)."""
 
     def __init__(self, registry) -> None:
         self.reg = registry

@@ -272,7 +272,7 @@ def next_weight(steps: Iterable[float], weight: float) -> float:
 
 def analyse(table: Any, stable_samples: Iterable[Sample], canary_samples: Iterable[Sample],
             config: PolicyConfig, now: float) -> Decision:
-    """Decide on a running rollout (``table``: a control.routing.RoutingTable in state "canary").
+    """Decide on a running rollout (``table``: a control.state.routing.RoutingTable in state "canary").
 
     ``stable_samples`` / ``canary_samples``: samples of the table's stable and canary versions (any age;
     those outside the window or before ``table.started_at`` are ignored). Pure: same inputs, same output.

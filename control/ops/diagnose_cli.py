@@ -1,10 +1,10 @@
 """``actorserve diagnose``: scrape every actor's ``/metrics`` twice, print where time goes and what saturates.
 
-The thin shell around :mod:`control.diagnose_policy`: it lists the metrics endpoints registered in etcd
+The thin shell around :mod:`control.policy.diagnose`: it lists the metrics endpoints registered in etcd
 (``/actorserve/metrics/{kind}/{id}``), scrapes each one at the start and at the end of ``--window-s``
 seconds, reads each local actor's CPU time from ``/proc/<pid>/stat`` at the same moments (falling back to
-its ``process_cpu_seconds_total``), builds a :class:`~control.diagnose_policy.Snapshot` and prints the
-:class:`~control.diagnose_policy.Diagnosis` (``--json`` for machine-readable output).
+its ``process_cpu_seconds_total``), builds a :class:`~control.policy.diagnose.Snapshot` and prints the
+:class:`~control.policy.diagnose.Diagnosis` (``--json`` for machine-readable output).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlparse
 
-from control import diagnose_policy as policy
+from control.policy import diagnose as policy
 
 SCRAPE_TIMEOUT_S = 3.0
 HISTOGRAMS = {  # Latency field -> gateway histogram
@@ -70,8 +70,8 @@ def _positive_float(value: str) -> float:
 
 async def registered_endpoints(etcd_url: str) -> list[dict[str, Any]]:
     """Every ``{"url", "kind", "id", "pid"}`` registered under ``/actorserve/metrics/``."""
-    from control.names import all_metrics_prefix
-    from control.registry import Registry
+    from control.state.names import all_metrics_prefix
+    from control.state.registry import Registry
 
     async with Registry.connect(etcd_url) as reg:
         found = await reg.get_prefix_json(all_metrics_prefix())

@@ -1,4 +1,4 @@
-"""``actorserve models ...``: the model registry from the command line (etcd through control.registry).
+"""``actorserve models ...``: the model registry from the command line (etcd through control.state.registry).
 
     actorserve models register NAME VERSION --artifact PATH [--format gguf] [--quantization Q]
                                [--context-length N] [--memory-bytes N] [--chat-template gguf|TEMPLATE|@FILE]
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from actors.runtime import common_arguments, resolve_endpoints
-from control.argtypes import non_negative_int as _non_negative_int
-from control.argtypes import positive_int as _positive_int
+from control.ops.argtypes import non_negative_int as _non_negative_int
+from control.ops.argtypes import positive_int as _positive_int
 
 PROG = "actorserve"
 
@@ -65,7 +65,7 @@ def parse_default(value: str) -> tuple[str, Any]:
 
     The value is read as JSON when it parses (``temperature=0.7`` -> 0.7, ``stop=["\\n"]`` -> a list),
     else kept as a string (``stop=END`` -> ``"END"``). The key and the type are checked later by
-    :class:`control.registry.ModelManifest` (unknown keys are refused there, naming ``defaults.KEY``).
+    :class:`control.state.registry.ModelManifest` (unknown keys are refused there, naming ``defaults.KEY``).
     """
     key, raw = _split_pair(value, "--default")
     try:
@@ -106,7 +106,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     ``--chat-template @FILE`` reads the template from FILE. Raises :class:`RegistryCommandError`
     (status 2) naming the field at fault: unsupported format, missing artifact, bad defaults, ...
     """
-    from control.registry import ModelManifest
+    from control.state.registry import ModelManifest
 
     fmt = args.format
     artifact = str(Path(args.artifact).expanduser().resolve()) if args.artifact else ""
@@ -130,7 +130,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     if not os.path.isfile(artifact):
         raise RegistryCommandError(f"artifact {artifact} does not exist (or is not a file)")
     if fmt == "gguf":
-        from control.deploy import _gguf_facts, check_gguf
+        from control.ops.deploy import _gguf_facts, check_gguf
 
         try:
             check_gguf(artifact)
@@ -161,7 +161,7 @@ def retire_blocker(name: str, version: str, routing: Mapping[str, Any] | None) -
     The routing table's stable version and the canary of a running rollout still take traffic:
     the operator rolls back or promotes first (or passes ``--force``).
     """
-    from control.routing import RoutingTable
+    from control.state.routing import RoutingTable
 
     try:
         table = RoutingTable.from_dict(routing)
@@ -266,7 +266,7 @@ def _fail(message: str, status: int) -> int:
 
 def _with_registry(args: argparse.Namespace, func) -> int:
     """Run ``await func(registry)`` against the stack's etcd; map errors to exit statuses."""
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     _, etcd_url = resolve_endpoints(args, need_nats=False)
 
@@ -288,7 +288,7 @@ def _with_registry(args: argparse.Namespace, func) -> int:
 
 
 def _cmd_models_register(args: argparse.Namespace) -> int:
-    from control import names
+    from control.state import names
 
     try:
         manifest = build_manifest(args)
@@ -327,7 +327,7 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_retire(args: argparse.Namespace) -> int:
-    from control import names
+    from control.state import names
 
     ref = f"{args.name}@{args.version}"
     try:
@@ -362,7 +362,7 @@ def _version_key(v: str) -> tuple[int, str]:
 
 
 def _cmd_models_show(args: argparse.Namespace) -> int:
-    from control.routing import RoutingTable
+    from control.state.routing import RoutingTable
 
     async def go(reg) -> int:
         versions = await reg.list_model_versions(args.name)
@@ -454,7 +454,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_register_default(args: argparse.Namespace) -> int:
-    from control.deploy import model_manifest, register_model
+    from control.ops.deploy import model_manifest, register_model
 
     _, etcd_url = resolve_endpoints(args, need_nats=False)
     try:

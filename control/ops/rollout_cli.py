@@ -10,7 +10,7 @@
     actorserve rollout status NAME [--json]
 
 Every edit reads ``/actorserve/models/{name}/routing`` with its mod_revision, applies one of
-control/routing.py's edits (``by="cli"``) and writes it back only if nobody (another operator, the
+control/state/routing.py's edits (``by="cli"``) and writes it back only if nobody (another operator, the
 rollout controller) wrote in between; otherwise it re-reads and re-applies (which may then refuse, e.g.
 "no rollout is running" after the controller rolled back). Errors: a message on stderr, exit 2 (refused)
 or 1 (etcd unreachable).
@@ -31,7 +31,7 @@ from actors.runtime import common_arguments, resolve_endpoints
 
 CAS_ATTEMPTS = 5
 
-# CLI option -> analysis key (control/rollout_policy.py PolicyConfig), with its argparse type
+# CLI option -> analysis key (control/policy/rollout.py PolicyConfig), with its argparse type
 ANALYSIS_OPTIONS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--window-s", "window_s", float, "sliding window of samples, seconds (default 30)"),
     ("--min-samples", "min_samples", int, "requests per side before comparing (default 20)"),
@@ -51,7 +51,7 @@ class RolloutError(Exception):
 
 def parse_steps(value: str) -> list[float]:
     """argparse type of ``--steps``: comma-separated ascending percentages ending at 100."""
-    from control.routing import _check_steps
+    from control.state.routing import _check_steps
 
     try:
         return list(_check_steps([float(s) for s in value.split(",") if s.strip()]))
@@ -72,8 +72,8 @@ def parse_weight(value: str) -> float:
 
 def analysis_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``analysis`` dict of ``rollout start``: only the options given (the rest stay defaults).
-    ValueError when a value is out of range (checked by control.rollout_policy.PolicyConfig)."""
-    from control.rollout_policy import PolicyConfig
+    ValueError when a value is out of range (checked by control.policy.rollout.PolicyConfig)."""
+    from control.policy.rollout import PolicyConfig
 
     analysis = {key: getattr(args, key) for _, key, _, _ in ANALYSIS_OPTIONS if getattr(args, key, None) is not None}
     if getattr(args, "manual", False):
@@ -121,7 +121,7 @@ def add_rollout_commands(sub: Any) -> None:
 
 def run(func, args: argparse.Namespace) -> int:
     """Run one subcommand against etcd; refused edits and bad input print to stderr and return 2."""
-    from control.registry import Registry
+    from control.state.registry import Registry
 
     etcd_url = "?"
     try:
@@ -150,8 +150,8 @@ async def _active_versions(reg, name: str) -> dict[str, dict[str, Any]]:
 async def cas_edit(reg, name: str, edit: Callable[[Any], Any]) -> Any:
     """Read the routing table of ``name``, apply ``edit`` (RoutingTable -> RoutingTable) and write it back
     only if unchanged meanwhile; retried on a lost race. Returns the written table."""
-    from control.names import routing_key
-    from control.routing import RoutingTable
+    from control.state.names import routing_key
+    from control.state.routing import RoutingTable
 
     key = routing_key(name)
     for _ in range(CAS_ATTEMPTS):
@@ -164,8 +164,8 @@ async def cas_edit(reg, name: str, edit: Callable[[Any], Any]) -> Any:
 
 
 async def _start(reg, args) -> int:
-    from control.names import validate_name
-    from control.routing import DEFAULT_STEPS, start_rollout
+    from control.state.names import validate_name
+    from control.state.routing import DEFAULT_STEPS, start_rollout
     from gateway.models import version_order
 
     validate_name("model name", args.name)
@@ -209,7 +209,7 @@ async def _start(reg, args) -> int:
 
 
 async def _set_weight(reg, args) -> int:
-    from control.routing import set_weight
+    from control.state.routing import set_weight
 
     t = await cas_edit(reg, args.name, lambda tb: set_weight(tb, args.weight, by="cli",
                                                              reasons=[f"operator set the weight to {args.weight:g}%"]))
@@ -218,7 +218,7 @@ async def _set_weight(reg, args) -> int:
 
 
 async def _promote(reg, args) -> int:
-    from control.routing import promote
+    from control.state.routing import promote
 
     t = await cas_edit(reg, args.name, lambda tb: promote(tb, by="cli"))
     print(f"{args.name}@{t.stable} promoted: it is the stable version now (previous: {t.last_good})")
@@ -226,7 +226,7 @@ async def _promote(reg, args) -> int:
 
 
 async def _rollback(reg, args) -> int:
-    from control.routing import rollback
+    from control.state.routing import rollback
 
     t = await cas_edit(reg, args.name, lambda tb: rollback(tb, by="cli"))
     print(f"{args.name}: rolled back; all traffic to {args.name}@{t.stable}" if t.stable else
@@ -242,7 +242,7 @@ def _when(ts: Any) -> str:
 
 def status_report(name: str, table: Any, active: list[str]) -> dict[str, Any]:
     """The ``rollout status --json`` document: the routing record plus effective analysis settings."""
-    from control.rollout_policy import PolicyConfig
+    from control.policy.rollout import PolicyConfig
 
     d = table.to_dict()
     try:
@@ -287,8 +287,8 @@ def format_status(report: dict[str, Any], now: float | None = None) -> str:
 
 
 async def _status(reg, args) -> int:
-    from control.names import validate_name
-    from control.routing import RoutingTable
+    from control.state.names import validate_name
+    from control.state.routing import RoutingTable
     from gateway.models import version_order
 
     validate_name("model name", args.name)
