@@ -1,7 +1,8 @@
 """The small runtime every actor process shares: options, endpoint discovery, logging, run loop.
 
-An actor module (``actors.validator.actor``, ``actors.scheduler.actor``, ``actors.worker.actor``,
-``gateway.actor``) exposes ``add_arguments(parser)`` and ``async def main(args)``. The CLI
+An actor module (``actors.kinds.ACTOR_MODULES``) exposes ``add_arguments(parser)`` and ``async def
+main(args)``, which runs the shared skeleton :func:`actors.serve.serve` (registry and bus on a context,
+the actor's parts, closers in reverse order, bounded and shielded). The CLI
 (``actorserve actor KIND ...``) adds :func:`common_arguments`, resolves the endpoints with
 :func:`resolve_endpoints` and hands ``main`` to :func:`run_actor_main`, which
 

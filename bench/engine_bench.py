@@ -356,6 +356,9 @@ def print_table(r: dict, log=print) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``actorserve bench engine`` (also ``python -m bench.engine_bench``)."""
+    from control.ops.argtypes import positive_int
+
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, seconds)")
     p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
@@ -364,7 +367,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"),
                    help="weight-only quantization of our engine (default: auto = the GGUF's own precision: "
                         "int4 for the shipped Q4_1 model)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
 
 

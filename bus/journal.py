@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from bus import subjects
+from bus import streams, subjects
 from bus.messages import GenerateRequest
 
 log = logging.getLogger(__name__)
 
-MAX_JOURNAL_BYTES = 32 * 1024 * 1024  # per model version: queued requests only, so small
+MAX_JOURNAL_BYTES = streams.JOURNAL_MAX_BYTES  # per model version: queued requests only, so small
 
 
 class Journal(Protocol):
@@ -53,37 +53,29 @@ class MemoryJournal:
 
 
 def stream_name(name: str, version: str) -> str:
-    """JetStream stream name of a version's journal (no dots allowed in stream names)."""
-    return f"SCHED_{name}_{version}"
+    """JetStream stream name of a version's journal (``bus.streams.journal_stream``)."""
+    return streams.journal_stream(name, version)
 
 
 class JetStreamJournal:
     """Journal in a JetStream stream. Create with ``await JetStreamJournal.open(nats_bus, name, version)``."""
 
     def __init__(self, js, name: str, version: str) -> None:
-        self.js, self.stream = js, stream_name(name, version)
-        self.subject = subjects.sched_journal(name, version)
+        self.js, self.config = js, streams.journal(name, version)
+        self.stream, self.subject = self.config.name, subjects.sched_journal(name, version)
         self._seq: dict[str, int] = {}  # request id -> stream sequence
 
     @classmethod
     async def open(cls, bus, name: str, version: str) -> "JetStreamJournal":
         """Bind (creating if needed) the version's stream. ``bus``: a connected NatsBus."""
-        from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-        from nats.js.errors import NotFoundError
-        j = cls(bus.client.jetstream(), name, version)
-        try:
-            await j.js.stream_info(j.stream)
-        except NotFoundError:
-            await j.js.add_stream(StreamConfig(name=j.stream, subjects=[j.subject], storage=StorageType.FILE,
-                                               retention=RetentionPolicy.LIMITS, max_bytes=MAX_JOURNAL_BYTES,
-                                               max_age=24 * 3600, duplicate_window=120))
+        j = cls(bus.js(), name, version)
+        await j.js.ensure_stream(j.config)
         return j
 
     async def append(self, req: GenerateRequest) -> None:
         """Persist ``req`` (acknowledged by the server before returning)."""
-        ack = await self.js.publish(self.subject, req.encode(), timeout=2.0,
-                                    headers={"Nats-Msg-Id": req.request_id})
-        self._seq[req.request_id] = ack.seq
+        self._seq[req.request_id] = await self.js.publish(self.subject, req.encode(), msg_id=req.request_id,
+                                                          timeout=2.0)
 
     async def remove(self, request_id: str) -> None:
         """Delete the request's entry (best effort: a leftover entry is skipped at replay if stale)."""
@@ -97,17 +89,14 @@ class JetStreamJournal:
 
     async def replay(self) -> list[GenerateRequest]:
         """Every request left in the stream, oldest first; entries become this instance's to remove."""
-        from nats.js.errors import NotFoundError
         out, seq = [], 1
-        while True:
+        while (found := await self.js.next_msg(self.stream, self.subject, seq)) is not None:
+            seq, data = found
             try:
-                msg = await self.js.get_msg(self.stream, seq=seq, subject=self.subject, next=True)
-            except NotFoundError:
-                return out
-            try:
-                req = GenerateRequest.decode(msg.data)
-                self._seq[req.request_id] = msg.seq
+                req = GenerateRequest.decode(data)
+                self._seq[req.request_id] = seq
                 out.append(req)
             except ValueError as exc:
-                log.warning("skipping undecodable journal entry %d: %s", msg.seq, exc)
-            seq = msg.seq + 1
+                log.warning("skipping undecodable journal entry %d: %s", seq, exc)
+            seq += 1
+        return out

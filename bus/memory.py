@@ -11,7 +11,7 @@ import itertools
 import logging
 from typing import Callable
 
-from bus import tracing
+from bus import subjects, tracing
 from bus.base import BusDisconnected, BusTimeout, Handler, Msg, NoResponders
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class MemoryBus:
             await sub.unsubscribe()
 
     def new_inbox(self) -> str:
-        return f"_INBOX.mem.{next(self._ids)}"
+        return f"{subjects.INBOX}.mem.{next(self._ids)}"
 
     async def flush(self, timeout: float = 2.0) -> None:
         await asyncio.sleep(0)

@@ -4,16 +4,22 @@ Every request-carrying message has, from the start: request id, tenant, model re
 absolute deadline (Unix epoch seconds) and timing marks (stage name -> Unix epoch seconds). Decoding
 ignores unknown fields so a newer sender can talk to an older receiver (rolling upgrades).
 
-Flow (ARCHITECTURE.md "Request flow"): gateway --ApiRequest--> validator --GenerateRequest-->
+Flow (docs/architecture.md "Request flow"): gateway --ApiRequest--> validator --GenerateRequest-->
 scheduler --GenerateRequest--> worker --Chunk*--> the request's reply subject. Any actor that ends a
 request early (bad input, overload, lost worker) publishes a final error Chunk to the reply subject.
+
+``SamplingParams`` (carried in ``GenerateRequest.sampling``) is the one definition of the sampling fields:
+the validator builds it, the scheduler reads ``max_tokens`` for its cost estimate, and the worker hands it to
+the engine as is. A request fanned out into several choices (``n`` > 1, a list of prompts) carries its
+choice's index in ``choice_index`` (GenerateRequest, Chunk, CompletionRecord), so no consumer parses ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import orjson
 
@@ -52,6 +58,123 @@ class Message:
             raise ValueError(f"{cls.__name__}: {exc}") from exc
 
 
+# --------------------------------------------------------------------------- sampling parameters
+def _number(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
+            raise ValueError(f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+        return float(v)
+    return check
+
+
+def _integer(lo: int, hi: int | None = None, optional: bool = False) -> Callable[[Any], int | None]:
+    def check(v: Any) -> int | None:
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{'null or ' if optional else ''}an integer {span}")
+        return v
+    return check
+
+
+def _sequence(item: type, lo: int | None = None) -> Callable[[Any], tuple]:
+    def check(v: Any) -> tuple:
+        items = (v,) if isinstance(v, str) and item is str else v
+        if not isinstance(items, (list, tuple)) or not all(
+                isinstance(x, item) and not isinstance(x, bool) and (lo is None or x >= lo) for x in items):
+            raise ValueError("a string or a list of strings" if item is str else "a list of non-negative integers")
+        return tuple(items)
+    return check
+
+
+def _boolean(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("a boolean")
+    return v
+
+
+def _param(default: Any, check: Callable[[Any], Any], manifest: bool = False) -> Any:
+    """A SamplingParams field: its default, its check, and whether a model manifest may default it."""
+    return field(default=default, metadata={"check": check, "manifest": manifest})
+
+
+# Sampling defaults a manifest may name that the engine cannot honour yet (issue [10]): refused at
+# registration rather than stored and ignored.
+NOT_YET_HONOURED = ("min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class SamplingParams(Message):
+    """Per-request sampling and stopping parameters: validator -> scheduler -> worker -> engine.
+
+    The one definition of these fields (the engine's ``SamplingParams`` is this class). Validated at
+    construction: every bad value raises ValueError naming the field; lists become tuples, numbers
+    of float fields become floats. Ranges are OpenAI's (temperature [0, 2], penalties [-2, 2], 64-bit seeds).
+    Fields marked ``manifest`` may be defaulted by a model manifest (``MANIFEST_DEFAULTABLE``).
+    """
+
+    temperature: float = _param(1.0, _number(0.0, 2.0), manifest=True)  # 0 means greedy (argmax)
+    top_p: float = _param(1.0, _number(0.0, 1.0, lo_open=True), manifest=True)  # nucleus mass in (0, 1]
+    top_k: int = _param(0, _integer(0), manifest=True)  # 0 disables top-k
+    seed: int | None = _param(None, _integer(-(2**63), 2**64 - 1, optional=True), manifest=True)  # None: random
+    max_tokens: int = _param(16, _integer(1), manifest=True)  # generated-token cap (tokens)
+    stop_token_ids: tuple[int, ...] = _param((), _sequence(int, 0))  # stop ids (EOS / end-of-turn included)
+    stop: tuple[str, ...] = _param((), _sequence(str), manifest=True)  # stop strings, excluded from output
+    ignore_eos: bool = _param(False, _boolean)  # keep generating past EOS (benchmarks)
+    logprobs: int | None = _param(None, _integer(0, 20, optional=True))  # None: off; k: sampled + top k
+    frequency_penalty: float = _param(0.0, _number(-2.0, 2.0), manifest=True)  # logit -= count * penalty
+    presence_penalty: float = _param(0.0, _number(-2.0, 2.0), manifest=True)  # logit -= (count > 0) * penalty
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, check_sampling_field(f.name, getattr(self, f.name)))
+
+    def seeded(self, offset: int) -> "SamplingParams":
+        """A copy whose seed is ``seed + offset`` wrapped into 64 bits (choice ``offset`` of ``n``); no seed: self."""
+        if self.seed is None or not offset:
+            return self
+        seed = self.seed + offset
+        return dataclasses.replace(self, seed=seed - 2**64 if seed >= 2**64 else seed)
+
+
+_SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+MANIFEST_DEFAULTABLE = tuple(n for n, f in _SAMPLING_FIELDS.items() if f.metadata["manifest"])
+
+
+def check_sampling_field(name: str, value: Any, label: str | None = None) -> Any:
+    """Check and normalize one SamplingParams field value. ValueError naming ``label`` (default ``name``)."""
+    f = _SAMPLING_FIELDS.get(name)
+    if f is None:
+        raise ValueError(f"{label or name} is not a sampling parameter")
+    try:
+        return f.metadata["check"](value)
+    except ValueError as exc:
+        raise ValueError(f"{label or name} must be {exc}, got {value!r}") from None
+
+
+def sampling_defaults(defaults: Mapping[str, Any], label: str = "defaults") -> dict[str, Any]:
+    """Check a model manifest's sampling ``defaults``; return them normalized (``stop`` a tuple).
+
+    Raises ValueError naming ``<label>.<key>`` for a key the engine cannot honour yet
+    (``NOT_YET_HONOURED``), a key that is no manifest-defaultable parameter, or a bad value.
+    """
+    if not isinstance(defaults, Mapping):
+        raise ValueError(f"{label} must be an object")
+    out = {}
+    for k, v in defaults.items():
+        if k in NOT_YET_HONOURED:
+            raise ValueError(f"{label}.{k} is not supported yet: the engine cannot honour it "
+                             f"(supported: {', '.join(MANIFEST_DEFAULTABLE)})")
+        if k not in MANIFEST_DEFAULTABLE:
+            raise ValueError(f"{label}.{k} is not a known sampling parameter "
+                             f"(known: {', '.join(MANIFEST_DEFAULTABLE)})")
+        out[k] = check_sampling_field(k, v, f"{label}.{k}")
+    return out
+
+
+# --------------------------------------------------------------------------- request-carrying messages
 @dataclass(frozen=True)
 class ApiRequest(Message):
     """Gateway -> validator: an authenticated, routed public API request (body not yet validated)."""
@@ -79,13 +202,26 @@ class GenerateRequest(Message):
     version: str  # model version
     reply: str  # subject the worker streams chunks to
     prompt_token_ids: tuple[int, ...]  # tokenized prompt
-    sampling: dict[str, Any]  # SamplingParams fields (temperature, top_p, top_k, seed, max_tokens, stop, ...)
+    sampling: SamplingParams  # sampling and stopping parameters
     priority: str = "interactive"
     deadline: float = 0.0  # absolute deadline, Unix epoch seconds
     marks: dict[str, float] = field(default_factory=dict)
     adapter: str | None = None  # LoRA adapter (later issue)
     attempt: int = 0  # dispatch attempt (0 = first); bumped on re-dispatch after a worker loss
     echo_text: str = ""  # completions `echo`: prompt text the worker prepends to the first chunk's text
+    choice_index: int = 0  # index of this choice in its API request's response (prompt_index * n + i)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"GenerateRequest.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "GenerateRequest":
+        """Decode, rebuilding the nested SamplingParams (unknown keys of either are ignored)."""
+        smp = obj.get("sampling")
+        if not isinstance(smp, dict):
+            raise ValueError("GenerateRequest: 'sampling' must be an object")
+        return super().from_dict({**obj, "sampling": SamplingParams.from_dict(smp)})
 
     @property
     def model_ref(self) -> str:
@@ -108,13 +244,14 @@ class Chunk(Message):
     final: bool = False  # last chunk of the request
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the final chunk
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
-    timing: dict[str, float] | None = None  # timing breakdown in ms (keys of ARCHITECTURE.md)
+    timing: dict[str, float] | None = None  # timing breakdown in ms (keys: docs/architecture.md "Conventions")
     error: dict[str, Any] | None = None  # {status, message, type, param, code, retryable, retry_after}
     model: str = ""  # name@version that served it
     worker_id: str = ""  # worker that produced it ("" for early errors)
     # per token of this chunk when logprobs were requested (OpenAI chat shape):
     # [{"token": str, "bytes": [int], "logprob": float, "top_logprobs": [{"token", "bytes", "logprob"}]}]
     logprobs: list[dict[str, Any]] | None = None
+    choice_index: int = 0  # the request's GenerateRequest.choice_index (0 for an unsplit request)
 
 
 @dataclass(frozen=True)
@@ -209,11 +346,12 @@ class CompletionRecord(Message):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    timing: dict[str, float]  # ms, keys of ARCHITECTURE.md
+    timing: dict[str, float]  # ms, keys: docs/architecture.md "Conventions"
     priority: str = "interactive"
     error_code: str | None = None
     worker_id: str = ""
     ts: float = 0.0
+    choice_index: int = 0  # the request's GenerateRequest.choice_index (metering counts choice 0's prompt)
 
 
 def error_dict(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,

@@ -1,4 +1,4 @@
-"""The Bus over nats-py: the only module (with bus/jetstream helpers later) that imports nats.
+"""The Bus over nats-py: with ``bus/jetstream.py`` the only modules that import nats.
 
 Connection policy: reconnect forever (``max_reconnect_attempts=-1``) so actors survive a NATS
 restart, while publishes during a disconnect fail fast with BusDisconnected and registered
@@ -31,7 +31,7 @@ def _url_user(url: str) -> str | None:
 def default_inbox_prefix(url: str) -> str:
     """Inbox prefix for a connection to ``url``: ``_INBOX_<role>`` for an internal role user, else ``_INBOX``."""
     role = subjects.role_of_user(_url_user(url))
-    return subjects.role_inbox_prefix(role) if role else "_INBOX"
+    return subjects.role_inbox_prefix(role) if role else subjects.INBOX
 
 
 def redact(url: str) -> str:
@@ -182,3 +182,9 @@ class NatsBus:
     def client(self) -> nats.NATS:
         """The underlying nats-py client (for JetStream helpers in bus/ only)."""
         return self._nc
+
+    def js(self, timeout: float = 5.0):
+        """JetStream on this connection (``bus.jetstream.JetStream``: streams, consumers, KV, objects);
+        ``timeout``: seconds per JetStream API request."""
+        from bus.jetstream import JetStream
+        return JetStream(self._nc, timeout)

@@ -1,6 +1,6 @@
-"""Every NATS subject of ARCHITECTURE.md, built by pure functions in one module.
+"""Every NATS subject of docs/architecture.md, built by pure functions in one module.
 
-Names are fixed by ARCHITECTURE.md ("Names, subjects and keys"); extend, never rename. Tokens that
+Names are fixed by docs/architecture.md ("Names, subjects and keys"); extend, never rename. Tokens that
 come from user input (model name, version, tenant, worker and request ids) are checked so that a dot,
 a space or a wildcard can never split or widen a subject.
 """
@@ -17,6 +17,9 @@ VALIDATORS_QUEUE = "validators"  # queue group name of the validators
 GATEWAYS_QUEUE = "gateways"  # queue group name of the NATS API front
 SCHEDULERS_QUEUE = "schedulers"  # queue group of scheduler replicas (only the active one subscribes)
 
+INBOX = "_INBOX"  # default inbox prefix of a NATS connection (no tenant, no role)
+EVERYTHING = ">"  # the full wildcard: every subject (operator user, deny-all lists)
+
 _SAFE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
@@ -29,7 +32,7 @@ def _token(value: str, what: str) -> str:
 
 def tenant_inbox_prefix(tenant: str) -> str:
     """``_INBOX.<tenant>``: the inbox prefix of one tenant's NATS connections."""
-    return f"_INBOX.{_token(tenant, 'tenant')}"
+    return f"{INBOX}.{_token(tenant, 'tenant')}"
 
 
 def sched_submit(name: str, version: str) -> str:
@@ -82,10 +85,26 @@ def done_all() -> str:
     return "as.int.done.*.*"
 
 
+def done_tree() -> str:
+    """``as.int.done.>``: every completion record (the subjects of the usage stream ``AS_DONE``)."""
+    return "as.int.done.>"
+
+
+def jobs_submit(tenant: str) -> str:
+    """``as.jobs.submit.<tenant>``: one accepted job (extension of docs/architecture.md's subjects for the
+    jobs stream ``AS_JOBS``; docs/architecture.md)."""
+    return f"as.jobs.submit.{_token(tenant, 'tenant')}"
+
+
+def jobs_submit_all() -> str:
+    """Wildcard over the job submissions of every tenant (the subjects of ``AS_JOBS``)."""
+    return "as.jobs.submit.*"
+
+
 def sched_events(name: str, version: str) -> str:
     """``as.int.sched.<name>.<version>.events``: worker -> scheduler request events (first token).
 
-    Extension of ARCHITECTURE.md's scheduler subjects: the scheduler needs to know which in-flight
+    Extension of docs/architecture.md's scheduler subjects: the scheduler needs to know which in-flight
     requests already streamed a token, to decide between re-dispatch and a retryable error when a
     worker's lease disappears.
     """
@@ -95,13 +114,13 @@ def sched_events(name: str, version: str) -> str:
 def gateway_reply(tenant: str, gateway_id: str, request_id: str) -> str:
     """``_INBOX.<tenant>.gw.<gateway_id>.<request_id>``: where chunks of one gateway request go.
 
-    Lives under the tenant's inbox prefix (ARCHITECTURE.md ``_INBOX.<tenant>.>``)."""
+    Lives under the tenant's inbox prefix (docs/architecture.md ``_INBOX.<tenant>.>``)."""
     return f"{tenant_inbox_prefix(tenant)}.gw.{_token(gateway_id, 'gateway id')}.{_token(request_id, 'request id')}"
 
 
 def gateway_replies(gateway_id: str) -> str:
     """Wildcard over every reply subject of one gateway (all tenants)."""
-    return f"_INBOX.*.gw.{_token(gateway_id, 'gateway id')}.*"
+    return f"{INBOX}.*.gw.{_token(gateway_id, 'gateway id')}.*"
 
 
 def sched_journal(name: str, version: str) -> str:
@@ -138,4 +157,31 @@ def role_of_user(user: str | None) -> str | None:
 def role_inbox_prefix(role: str) -> str:
     """``_INBOX_<role>``: the inbox prefix of a role's connections (replies to its requests, JetStream
     API replies and consumer deliveries); its subscribe permission is ``_INBOX_<role>.>``."""
-    return f"_INBOX_{_token(role, 'role')}"
+    return f"{INBOX}_{_token(role, 'role')}"
+
+
+# -- JetStream API subjects (permissions of JetStream clients; control/ops/nats_roles.py) -------------
+
+def js_api_all() -> str:
+    """``$JS.API.>``: every JetStream API request (stream / consumer / KV / object-store management)."""
+    return "$JS.API.>"
+
+
+def js_flow_control_all() -> str:
+    """``$JS.FC.>``: flow-control replies of push consumers (KV watchers)."""
+    return "$JS.FC.>"
+
+
+def js_acks(stream: str) -> str:
+    """``$JS.ACK.<stream>.>``: acknowledgements of messages of one stream's consumers."""
+    return f"$JS.ACK.{_token(stream, 'stream')}.>"
+
+
+def kv_subjects(bucket: str) -> str:
+    """``$KV.<bucket>.>``: every key of one JetStream KV bucket."""
+    return f"$KV.{_token(bucket, 'bucket')}.>"
+
+
+def object_subjects(bucket: str) -> str:
+    """``$O.<bucket>.>``: the chunks and metadata of one JetStream object store."""
+    return f"$O.{_token(bucket, 'bucket')}.>"

@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
+
+from typing import TYPE_CHECKING
+
+from actors.serve import ActorContext, serve
+
+if TYPE_CHECKING:
+    from gateway.frontend import Frontend, FrontendConfig
 
 log = logging.getLogger("actorserve.gateway")
 
@@ -24,54 +32,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     """Serve until cancelled, then drain (bounded)."""
+    gid = args.gateway_id or f"gw-{os.getpid()}"
+    await serve(args, f"gateway-{gid}", functools.partial(build, gid=gid))
+
+
+async def build(ctx: ActorContext, gid: str) -> None:
+    """Start the front end, the tenancy (keys, quotas, usage, idempotency), the NATS API and the HTTP
+    server. On stop: stop listening (NATS API, then HTTP: its handlers get <= 10 s), wait <= 10 s for
+    requests still in flight, then stop the parts in reverse order."""
     from aiohttp import web
 
-    from actors.runtime import resolve_endpoints
-    from bus.nats_bus import NatsBus
-    from control.state.registry import Registry
-    from gateway.frontend import Frontend, FrontendConfig
+    from gateway.frontend import FrontendConfig
     from gateway.http import HttpFront
-    from gateway.models import ModelResolver
     from gateway.nats_api import NatsApi
+    from gateway.tenancy import Tenancy
 
-    nats_url, etcd_url = resolve_endpoints(args)
-    gid = args.gateway_id or f"gw-{os.getpid()}"
-    async with Registry.connect(etcd_url) as reg:
-        bus = await NatsBus.connect(nats_url, name=f"gateway-{gid}")
-        resolver = ModelResolver(reg)
-        await resolver.start()
-        fe = Frontend(bus, resolver, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms))
+    args, reg = ctx.args, ctx.registry
+    fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms), metrics=True)
+    bus = ctx.bus
+    tenancy = Tenancy(reg, bus.js(), gateway_id=gid)
+    await tenancy.start()
+    ctx.on_stop(tenancy.stop, what="tenancy")
+    ctx.on_stop(lambda: wait_idle(fe, 10.0), timeout_s=11.0, what="requests in flight")
+    api = NatsApi(fe, tenancy)
+    runner = web.AppRunner(HttpFront(fe, tenancy).app(args.max_body_bytes), shutdown_timeout=10.0)
+    ctx.on_stop(lambda: _stop_listening(api, runner), timeout_s=15.0, what="listeners")
+    await api.start()
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("gateway %s listening on http://%s:%d", gid, args.host, args.port)
+
+
+async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: bool = False) -> Frontend:
+    """Connect the context's bus and start a :class:`gateway.frontend.Frontend` on it with a model
+    resolver over the context's registry (and the gateway's request metrics when ``metrics``); each is
+    stopped on the context's stop. Used by the gateway and the jobs actor."""
+    from gateway.frontend import Frontend
+    from gateway.models import ModelResolver
+
+    bus = await ctx.connect_bus()
+    resolver = ModelResolver(ctx.registry)
+    await resolver.start()
+    ctx.on_stop(resolver.stop, what="model resolver")
+    fe = Frontend(bus, resolver, cfg)
+    if metrics:
         from gateway.metrics import GatewayMetrics
+
         fe.observer = GatewayMetrics(bus)
         await fe.observer.start()
-        await fe.start()
-        from gateway.tenancy import Tenancy
-        tenancy = Tenancy(reg, bus.client.jetstream(), gateway_id=gid)
-        await tenancy.start()
-        api = NatsApi(fe, tenancy)
-        await api.start()
-        runner = web.AppRunner(HttpFront(fe, tenancy).app(args.max_body_bytes), shutdown_timeout=10.0)
-        await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
-        log.info("gateway %s listening on http://%s:%d", gid, args.host, args.port)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await asyncio.shield(_shutdown(runner, api, fe, resolver, bus, tenancy))
+        ctx.on_stop(fe.observer.stop, what="gateway metrics")
+    await fe.start()
+    ctx.on_stop(fe.stop, what="front end")
+    return fe
 
 
-async def _shutdown(runner, api, fe, resolver, bus, tenancy=None) -> None:
-    """Stop listening, wait (<= 10 s) for requests in flight, then close the bus."""
+async def wait_idle(fe: Frontend, timeout_s: float) -> None:
+    """Return once ``fe`` has no request in flight, or after ``timeout_s`` seconds (polled every 0.1 s)."""
+    for _ in range(max(1, round(timeout_s / 0.1))):
+        if not len(fe.table):
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _stop_listening(api, runner) -> None:
+    """No new requests: unsubscribe the NATS API, then close the HTTP server (its handlers get <= 10 s)."""
     await api.stop()
     await runner.cleanup()
-    for _ in range(100):
-        if not len(fe.table):
-            break
-        await asyncio.sleep(0.1)
-    if tenancy is not None:
-        await tenancy.stop()
-    await fe.stop()
-    if fe.observer is not None:
-        await fe.observer.stop()
-    await resolver.stop()
-    await bus.close()

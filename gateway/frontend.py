@@ -2,7 +2,7 @@
 
 ``Frontend.submit`` resolves the model, registers the request in the in-flight table, hands it to a
 validator (request-reply ack: a missing validator is a 503 at once, not a timeout) and returns the
-entry whose chunks ``Frontend.stream`` yields until the final one.
+entry whose chunks ``Frontend.next`` hands out in order; gateway/pipeline.py consumes them for every front.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import orjson
 
@@ -171,24 +170,6 @@ class Frontend:
             await self.cancel(sub.request_id, "gateway_gave_up")
             raise
 
-    async def stream(self, sub: Submitted) -> AsyncIterator[Chunk]:
-        """Yield chunks in order until every choice's final one (or an error chunk). Raises StreamError."""
-        finals: set[str] = set()
-        try:
-            while True:
-                chunk = await self.next(sub)
-                if chunk is None:
-                    continue
-                yield chunk
-                if chunk.error:
-                    return
-                if chunk.final:
-                    finals.add(chunk.request_id)
-                    if len(finals) >= sub.num_choices:
-                        return
-        finally:
-            self.table.close(sub.request_id)
-
     async def cancel(self, request_id: str, reason: str, tenant: str = "", num_choices: int | None = None) -> None:
         """Publish ``as.int.cancel.<id>`` for the request and each of its fanned-out choices (best effort).
 
@@ -206,7 +187,3 @@ class Frontend:
             except (BusError, asyncio.TimeoutError, ValueError) as exc:
                 log.warning("cancel of %s not sent: %s", rid, exc)
                 return
-
-    def resolve_error(self, exc: StreamError) -> ApiError:
-        """Map a stream failure to the client-facing error."""
-        return ApiError.from_chunk_error(exc.error)

@@ -19,19 +19,16 @@ from aiohttp import web
 
 from bus import subjects
 from bus.base import BusError
-from gateway import sse
+from gateway import pipeline, sse
 from gateway import tracing as gw_tracing
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
-from gateway.inflight import StreamError
 from gateway.merge import ChoiceMerger
 from gateway.openapi import openapi_document
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1  # client-disconnect check period while waiting for chunks (s)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-DEV_TENANT = "dev"  # single tenant until tenants land (later issue)
 
 
 def error_response(err: ApiError, extra_headers: dict | None = None) -> web.Response:
@@ -135,33 +132,26 @@ class HttpFront:
         client_rid = request.headers.get("X-Request-Id", "")
         rid = new_request_id()
         echo = {"X-Request-Id": client_rid if _REQUEST_ID.match(client_rid) else rid}
-        tenant, adm = None, None
         try:
-            if self.tenancy is not None:
-                tenant = self.tenancy.authenticate(request)  # 401
-            body = await self._json_body(request)
-            marks["auth_done"] = time.time()
-            deadline_ms = parse_deadline_ms(body.get("deadline_ms"), request.headers.get("x-actorserve-deadline-ms"),
-                                            self.fe.cfg)
+            req = await self._request(request, endpoint, rid, echo, marks)  # 400, 401
             idem_key = request.headers.get("Idempotency-Key")
-            if tenant is not None and idem_key is not None and self.tenancy.idempotency is not None:
-                return await self.tenancy.idempotency.handle(self, request, endpoint, tenant, body, rid, echo, marks,
-                                                             deadline_ms, idem_key)
-            if tenant is not None:
-                adm = await self.tenancy.admit(tenant, body, rid, echo)  # 404 not allowed, 429 quota
-            sub = await self.fe.submit(tenant=tenant.id if tenant else DEV_TENANT, endpoint=endpoint, body=body,
-                                       request_id=rid, deadline_ms=deadline_ms, marks=marks)
+            if req.tenant is not None and idem_key is not None and self.tenancy.idempotency is not None:
+                return await self.tenancy.idempotency.handle(self, request, req, idem_key)
+            async with pipeline.admitted(self.fe, req, self.tenancy) as sub:  # 404 not allowed, 429 quota, 503
+                return await self._respond(request, sub, req.body, echo)
         except ApiError as err:
-            if adm is not None:
-                await self.tenancy.release(adm)
             return error_response(err, echo)
-        try:
-            if body.get("stream") is True:
-                return await self._stream(request, sub, body, echo)
-            return await self._collect(request, sub, body, echo)
-        finally:
-            if adm is not None:
-                await self.tenancy.release(adm)
+
+    async def _request(self, request: web.Request, endpoint: str, rid: str, echo: dict,
+                       marks: dict) -> pipeline.Request:
+        """The pipeline request of an HTTP call: tenant (ApiError 401), JSON body and deadline (400)."""
+        tenant = self.tenancy.authenticate(request) if self.tenancy is not None else None
+        body = await self._json_body(request)
+        marks["auth_done"] = time.time()
+        deadline_ms = parse_deadline_ms(body.get("deadline_ms"), request.headers.get("x-actorserve-deadline-ms"),
+                                        self.fe.cfg)
+        return pipeline.Request(tenant.id if tenant else pipeline.DEV_TENANT, endpoint, body, rid, deadline_ms, marks,
+                                tenant, echo)
 
     async def _json_body(self, request: web.Request) -> dict:
         raw = await request.read()
@@ -173,65 +163,19 @@ class HttpFront:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    async def _next(self, request: web.Request, sub: Submitted):
-        """Next chunk, or raise ConnectionResetError when the client went away (after cancelling)."""
-        while True:
-            if client_gone(request):
-                await self.fe.cancel(sub.request_id, "disconnect")
-                self.fe.table.close(sub.request_id)
-                raise ConnectionResetError("client disconnected")
-            chunk = await self.fe.next(sub, POLL_S)
-            if chunk is not None:
-                return chunk
-
-    async def _collect(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
-        merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
-        try:
-            while not merger.done:
-                chunk = await self._next(request, sub)
-                if chunk.error:
-                    await self.fe.cancel(sub.request_id, "sibling_failed")
-                    self.fe.table.close(sub.request_id)
-                    return error_response(ApiError.from_chunk_error(chunk.error), echo)
-                merger.add(chunk)
-        except StreamError as exc:
-            await self.fe.cancel(sub.request_id, "stream_error")
-            self.fe.table.close(sub.request_id)
-            return error_response(self.fe.resolve_error(exc), echo)
-        except ConnectionResetError:
+    async def _respond(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
+        """Run the submitted request to its end and answer it (JSON or SSE); 499 when the client left."""
+        writer = SseWriter(request, echo) if body.get("stream") is True else None
+        out = await pipeline.run(self.fe, sub, body, writer, gone=lambda: client_gone(request))
+        if writer is not None:
+            return await writer.finish(out)
+        if out.disconnected:
             return web.Response(status=499)
-        self.fe.table.close(sub.request_id)
-        out = merger.body()
-        headers = {**echo, "x-actorserve-model-version": merger.model,
-                   "x-actorserve-timing": orjson.dumps(merger.final_timing()).decode()}
-        return web.json_response(out, headers=headers, dumps=lambda o: orjson.dumps(o).decode())
-
-    async def _stream(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
-        try:
-            first = await self._next(request, sub)
-        except StreamError as exc:
-            await self.fe.cancel(sub.request_id, "stream_error")
-            self.fe.table.close(sub.request_id)
-            return error_response(self.fe.resolve_error(exc), echo)
-        except ConnectionResetError:
-            return web.Response(status=499)
-        if first.error:
-            await self.fe.cancel(sub.request_id, "sibling_failed")
-            self.fe.table.close(sub.request_id)
-            return error_response(ApiError.from_chunk_error(first.error), echo)
-        resp = web.StreamResponse(headers={**echo, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "x-actorserve-model-version": first.model or sub.model})
-        await resp.prepare(request)
-        merger = ChoiceMerger(sub.endpoint, sub.request_id, first.model or sub.model, body, sub.marks,
-                              sub.num_choices)
-        try:
-            await SseWriter(resp).run(merger, first, lambda: self._next(request, sub),
-                                      lambda: self.fe.cancel(sub.request_id, "sibling_failed"))
-        except ConnectionResetError:
-            await self.fe.cancel(sub.request_id, "disconnect")
-        finally:
-            self.fe.table.close(sub.request_id)
-        return resp
+        if out.error is not None:
+            return error_response(out.error, echo)
+        headers = {**echo, "x-actorserve-model-version": out.merger.model,
+                   "x-actorserve-timing": orjson.dumps(out.merger.final_timing()).decode()}
+        return web.json_response(out.merger.body(), headers=headers, dumps=lambda o: orjson.dumps(o).decode())
 
 
 def inband_error(err: dict) -> dict:
@@ -245,30 +189,39 @@ def inband_error(err: dict) -> dict:
 
 
 class SseWriter:
-    """Writes OpenAI SSE chunks for one request, ending with ``data: [DONE]``."""
+    """The pipeline sink of a streamed HTTP request: OpenAI SSE events, ending with ``data: [DONE]``.
 
-    def __init__(self, resp: web.StreamResponse) -> None:
-        self.resp = resp
+    No byte is sent before the first chunk, so an error found before it (e.g. the validator's context
+    length check) is a real HTTP status; after it an error is an in-band event (:func:`inband_error`)."""
+
+    def __init__(self, request: web.Request, headers: dict) -> None:
+        self.request, self.headers = request, headers
+        self.resp: web.StreamResponse | None = None  # prepared at the first chunk
 
     async def send(self, obj: dict) -> None:
         """One ``data:`` event (raises ConnectionResetError if the client is gone)."""
         await self.resp.write(sse.data_event(sse.json_payload(obj)))
 
-    async def run(self, merger: ChoiceMerger, first, next_fn, cancel_fn) -> None:
-        """Stream ``first`` and every following chunk; errors mid-stream become an error event."""
-        chunk = first
+    async def emit(self, events: list[dict], merger: ChoiceMerger) -> None:
+        """Send one chunk's objects, the response headers first (the model version that serves it)."""
+        if self.resp is None:
+            resp = web.StreamResponse(headers={**self.headers, "Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache", "x-actorserve-model-version": merger.model})
+            await resp.prepare(self.request)
+            self.resp = resp
+        for ev in events:
+            await self.send(ev)
+
+    async def finish(self, out: pipeline.Outcome) -> web.StreamResponse:
+        """The response: an error status before streaming began, else the stream's tail (error event, DONE)."""
+        if self.resp is None:
+            return web.Response(status=499) if out.disconnected else error_response(out.error, self.headers)
+        if out.disconnected:
+            return self.resp
         try:
-            while True:
-                if chunk.error:
-                    await cancel_fn()
-                    await self.send(inband_error(chunk.error))
-                    break
-                for ev in merger.add(chunk):
-                    await self.send(ev)
-                if merger.done:
-                    break
-                chunk = await next_fn()
-        except StreamError as exc:
-            await cancel_fn()
-            await self.send(inband_error(exc.error))
-        await self.resp.write(sse.DONE)
+            if out.detail is not None:
+                await self.send(inband_error(out.detail))
+            await self.resp.write(sse.DONE)
+        except ConnectionResetError:
+            pass  # the generation has ended already: nothing to cancel
+        return self.resp

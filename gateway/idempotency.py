@@ -31,13 +31,16 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from gateway import sse
+from bus import streams
+from bus.kv import KvConflict, KvError
+from gateway import pipeline, sse
+from gateway.merge import ChoiceMerger
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
 
-BUCKET = "as_idem"
-TTL_S = 24 * 3600
+BUCKET = streams.IDEM_BUCKET
+TTL_S = streams.IDEMPOTENCY.ttl_s
 HEARTBEAT_S = 3.0
 STALE_S = 10.0
 POLL_S = 0.1
@@ -54,8 +57,44 @@ def record_key(tenant_id: str, idem_key: str) -> str:
     return f"i.{tenant_id}.{hashlib.sha256(idem_key.encode('utf-8')).hexdigest()}"
 
 
-def _sticky(status: int) -> bool:
+# -- record rules (pure; ``now`` in epoch seconds) ---------------------------------------------------
+
+def sticky(status: int) -> bool:
+    """Whether a result with HTTP ``status`` is kept and replayed (not 5xx, 408, 429: a retry runs again)."""
     return status < 500 and status not in (408, 429)
+
+
+def running_record(bh: str, gateway_id: str, deadline: float, now: float) -> dict:
+    """The claim of a run: state ``running`` owned by ``gateway_id``, heartbeat ``now``."""
+    return {"state": "running", "body_hash": bh, "gateway": gateway_id, "heartbeat": now, "deadline": deadline}
+
+
+def is_stale(rec: dict, now: float) -> bool:
+    """A running record whose owner's heartbeat is older than ``STALE_S``: another gateway may take it over."""
+    return rec.get("state") == "running" and now - float(rec.get("heartbeat", 0)) > STALE_S
+
+
+def heartbeat(rec: dict | None, gateway_id: str, now: float) -> dict | None:
+    """``rec`` with a fresh heartbeat while it is still ``gateway_id``'s running claim; else None (stop)."""
+    if rec is None or rec.get("state") != "running" or rec.get("gateway") != gateway_id:
+        return None
+    return {**rec, "heartbeat": now}
+
+
+def done_record(bh: str, gateway_id: str, status: int, headers: dict, json_body, events: list[bytes] | None,
+                now: float) -> dict:
+    """The finished record replayed to later requests (``events``: the SSE payloads of a streamed run)."""
+    return {"state": "done", "body_hash": bh, "gateway": gateway_id, "finished": now, "status": status,
+            "headers": headers, "json": json_body,
+            "events": [e.decode() for e in events] if events is not None else None}
+
+
+def finish_action(rec: dict | None, bh: str, status: int) -> str | None:
+    """What ending a run does to the current record: None (it is gone or another request's: leave it),
+    ``"delete"`` (a result that must not stick) or ``"store"`` (the done record)."""
+    if rec is None or rec.get("body_hash") != bh:
+        return None
+    return "store" if sticky(status) else "delete"
 
 
 @dataclass
@@ -74,9 +113,31 @@ class LiveRun:
         self.events.append(payload)
         self.changed.set()
 
+    async def emit(self, events: list[dict], merger: ChoiceMerger) -> None:
+        """Pipeline sink of a streamed run: keep one chunk's objects as SSE payloads, wake the followers."""
+        for ev in events:
+            self.push(sse.json_payload(ev))
+
+
+def _result(out: pipeline.Outcome, live: LiveRun) -> tuple[dict, dict | None]:
+    """(headers, JSON body) of a finished run; the JSON body is None when the answer is the event stream
+    (a streamed run that produced output: an error then ends it as one more event)."""
+    headers = {"x-actorserve-model-version": out.merger.model}
+    err = out.error
+    if not live.stream:
+        if err is None:
+            headers["x-actorserve-timing"] = orjson.dumps(out.merger.final_timing()).decode()
+        return headers, err.body() if err is not None else out.merger.body()
+    if err is not None and not live.events:
+        return headers, err.body()  # error before any output: answer it as a plain HTTP error
+    if err is not None:
+        live.push(sse.json_payload(err.body()))
+    return headers, None
+
 
 class IdempotencyStore:
-    """Idempotent request handling over the ``as_idem`` bucket. ``js``: nats-py JetStreamContext."""
+    """Idempotent request handling over the ``as_idem`` bucket. ``js``: what opens KV buckets
+    (``bus.jetstream.JetStream``; ``bus.kv.MemoryBuckets`` in tests)."""
 
     def __init__(self, js, gateway_id: str) -> None:
         self.js, self.gateway_id = js, gateway_id
@@ -85,52 +146,39 @@ class IdempotencyStore:
         self._tasks: set[asyncio.Task] = set()
 
     async def open(self) -> None:
-        """Create or bind the bucket (file storage, 24 h TTL)."""
-        from nats.js.api import KeyValueConfig, StorageType
-
-        try:
-            self.kv = await self.js.key_value(BUCKET)
-        except Exception:
-            self.kv = await self.js.create_key_value(KeyValueConfig(
-                bucket=BUCKET, history=1, ttl=TTL_S, storage=StorageType.FILE, max_bytes=128 * 1024 * 1024))
+        """Create or bind the bucket (``bus.streams.IDEMPOTENCY``: file storage, 24 h TTL)."""
+        self.kv = await self.js.bucket(streams.IDEMPOTENCY)
 
     async def close(self, grace_s: float = 10.0) -> None:
         """Let background runs finish and store their results (at most ``grace_s`` seconds)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
 
-    async def _get(self, key: str):
-        from nats.js.errors import KeyDeletedError, KeyNotFoundError
-        try:
-            e = await self.kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            return None, 0
-        if not e.value:
-            return None, 0
-        return orjson.loads(e.value), e.revision
+    async def _get(self, key: str) -> tuple[dict | None, int]:
+        """``(record, revision)``, ``(None, 0)`` when there is none."""
+        e = await self.kv.get(key)
+        return (e.value, e.revision) if e is not None and e.value else (None, 0)
 
     async def _put(self, key: str, rec: dict, last: int | None) -> int | None:
-        """Create (last None) or CAS-update; return the new revision, None if we lost the race."""
-        from nats.js.errors import KeyWrongLastSequenceError, APIError
+        """Create (last None) or compare-and-swap at revision ``last``; the new revision, None if we
+        lost the race (bus.kv.KvError on store trouble)."""
         try:
-            if last is None:
-                return await self.kv.create(key, orjson.dumps(rec))
-            return await self.kv.update(key, orjson.dumps(rec), last=last)
-        except (KeyWrongLastSequenceError, APIError):
+            return await (self.kv.create(key, rec) if last is None else self.kv.swap(key, rec, last))
+        except KvConflict:
             return None
 
     # -- the HTTP entry point ------------------------------------------------------------------
 
-    async def handle(self, front, request: web.Request, endpoint: str, tenant, body: dict, rid: str,
-                     echo: dict, marks: dict, deadline_ms: int, idem_key: str) -> web.StreamResponse:
-        """Serve one keyed request (see the module docstring). ``front`` is the gateway.http.HttpFront.
+    async def handle(self, front, request: web.Request, req: pipeline.Request, idem_key: str) -> web.StreamResponse:
+        """Serve one keyed request (see the module docstring). ``front`` is the gateway.http.HttpFront,
+        ``req`` the authenticated request (``req.headers``: the response headers, X-Request-Id included).
 
         Raises ApiError (400 bad key, 409 conflict, 404/429 from admission, 503 store trouble)."""
         if not idem_key or len(idem_key) > MAX_KEY_LEN:
             raise ApiError(400, f"Idempotency-Key must be 1 to {MAX_KEY_LEN} characters", param="Idempotency-Key")
-        key, bh = record_key(tenant.id, idem_key), body_hash(endpoint, body)
-        stream = body.get("stream") is True
-        deadline = time.time() + deadline_ms / 1e3
+        key, bh = record_key(req.tenant_id, idem_key), body_hash(req.endpoint, req.body)
+        stream, echo = req.body.get("stream") is True, req.headers
+        deadline = time.time() + req.deadline_ms / 1e3
         while True:
             rec, rev = await self._get(key)
             if rec is None:
@@ -138,8 +186,7 @@ class IdempotencyStore:
                 new_rev = await self._put(key, claim, None if rev == 0 else rev)
                 if new_rev is None:
                     continue  # another request claimed it first: look again
-                return await self._own(front, request, endpoint, tenant, body, rid, echo, marks, deadline_ms,
-                                       key, bh, stream, new_rev)
+                return await self._own(front, request, req, key, bh, stream, new_rev)
             if rec.get("body_hash") != bh:
                 raise ApiError(409, "Idempotency-Key was already used with a different request body",
                                param="Idempotency-Key", code="idempotency_key_conflict")
@@ -148,12 +195,11 @@ class IdempotencyStore:
             live = self._live.get(key)
             if live is not None:
                 return await self._follow(request, live, echo, stream)
-            if time.time() - float(rec.get("heartbeat", 0)) > STALE_S:
+            if is_stale(rec, time.time()):
                 new_rev = await self._put(key, self._running(bh, deadline), rev)
                 if new_rev is not None:
                     log.warning("idempotent request %s: owner %s went silent; taking over", key, rec.get("gateway"))
-                    return await self._own(front, request, endpoint, tenant, body, rid, echo, marks, deadline_ms,
-                                           key, bh, stream, new_rev)
+                    return await self._own(front, request, req, key, bh, stream, new_rev)
                 continue
             if time.time() > deadline:
                 raise ApiError(409, "a request with this Idempotency-Key is still in progress",
@@ -161,69 +207,35 @@ class IdempotencyStore:
             await asyncio.sleep(POLL_S)
 
     def _running(self, bh: str, deadline: float) -> dict:
-        return {"state": "running", "body_hash": bh, "gateway": self.gateway_id, "heartbeat": time.time(),
-                "deadline": deadline}
+        return running_record(bh, self.gateway_id, deadline, time.time())
 
-    async def _own(self, front, request, endpoint, tenant, body, rid, echo, marks, deadline_ms, key, bh, stream,
-                   rev) -> web.StreamResponse:
-        tenancy = front.tenancy
-        adm = None
+    async def _own(self, front, request, req: pipeline.Request, key, bh, stream, rev) -> web.StreamResponse:
         try:
-            adm = await tenancy.admit(tenant, body, rid, echo)
-            sub = await front.fe.submit(tenant=tenant.id, endpoint=endpoint, body=body, request_id=rid,
-                                        deadline_ms=deadline_ms, marks=marks)
+            started = await pipeline.start(front.fe, req, front.tenancy)
         except ApiError as err:
-            await tenancy.release(adm)
-            await self._finish(key, bh, rev, err.status, {**echo, **err.http_headers()}, err.body(), None)
+            await self._finish(key, bh, rev, err.status, {**req.headers, **err.http_headers()}, err.body(), None)
             raise
         live = LiveRun(stream)
         self._live[key] = live
-        task = asyncio.create_task(self._run(front, sub, body, echo, live, key, bh, rev, adm))
+        task = asyncio.create_task(self._run(front, started, req.body, live, key, bh, rev))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return await self._follow(request, live, echo, stream)
+        return await self._follow(request, live, req.headers, stream)
 
-    async def _run(self, front, sub, body, echo, live: LiveRun, key, bh, rev, adm) -> None:
-        """Consume the request to its end regardless of clients; store the result."""
-        from gateway.inflight import StreamError
-        from gateway.merge import ChoiceMerger
-
+    async def _run(self, front, started: pipeline.Started, body, live: LiveRun, key, bh, rev) -> None:
+        """Consume the request to its end regardless of clients (the quota slot is held until then); store
+        the result."""
         hb = asyncio.create_task(self._heartbeat(key, bh, rev))
-        merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
-        status, err_body = 200, None
         try:
-            async for chunk in front.fe.stream(sub):
-                if chunk.error:
-                    await front.fe.cancel(sub.request_id, "sibling_failed", num_choices=sub.num_choices)
-                    e = ApiError.from_chunk_error(chunk.error)
-                    status, err_body = e.status, e.body()
-                    break
-                for ev in merger.add(chunk):
-                    live.push(sse.json_payload(ev))
-        except StreamError as exc:
-            await front.fe.cancel(sub.request_id, "stream_error", num_choices=sub.num_choices)
-            e = front.fe.resolve_error(exc)
-            status, err_body = e.status, e.body()
-        except Exception as exc:  # never leave a running record behind silently
-            log.exception("idempotent run %s failed", key)
-            status, err_body = 500, ApiError(500, f"internal error: {exc}", type="server_error").body()
+            out = await pipeline.run(front.fe, started.sub, body, live if live.stream else None)
         finally:
             hb.cancel()
-            await front.tenancy.release(adm)
-        headers = {"x-actorserve-model-version": merger.model}
-        if err_body is None and not live.stream:
-            headers["x-actorserve-timing"] = orjson.dumps(merger.final_timing()).decode()
-        if live.stream:
-            if err_body is not None:
-                live.push(sse.json_payload(err_body))
-            result_json = err_body if (err_body is not None and not live.events) else None
-        else:
-            result_json = err_body if err_body is not None else merger.body()
-        if live.stream and err_body is not None and len(live.events) == 1:
-            live.events.clear()  # error before any output: answer it as a plain HTTP error
-        live.status, live.headers, live.json = status, headers, result_json
+            await started.release()
+        headers, result_json = _result(out, live)
+        live.status, live.headers, live.json = out.status, headers, result_json
         try:
-            await self._finish(key, bh, rev, status, headers, result_json, live.events if live.stream else None)
+            await self._finish(key, bh, rev, out.status, live.headers, live.json,
+                               live.events if live.json is None else None)
         finally:
             live.done = True
             live.changed.set()
@@ -232,29 +244,26 @@ class IdempotencyStore:
     async def _heartbeat(self, key: str, bh: str, rev: int) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            rec, cur = await self._get(key)
-            if rec is None or rec.get("state") != "running" or rec.get("gateway") != self.gateway_id:
-                return
-            rec["heartbeat"] = time.time()
-            await self._put(key, rec, cur)
+            try:
+                if not (await self.kv.update(key, lambda r: heartbeat(r, self.gateway_id, time.time()))).changed:
+                    return
+            except (KvError, TimeoutError) as exc:  # the next beat tries again; a long outage lets a waiter take over
+                log.warning("heartbeat of idempotent request %s failed: %r", key, exc)
 
     async def _finish(self, key, bh, rev, status, headers, json_body, events) -> None:
         """Store the done record (or delete the claim for a non-sticky result)."""
         for _ in range(20):
             rec, cur = await self._get(key)
-            if rec is None or rec.get("body_hash") != bh:
-                return
-            if not _sticky(status):
-                try:
+            action = finish_action(rec, bh, status)
+            try:
+                if action == "delete":
                     await self.kv.delete(key, last=cur)
-                    return
-                except Exception:
-                    continue
-            done = {"state": "done", "body_hash": bh, "gateway": self.gateway_id, "finished": time.time(),
-                    "status": status, "headers": headers, "json": json_body,
-                    "events": [e.decode() for e in events] if events is not None else None}
-            if await self._put(key, done, cur) is not None:
+                elif action == "store":
+                    await self.kv.swap(key, done_record(bh, self.gateway_id, status, headers, json_body, events,
+                                                        time.time()), cur)
                 return
+            except KvError:  # lost a race (KvConflict) or store trouble: look again
+                continue
         log.warning("could not store the result of idempotent request %s", key)
 
     # -- answering ------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import orjson
 from aiohttp import web
 
 from actors.jobs import store
+from bus import subjects
+from bus.kv import KvConflict, KvError
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
@@ -32,12 +34,17 @@ log = logging.getLogger(__name__)
 MAX_BATCH_LINES = 10_000
 
 
+def _unavailable() -> ApiError:
+    return ApiError(503, "the job queue is unavailable; retry later", type="unavailable", code="jobs_unavailable",
+                    retry_after=1.0)
+
+
 def _not_found(job_id: str) -> ApiError:
     return ApiError(404, f"No job found with id '{job_id}'.", param="id", code="job_not_found")
 
 
 class JobsApi:
-    """Jobs routes on one gateway. ``tenancy``: gateway.tenancy.Tenancy; ``js``: JetStreamContext."""
+    """Jobs routes on one gateway. ``tenancy``: gateway.tenancy.Tenancy; ``js``: a bus.jetstream.JetStream."""
 
     def __init__(self, tenancy, js) -> None:
         self.tenancy, self.js = tenancy, js
@@ -93,26 +100,27 @@ class JobsApi:
             rec["input_ref"] = f"in/{job_id}"
         else:
             rec["input"] = inputs
-        from nats.js.errors import APIError, KeyWrongLastSequenceError
         try:
-            await self.kv.create(store.job_key(tenant.id, job_id), orjson.dumps(rec))
-        except (KeyWrongLastSequenceError, APIError):
+            await self.kv.create(store.job_key(tenant.id, job_id), rec)
+        except KvConflict:
             old, _ = await store.read_job(self.kv, tenant.id, job_id)
             if old is None or old.get("body_hash") != body_hash:
                 raise ApiError(409, "Idempotency-Key was already used with a different job input",
                                param="Idempotency-Key", code="idempotency_key_conflict") from None
             return web.json_response(self._view(old), status=202, headers={"Idempotent-Replayed": "true"})
+        except KvError as exc:
+            log.warning("job %s not stored: %r", job_id, exc)
+            raise _unavailable() from None
         try:
-            await self.js.publish(store.submit_subject(tenant.id), orjson.dumps({"id": job_id, "tenant": tenant.id}),
-                                  timeout=5.0, headers={"Nats-Msg-Id": job_id})
+            await self.js.publish(subjects.jobs_submit(tenant.id), orjson.dumps({"id": job_id, "tenant": tenant.id}),
+                                  msg_id=job_id, timeout=5.0)
         except Exception as exc:
             log.warning("job %s not queued: %r", job_id, exc)
             try:
                 await self.kv.delete(store.job_key(tenant.id, job_id))
             except Exception:
                 pass
-            raise ApiError(503, "the job queue is unavailable; retry later", type="unavailable",
-                           code="jobs_unavailable", retry_after=1.0) from None
+            raise _unavailable() from None
         return web.json_response(self._view(rec), status=202)
 
     @staticmethod
@@ -191,7 +199,7 @@ class JobsApi:
             raise ApiError(409, f"job {job_id} is {rec['status']}; results come when it is finished",
                            code="job_not_finished")
         if rec.get("output_ref"):
-            data = (await self.obj.get(rec["output_ref"])).data
+            data = await self.obj.get(rec["output_ref"])
         else:
             data = orjson.dumps({"id": job_id, "custom_id": None, "response": None if rec.get("error") else
                                  {"status_code": 200, "body": rec.get("result")}, "error": rec.get("error")}) + b"\n"
@@ -204,16 +212,7 @@ class JobsApi:
             limit = max(1, min(100, int(request.query.get("limit", "20"))))
         except ValueError:
             raise ApiError(400, "limit must be an integer", param="limit") from None
-        recs = []
-        watcher = await self.kv.watch(f"j.{tenant.id}.*", ignore_deletes=True)  # filtered by the server
-        try:
-            async for entry in watcher:
-                if entry is None:  # end of the current values
-                    break
-                if entry.value:
-                    recs.append(orjson.loads(entry.value))
-        finally:
-            await watcher.stop()
+        recs = [e.value for e in await self.kv.values(store.job_key(tenant.id, "*")) if e.value]  # server-filtered
         recs.sort(key=lambda r: (-r["created_at"], r["id"]))
         after = request.query.get("after")
         if after:
@@ -228,14 +227,7 @@ class JobsApi:
         """``DELETE /v1/jobs/{id}``: cancel (idempotent); returns the job."""
         tenant, _, job_id = await self._own(request)
         now = time.time()
-
-        def change(r: dict):
-            if r["status"] == "validating":
-                return {**r, "status": "cancelled", "cancelled_at": now}
-            if r["status"] in ("in_progress", "finalizing"):
-                return {**r, "status": "cancelling", "cancelling_at": now}
-            return None
-        rec = await store.update_job(self.kv, tenant.id, job_id, change)
+        rec = await store.update_job(self.kv, tenant.id, job_id, lambda r: store.cancel(r, now))
         if rec is None:
             raise _not_found(job_id)
         return web.json_response(self._view(rec))

@@ -1,7 +1,8 @@
 """Merging the chunks of one API request's choices into OpenAI responses (shared by HTTP and NATS fronts).
 
 A request with ``n`` > 1 or a list of prompts was fanned out by the validator into engine requests
-``<request_id>-<index>`` (index = prompt_index * n + i); a single choice keeps ``<request_id>``.
+``<request_id>-<index>`` (index = prompt_index * n + i); a single choice keeps ``<request_id>``. Every chunk
+carries its choice's index in ``Chunk.choice_index`` (the ids are never parsed).
 ``ChoiceMerger.add`` takes every chunk in arrival order and returns the streaming objects it yields
 (each with the right choice ``index``; one role delta first and exactly one finish_reason per index);
 ``body`` builds the non-streaming response. Both fronts use it, so their semantics cannot drift.
@@ -53,13 +54,8 @@ class ChoiceMerger:
         return len(self.finish) >= self.k
 
     def index(self, chunk: Chunk) -> int:
-        """Choice index of a chunk (0 for an unsplit request)."""
-        if chunk.request_id == self.request_id or "-" not in chunk.request_id:
-            return 0
-        try:
-            return int(chunk.request_id.rsplit("-", 1)[1])
-        except ValueError:
-            return 0
+        """Choice index of a chunk (``Chunk.choice_index``; 0 for an unsplit request)."""
+        return chunk.choice_index
 
     # ------------------------------------------------------------------ shapes
     def _obj(self) -> dict[str, Any]:

@@ -24,9 +24,9 @@ import orjson
 
 from bus import subjects, tracing
 from bus.base import BusError, Msg
+from gateway import pipeline
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
-from gateway.http import DEV_TENANT, invalid_json
-from gateway.inflight import StreamError
+from gateway.http import invalid_json
 from gateway.merge import ChoiceMerger
 from gateway.openai_format import ApiError
 
@@ -92,84 +92,46 @@ class NatsApi:
     def _tenant(self, msg: Msg, check_reply: bool = True) -> str:
         """Tenant id of the message's key (ApiError 401) whose inbox holds the reply subject (403)."""
         if self.tenancy is None:
-            return DEV_TENANT
+            return pipeline.DEV_TENANT
         tenant = self.tenancy.cache.authenticate(_header(msg, "Authorization")).id
         if check_reply and not (msg.reply or "").startswith(subjects.tenant_inbox_prefix(tenant) + "."):
             raise forbidden_reply_subject(tenant)
         return tenant
 
-    async def _admit(self, tenant_id: str, body: dict, request_id: str):
-        if self.tenancy is None:
-            return None
-        tenant = self.tenancy.cache.tenants[tenant_id]
-        return await self.tenancy.admit(tenant, body, request_id, {})
+    def _request(self, endpoint: str, msg: Msg, rid: str, marks: dict) -> pipeline.Request:
+        """The pipeline request of an API message: tenant (ApiError 401 / 403), JSON body and deadline (400;
+        orjson.JSONDecodeError for a body that is not JSON)."""
+        tenant = self._tenant(msg)
+        marks["auth_done"] = time.time()
+        body = orjson.loads(msg.data)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        deadline_ms = parse_deadline_ms(body.get("deadline_ms"), _header(msg, "x-actorserve-deadline-ms"),
+                                        self.fe.cfg)
+        record = self.tenancy.cache.tenants[tenant] if self.tenancy is not None else None
+        return pipeline.Request(tenant, endpoint, body, rid, deadline_ms, marks, record)
 
     async def _handle(self, endpoint: str, msg: Msg) -> None:
         if not msg.reply:
             return
         marks = {"gateway_in": time.time()}
-        adm, rid = None, new_request_id()
         try:
-            tenant = self._tenant(msg)
-            marks["auth_done"] = time.time()
-            body = orjson.loads(msg.data)
-            if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
-            deadline_ms = parse_deadline_ms(body.get("deadline_ms"), _header(msg, "x-actorserve-deadline-ms"),
-                                            self.fe.cfg)
-            adm = await self._admit(tenant, body, rid)
-            sub = await self.fe.submit(tenant=tenant, endpoint=endpoint, body=body,
-                                       request_id=rid, deadline_ms=deadline_ms, marks=marks)
+            req = self._request(endpoint, msg, new_request_id(), marks)
+            async with pipeline.admitted(self.fe, req, self.tenancy) as sub:  # 404 not allowed, 429 quota, 503
+                await self._serve(msg, sub, req.body)
         except orjson.JSONDecodeError as exc:
-            await self._release(adm)
-            return await self._reply(msg, error_reply(invalid_json(exc)))
+            await self._reply(msg, error_reply(invalid_json(exc)))
         except ApiError as err:
-            await self._release(adm)
-            return await self._reply(msg, error_reply(err))
-        except BaseException:
-            await self._release(adm)
-            raise
-        try:
-            await self._serve(msg, sub, body)
-        finally:
-            await self._release(adm)
-
-    async def _release(self, adm) -> None:
-        if self.tenancy is not None:
-            await self.tenancy.release(adm)
+            await self._reply(msg, error_reply(err))
 
     async def _serve(self, msg: Msg, sub: Submitted, body: dict) -> None:
-        try:
-            if body.get("stream") is True:
-                await self._stream(msg, sub, body)
-            else:
-                await self._collect(msg, sub, body)
-        except StreamError as exc:
-            await self.fe.cancel(sub.request_id, "stream_error", num_choices=sub.num_choices)
-            await self._reply(msg, error_reply(self.fe.resolve_error(exc)))
-        finally:
-            self.fe.table.close(sub.request_id)
-
-    async def _collect(self, msg: Msg, sub: Submitted, body: dict) -> None:
-        merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
-        async for chunk in self.fe.stream(sub):
-            if chunk.error:
-                await self.fe.cancel(sub.request_id, "sibling_failed", num_choices=sub.num_choices)
-                return await self._reply(msg, error_reply(ApiError.from_chunk_error(chunk.error)))
-            merger.add(chunk)
-        await self._reply(msg, orjson.dumps(merger.body()))
-
-    async def _stream(self, msg: Msg, sub: Submitted, body: dict) -> None:
-        merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
-        async for chunk in self.fe.stream(sub):
-            if chunk.error:
-                await self.fe.cancel(sub.request_id, "sibling_failed", num_choices=sub.num_choices)
-                return await self._reply(msg, error_reply(ApiError.from_chunk_error(chunk.error)))
-            events = merger.add(chunk)
-            for j, ev in enumerate(events):
-                if merger.done and j == len(events) - 1:
-                    ev = {**ev, "final": True}
-                await self._reply(msg, orjson.dumps(ev))
+        """Run the submitted request to its end: one reply, or one per streamed object (the last ``final``)."""
+        stream = body.get("stream") is True
+        out = await pipeline.run(self.fe, sub, body, _Replies(self, msg) if stream else None)
+        if out.error is not None:
+            await self._reply(msg, error_reply(out.error))
+        elif not stream:
+            await self._reply(msg, orjson.dumps(out.merger.body()))
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -192,3 +154,17 @@ class NatsApi:
             ok = True
         if msg.reply:
             await self._reply(msg, orjson.dumps({"cancelled": ok}))
+
+
+class _Replies:
+    """The pipeline sink of a streamed NATS API request: one reply per object, the very last one marked
+    ``"final": true``."""
+
+    def __init__(self, api: NatsApi, msg: Msg) -> None:
+        self.api, self.msg = api, msg
+
+    async def emit(self, events: list[dict], merger: ChoiceMerger) -> None:
+        """Publish one chunk's objects to the caller's inbox."""
+        for j, ev in enumerate(events):
+            last = merger.done and j == len(events) - 1
+            await self.api._reply(self.msg, orjson.dumps({**ev, "final": True} if last else ev))

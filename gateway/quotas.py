@@ -2,7 +2,7 @@
 
 Why JetStream KV and not etcd (docs/decisions/0008-tenancy.md): a compare-and-swap on a KV key is
 one round trip to nats-server with no Raft fsync on the request path, etcd holds only slow-changing
-state (ARCHITECTURE.md), and the same bucket family also serves idempotency records and usage.
+state (docs/architecture.md), and the same bucket family also serves idempotency records and usage.
 
 Keys in bucket ``as_quota`` (values JSON):
 
@@ -30,28 +30,72 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import orjson
-
+from bus import streams
 from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
 
-BUCKET = "as_quota"
+BUCKET = streams.QUOTA_BUCKET
 WINDOW_S = 60
 SLOT_TTL_S = 15.0
-CAS_ATTEMPTS = 50
 
 
-def _day(ts: float) -> str:
+# -- rules (pure: values in, values out; ``now`` in epoch seconds) -----------------------------------
+
+def day(ts: float) -> str:
+    """UTC day of epoch second ``ts`` as ``YYYYMMDD`` (the key suffix of daily token counts)."""
     return time.strftime("%Y%m%d", time.gmtime(ts))
 
 
-def _window_sum(buckets: dict[str, int], now: float) -> tuple[int, dict[str, int], float | None]:
+def window_sum(buckets: dict[str, int], now: float) -> tuple[int, dict[str, int], float | None]:
     """(sum over the last 60 s, pruned buckets, epoch second of the oldest bucket still counted)."""
     lo = int(now) - WINDOW_S + 1
     kept = {k: int(v) for k, v in buckets.items() if int(k) >= lo}
     oldest = min((int(k) for k in kept), default=None)
     return sum(kept.values()), kept, oldest
+
+
+def window_add(value: dict | None, amount: int, now: float) -> dict:
+    """A window value (``{"b": {second: count}}``) pruned to the last 60 s with ``amount`` added at ``now``."""
+    _, kept, _ = window_sum((value or {}).get("b", {}), now)
+    k = str(int(now))
+    kept[k] = kept.get(k, 0) + int(amount)
+    return {"b": kept}
+
+
+def rpm_take(value: dict | None, rpm: int, now: float) -> dict | None:
+    """The rpm window with one more request, or None (refused) when ``rpm`` requests are already counted."""
+    used, _, _ = window_sum((value or {}).get("b", {}), now)
+    return None if used >= rpm else window_add(value, 1, now)
+
+
+def day_add(value: dict | None, tokens: int) -> dict:
+    """A daily count (``{"t": tokens}``) grown by ``tokens``."""
+    return {"t": int((value or {}).get("t", 0)) + int(tokens)}
+
+
+def slot_take(value: dict | None, request_id: str, limit: int, now: float) -> dict | None:
+    """Slots (``{"s": {request id: expires_at}}``) without lapsed ones plus ``request_id`` (lease
+    ``SLOT_TTL_S``), or None (refused) when ``limit`` live slots are taken."""
+    slots = {rid: exp for rid, exp in (value or {}).get("s", {}).items() if exp > now}
+    if len(slots) >= limit:
+        return None
+    return {"s": {**slots, request_id: now + SLOT_TTL_S}}
+
+
+def slot_release(value: dict | None, request_id: str) -> dict | None:
+    """Slots without ``request_id``; None (no write) when it holds none."""
+    slots = (value or {}).get("s", {})
+    if request_id not in slots:
+        return None
+    return {"s": {r: e for r, e in slots.items() if r != request_id}}
+
+
+def slot_refresh(value: dict | None, mine: set[str], now: float) -> dict:
+    """Slots with the leases of ``mine`` (this gateway's requests) extended to ``now + SLOT_TTL_S`` and
+    other lapsed ones dropped."""
+    slots = {r: e for r, e in (value or {}).get("s", {}).items() if e > now or r in mine}
+    return {"s": {**slots, **{r: now + SLOT_TTL_S for r in mine}}}
 
 
 def _reset_s(oldest: float | None, now: float) -> float:
@@ -76,30 +120,24 @@ class Admission:
 
 
 class QuotaStore:
-    """Quota checks and charges on the ``as_quota`` JetStream KV bucket.
+    """Quota checks and charges on the ``as_quota`` KV bucket (bus.kv).
 
-    ``js``: a nats-py JetStreamContext. ``await open()`` creates / binds the bucket. Every call is
-    bounded by ``timeout`` seconds per KV operation; a store that cannot be reached fails open
-    (the request is admitted and a warning logged): quotas protect fairness, not safety.
+    ``js``: what opens buckets (``bus.jetstream.JetStream``, or ``bus.kv.MemoryBuckets`` in tests).
+    ``await open()`` creates / binds the bucket. Every call is bounded by ``timeout`` seconds per KV
+    operation; a store that cannot be reached fails open (the request is admitted and a warning
+    logged): quotas protect fairness, not safety.
     """
 
     def __init__(self, js, *, timeout: float = 2.0) -> None:
         self.js = js
         self.timeout = timeout
         self.kv = None
-        self._locks: dict[str, asyncio.Lock] = {}
         self._slots: dict[str, set[str]] = {}  # tenant -> request ids holding a slot on this gateway
         self._refresher: asyncio.Task | None = None
 
     async def open(self) -> None:
-        """Create or bind the bucket (file storage, history 1) and start the slot-refresh task."""
-        from nats.js.api import KeyValueConfig, StorageType
-
-        try:
-            self.kv = await self.js.key_value(BUCKET)
-        except Exception:
-            self.kv = await self.js.create_key_value(KeyValueConfig(
-                bucket=BUCKET, history=1, storage=StorageType.FILE, max_bytes=16 * 1024 * 1024))
+        """Create or bind the bucket (``bus.streams.QUOTAS``) and start the slot-refresh task."""
+        self.kv = await self.js.bucket(streams.QUOTAS, self.timeout)
         self._refresher = asyncio.create_task(self._refresh_slots(), name="quota-slot-refresh")
 
     async def close(self) -> None:
@@ -108,13 +146,9 @@ class QuotaStore:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
 
-    # -- compare-and-swap core --------------------------------------------------------------
-
-    async def _cas(self, key: str, change) -> object:
-        return await kv_cas(self.kv, key, change, self._locks.setdefault(key, asyncio.Lock()), self.timeout)
-
     async def _read(self, key: str) -> dict:
-        return await kv_read(self.kv, key, self.timeout)
+        e = await self.kv.get(key)
+        return e.value if e is not None and isinstance(e.value, dict) else {}
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -129,12 +163,12 @@ class QuotaStore:
         conc, daily = tenant.quota("concurrency"), tenant.quota("daily_tokens")
         try:
             if tpm is not None:
-                used, _, oldest = _window_sum((await self._read(f"tpm.{tenant.id}")).get("b", {}), now)
+                used, _, oldest = window_sum((await self._read(f"tpm.{tenant.id}")).get("b", {}), now)
                 adm.headers.update(_headers("tokens", tpm, max(0, tpm - used), _reset_s(oldest, now)))
                 if used >= tpm:
                     raise _too_many("tokens per minute", tenant.id, tpm, _reset_s(oldest, now), adm.headers)
             if daily is not None:
-                used = int((await self._read(f"day.{tenant.id}.{_day(now)}")).get("t", 0))
+                used = int((await self._read(f"day.{tenant.id}.{day(now)}")).get("t", 0))
                 if used >= daily:
                     until = 86400 - (now % 86400)
                     raise _too_many("tokens per day", tenant.id, daily, until, adm.headers)
@@ -143,7 +177,8 @@ class QuotaStore:
                     raise _too_many("concurrent requests", tenant.id, conc, 1.0, adm.headers)
                 adm.slot = True
             if rpm is not None:
-                ok, used, oldest = await self._cas(f"rpm.{tenant.id}", lambda v: _rpm_change(v, rpm, now))
+                res = await self.kv.update(f"rpm.{tenant.id}", lambda v: rpm_take(v, rpm, now))
+                ok, (used, _, oldest) = res.changed, window_sum((res.value or {}).get("b", {}), now)
                 reset = _reset_s(oldest, now)
                 adm.headers.update(_headers("requests", rpm, max(0, rpm - used), reset))
                 if not ok:
@@ -157,13 +192,7 @@ class QuotaStore:
         return adm
 
     async def _take_slot(self, tenant_id: str, request_id: str, limit: int, now: float) -> bool:
-        def change(v: dict):
-            slots = {rid: exp for rid, exp in v.get("s", {}).items() if exp > now}
-            if len(slots) >= limit:
-                return None, False
-            slots[request_id] = now + SLOT_TTL_S
-            return {"s": slots}, True
-        ok = await self._cas(f"conc.{tenant_id}", change)
+        ok = (await self.kv.update(f"conc.{tenant_id}", lambda v: slot_take(v, request_id, limit, now))).changed
         if ok:
             self._slots.setdefault(tenant_id, set()).add(request_id)
         return ok
@@ -174,14 +203,8 @@ class QuotaStore:
             return
         adm.slot = False
         self._slots.get(adm.tenant, set()).discard(adm.request_id)
-
-        def change(v: dict):
-            slots = v.get("s", {})
-            if adm.request_id not in slots:
-                return None, None
-            return {"s": {r: e for r, e in slots.items() if r != adm.request_id}}, None
         try:
-            await self._cas(f"conc.{adm.tenant}", change)
+            await self.kv.update(f"conc.{adm.tenant}", lambda v: slot_release(v, adm.request_id))
         except Exception as exc:
             log.warning("slot release of %s failed (%r); it lapses in %.0f s", adm.request_id, exc, SLOT_TTL_S)
 
@@ -191,16 +214,9 @@ class QuotaStore:
             for tenant_id, rids in list(self._slots.items()):
                 if not rids:
                     continue
-                mine = set(rids)
-                now = time.time()
-
-                def change(v: dict, mine=mine, now=now):
-                    slots = {r: e for r, e in v.get("s", {}).items() if e > now or r in mine}
-                    for r in mine:
-                        slots[r] = now + SLOT_TTL_S
-                    return {"s": slots}, None
+                mine, now = set(rids), time.time()
                 try:
-                    await self._cas(f"conc.{tenant_id}", change)
+                    await self.kv.update(f"conc.{tenant_id}", lambda v, mine=mine, now=now: slot_refresh(v, mine, now))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -214,67 +230,8 @@ class QuotaStore:
         if tokens <= 0:
             return
         now = time.time() if now is None else now
-
-        def add_window(v: dict):
-            _, kept, _ = _window_sum(v.get("b", {}), now)
-            k = str(int(now))
-            kept[k] = kept.get(k, 0) + int(tokens)
-            return {"b": kept}, None
-        await self._cas(f"tpm.{tenant_id}", add_window)
-        await self._cas(f"day.{tenant_id}.{_day(now)}", lambda v: ({"t": int(v.get("t", 0)) + int(tokens)}, None))
-
-
-async def kv_read(kv, key: str, timeout: float = 2.0) -> dict:
-    """The JSON object at ``key`` of JetStream KV ``kv`` ({} when absent or deleted)."""
-    from nats.js.errors import KeyDeletedError, KeyNotFoundError
-
-    try:
-        entry = await asyncio.wait_for(kv.get(key), timeout)
-    except (KeyNotFoundError, KeyDeletedError):
-        return {}
-    return orjson.loads(entry.value) if entry.value else {}
-
-
-async def kv_cas(kv, key: str, change, lock: asyncio.Lock, timeout: float = 2.0) -> object:
-    """Compare-and-swap update of the JSON object at ``key``.
-
-    ``change(value) -> (new_value | None, result)``; None means "no write". A lost race re-reads and
-    retries (``lock`` serialises updates of the key within this process, so only other replicas race).
-    Returns ``result``; TimeoutError after CAS_ATTEMPTS lost races or a KV call over ``timeout`` s."""
-    from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-
-    async with lock:
-        for _ in range(CAS_ATTEMPTS):
-            try:
-                entry = await asyncio.wait_for(kv.get(key), timeout)
-                value, rev = (orjson.loads(entry.value) if entry.value else {}), entry.revision
-            except KeyNotFoundError:
-                value, rev = {}, 0
-            except KeyDeletedError as e:  # a tombstone: update on top of it
-                value, rev = {}, getattr(getattr(e, "entry", None), "revision", 0) or 0
-            new, result = change(value)
-            if new is None:
-                return result
-            data = orjson.dumps(new)
-            try:
-                if rev == 0:
-                    await asyncio.wait_for(kv.create(key, data), timeout)
-                else:
-                    await asyncio.wait_for(kv.update(key, data, last=rev), timeout)
-                return result
-            except (KeyWrongLastSequenceError, APIError):
-                await asyncio.sleep(0)
-    raise TimeoutError(f"KV key {key}: too many concurrent updates")
-
-
-def _rpm_change(v: dict, rpm: int, now: float):
-    used, kept, oldest = _window_sum(v.get("b", {}), now)
-    if used >= rpm:
-        return None, (False, used, oldest)
-    k = str(int(now))
-    kept[k] = kept.get(k, 0) + 1
-    oldest = int(now) if oldest is None else oldest
-    return {"b": kept}, (True, used + 1, oldest)
+        await self.kv.update(f"tpm.{tenant_id}", lambda v: window_add(v, tokens, now))
+        await self.kv.update(f"day.{tenant_id}.{day(now)}", lambda v: day_add(v, tokens))
 
 
 def _headers(kind: str, limit: int, remaining: int, reset_s: float) -> dict[str, str]:

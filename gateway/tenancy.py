@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 class Tenancy:
     """Tenant cache + shared quota store + usage meter (+ idempotency store) of one gateway.
 
-    ``registry``: connected control.state.registry.Registry; ``js``: nats-py JetStreamContext (None: no
-    quotas, usage or idempotency — authentication and model access only).
+    ``registry``: connected control.state.registry.Registry; ``js``: a bus.jetstream.JetStream
+    (``NatsBus.js()``; None: no quotas, usage or idempotency — authentication and model access only).
     """
 
     def __init__(self, registry, js=None, *, gateway_id: str = "gw") -> None:

@@ -7,9 +7,10 @@ Start more to scale: they share the durable consumer. On SIGTERM: stop pulling, 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
+
+from actors.serve import ActorContext, serve
 
 log = logging.getLogger("actorserve.jobs")
 
@@ -22,32 +23,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     """Serve until cancelled, then drain (bounded)."""
-    from actors.jobs.service import JobsService
-    from actors.runtime import resolve_endpoints
-    from bus.nats_bus import NatsBus
-    from control.state.registry import Registry
-    from gateway.frontend import Frontend, FrontendConfig
-    from gateway.models import ModelResolver
-
-    nats_url, etcd_url = resolve_endpoints(args)
     jid = args.jobs_id or f"jobs-{os.getpid()}"
-    async with Registry.connect(etcd_url) as reg:
-        bus = await NatsBus.connect(nats_url, name=jid)
-        resolver = ModelResolver(reg)
-        await resolver.start()
-        fe = Frontend(bus, resolver, FrontendConfig(jid, default_deadline_ms=3_600_000, inactivity_s=300.0))
-        await fe.start()
-        svc = JobsService(bus.client.jetstream(), fe, concurrency=args.concurrency)
-        await svc.start()
-        log.info("jobs actor %s ready", jid)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await asyncio.shield(_shutdown(svc, fe, resolver, bus))
+    await serve(args, jid, build)
 
 
-async def _shutdown(svc, fe, resolver, bus) -> None:
-    await svc.stop(timeout=10.0)
-    await fe.stop()
-    await resolver.stop()
-    await bus.close()
+async def build(ctx: ActorContext) -> None:
+    """Start a front end (hour-long deadlines, 5 min inactivity) and the job runner on it; on stop the
+    runner gives running jobs up to 10 s and leaves the rest unacknowledged."""
+    from actors.jobs.service import JobsService
+    from gateway.actor import start_frontend
+    from gateway.frontend import FrontendConfig
+
+    args = ctx.args
+    fe = await start_frontend(ctx, FrontendConfig(ctx.name, default_deadline_ms=3_600_000, inactivity_s=300.0))
+    bus = ctx.bus
+    svc = JobsService(bus.js(), fe, concurrency=args.concurrency)
+    await svc.start()
+    ctx.on_stop(lambda: svc.stop(timeout=10.0), timeout_s=15.0, what="job runner")
+    log.info("jobs actor %s ready", ctx.name)

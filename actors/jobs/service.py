@@ -18,14 +18,25 @@ import time
 import orjson
 
 from actors.jobs import store
+from bus import streams
+from gateway import pipeline
+from gateway.frontend import new_request_id
+from gateway.openai_format import ApiError
 
 log = logging.getLogger("actorserve.jobs")
 
 CANCEL_CHECK_S = 0.5
+RETRY_STATUSES = (429, 503)  # queue full, no capacity: retried after Retry-After until the job's deadline
+
+
+async def _backoff(job_id: str, request_id: str, err: ApiError) -> None:
+    """Wait out a retryable answer: its Retry-After, within [0.5, 10] s."""
+    log.info("job %s: request %s answered %s %s; retrying", job_id, request_id, err.status, err.code)
+    await asyncio.sleep(min(max(err.retry_after or 1.0, 0.5), 10.0))
 
 
 class JobsService:
-    """Consumes ``AS_JOBS`` with at most ``concurrency`` jobs at a time. ``js``: JetStreamContext;
+    """Consumes ``AS_JOBS`` with at most ``concurrency`` jobs at a time. ``js``: a bus.jetstream.JetStream;
     ``frontend``: a started gateway.frontend.Frontend (its own reply subjects)."""
 
     def __init__(self, js, frontend, concurrency: int = 4) -> None:
@@ -36,13 +47,9 @@ class JobsService:
         self._running: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        """Open the stores, bind the durable consumer and start pulling."""
-        from nats.js.api import AckPolicy, ConsumerConfig
-
+        """Open the stores, bind the durable consumer (``bus.streams.JOB_RUNNERS``) and start pulling."""
         self.kv, self.obj = await store.open_stores(self.js)
-        self._sub = await self.js.pull_subscribe(
-            "as.jobs.submit.*", durable=store.CONSUMER, stream=store.STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=store.ACK_WAIT_S, max_deliver=-1))
+        self._sub = await self.js.pull(streams.JOB_QUEUE, streams.JOB_RUNNERS)
         self._loop_task = asyncio.create_task(self._loop(), name="jobs-loop")
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -58,15 +65,11 @@ class JobsService:
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def _loop(self) -> None:
-        import nats.errors
         slots = asyncio.Semaphore(self.concurrency)
         while True:
             await slots.acquire()
             try:
                 msgs = await self._sub.fetch(1, timeout=1.0)
-            except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                slots.release()
-                continue
             except asyncio.CancelledError:
                 slots.release()
                 raise
@@ -74,6 +77,9 @@ class JobsService:
                 slots.release()
                 log.warning("jobs fetch failed: %r", exc)
                 await asyncio.sleep(1.0)
+                continue
+            if not msgs:
+                slots.release()
                 continue
             task = asyncio.create_task(self._handle(msgs[0]))
             self._running.add(task)
@@ -115,17 +121,7 @@ class JobsService:
         if rec["status"] in store.TERMINAL:
             return
         now = time.time()
-
-        def begin(r: dict):
-            if r["status"] in store.TERMINAL:
-                return None
-            if r["status"] == "cancelling":
-                return {**r, "status": "cancelled", "cancelled_at": now}
-            if now > r.get("expires_at", now + 1):
-                return {**r, "status": "expired", "expired_at": now}
-            return {**r, "status": "in_progress", "in_progress_at": r.get("in_progress_at") or now,
-                    "attempts": int(r.get("attempts", 0)) + 1}
-        rec = await store.update_job(self.kv, tenant, job_id, begin)
+        rec = await store.update_job(self.kv, tenant, job_id, lambda r: store.begin(r, now))
         if rec is None or rec["status"] != "in_progress":
             return
         requests = await self._inputs(rec)
@@ -144,8 +140,7 @@ class JobsService:
             results.append({"id": f"{job_id}-{i}", "custom_id": req.get("custom_id"),
                             "response": {"status_code": status, "body": body} if status == 200 else None,
                             "error": None if status == 200 else {"status_code": status, **(body or {})}})
-        await store.update_job(self.kv, tenant, job_id, lambda r: {**r, "status": "finalizing"}
-                               if r["status"] == "in_progress" else None)
+        await store.update_job(self.kv, tenant, job_id, store.finalizing)
         update: dict = {"request_counts": counts}
         if rec.get("batch"):
             data = b"".join(orjson.dumps(r) + b"\n" for r in results)
@@ -158,23 +153,17 @@ class JobsService:
             if r0["error"] is not None and final == "completed":
                 final = "failed"
         t = time.time()
-        await store.update_job(self.kv, tenant, job_id, lambda r: None if r["status"] in store.TERMINAL else {
-            **r, **update, "status": final, f"{final}_at": t})
+        await store.update_job(self.kv, tenant, job_id, lambda r: store.finish(r, final, update, t))
 
     async def _inputs(self, rec: dict) -> list[dict]:
         if rec.get("input_ref"):
-            res = await self.obj.get(rec["input_ref"])
-            data = orjson.loads(res.data)
+            data = orjson.loads(await self.obj.get(rec["input_ref"]))
         else:
             data = rec["input"]
         return data
 
     async def _one(self, rec: dict, body: dict) -> tuple[int, dict | None]:
         """(status, body) of one request; -1 = job cancelled, -2 = job expired."""
-        from gateway.frontend import new_request_id
-        from gateway.merge import ChoiceMerger
-        from gateway.openai_format import ApiError
-
         tenant, job_id, endpoint = rec["tenant"], rec["id"], rec["endpoint"]
         body = {**body, "stream": False, "priority": rec.get("priority", "batch")}
         while True:
@@ -183,40 +172,37 @@ class JobsService:
             left_ms = int((rec["expires_at"] - time.time()) * 1000)
             if left_ms <= 0:
                 return -2, None
-            rid = new_request_id()
+            now = time.time()
+            req = pipeline.Request(tenant, endpoint, body, new_request_id(), min(left_ms, 3_600_000),
+                                   {"gateway_in": now, "auth_done": now})
             try:
-                sub = await self.fe.submit(tenant=tenant, endpoint=endpoint, body=body, request_id=rid,
-                                           deadline_ms=min(left_ms, 3_600_000),
-                                           marks={"gateway_in": time.time(), "auth_done": time.time()})
-            except ApiError as err:
-                if err.status in (429, 503):
-                    log.info("job %s: %s %s; retrying", job_id, err.status, err.code)
-                    await asyncio.sleep(min(max(err.retry_after or 1.0, 0.5), 10.0))
+                async with pipeline.admitted(self.fe, req) as sub:
+                    out = await self._attempt(sub, body, tenant, job_id)
+            except ApiError as err:  # not submitted
+                if err.status in RETRY_STATUSES:
+                    await _backoff(job_id, req.request_id, err)
                     continue
                 return err.status, err.body()
-            merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
-            watcher = asyncio.create_task(self._watch_cancel(tenant, job_id, rid, sub.num_choices))
-            error = None
-            try:
-                async for chunk in self.fe.stream(sub):
-                    if chunk.error:
-                        error = ApiError.from_chunk_error(chunk.error)
-                        break
-                    merger.add(chunk)
-            except Exception as exc:  # StreamError: deadline, lost worker ...
-                error = self.fe.resolve_error(exc) if hasattr(exc, "error") else ApiError(500, str(exc))
-            finally:
-                watcher.cancel()
-                self.fe.table.close(rid)
-            if error is None:
-                return 200, merger.body()
-            if watcher.done() and not watcher.cancelled() and watcher.result():
+            if out is None:
                 return -1, None
-            if error.status in (429, 503) and time.time() < rec["expires_at"]:
-                log.info("job %s: request %s ended with %s %s; retrying", job_id, rid, error.status, error.code)
-                await asyncio.sleep(min(max(error.retry_after or 1.0, 0.5), 10.0))
+            if out.ok:
+                return 200, out.merger.body()
+            if out.status in RETRY_STATUSES and time.time() < rec["expires_at"]:
+                await _backoff(job_id, req.request_id, out.error)
                 continue
-            return error.status, error.body()
+            return out.status, out.error.body()
+
+    async def _attempt(self, sub, body: dict, tenant: str, job_id: str) -> pipeline.Outcome | None:
+        """Run one submitted request under the job's cancel watch; None: it failed because the job was
+        cancelled meanwhile."""
+        watcher = asyncio.create_task(self._watch_cancel(tenant, job_id, sub.request_id, sub.num_choices))
+        try:
+            out = await pipeline.run(self.fe, sub, body)
+        finally:
+            watcher.cancel()
+        if not out.ok and watcher.done() and not watcher.cancelled() and watcher.result():
+            return None
+        return out
 
     async def _cancel_requested(self, tenant: str, job_id: str) -> bool:
         rec, _ = await store.read_job(self.kv, tenant, job_id)

@@ -24,8 +24,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any
 
+from actors.serve import ActorContext, serve
 from bus import subjects
 from bus.base import Msg
 from bus.messages import CompletionRecord
@@ -234,24 +234,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     """Run the controller until cancelled; on stop, resign so a standby takes over at once."""
-    from actors.runtime import resolve_endpoints
-    from bus.nats_bus import NatsBus
-    from control.state.registry import Registry
-
-    nats_url, etcd_url = resolve_endpoints(args)
-    async with Registry.connect(etcd_url) as reg:
-        bus = await NatsBus.connect(nats_url, name="rollout-controller")
-        ctl = RolloutController(bus, reg, interval_s=args.interval_s, controller_id=args.controller_id,
-                                lease_ttl=args.lease_ttl)
-        await ctl.start()
-        log.info("rollout controller %s started (campaigning for %s)", ctl.controller_id,
-                 names.controller_key(ELECTION_KIND))
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await asyncio.shield(_shutdown(ctl, bus))
+    await serve(args, "rollout-controller", build)
 
 
-async def _shutdown(ctl: RolloutController, bus: Any) -> None:
-    await ctl.stop()
-    await bus.close()
+async def build(ctx: ActorContext) -> None:
+    """Start the controller on the context's bus and registry (stopped, and its lease revoked, on stop)."""
+    args = ctx.args
+    ctl = RolloutController(await ctx.connect_bus(), ctx.registry, interval_s=args.interval_s,
+                            controller_id=args.controller_id, lease_ttl=args.lease_ttl)
+    await ctl.start()
+    ctx.on_stop(ctl.stop, what="rollout controller")
+    log.info("rollout controller %s started (campaigning for %s)", ctl.controller_id,
+             names.controller_key(ELECTION_KIND))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ import time
 import orjson
 
 from actors.scheduler.service import SchedulerConfig, SchedulerService
+from actors.serve import ActorContext, serve
 from bus import subjects
 
 log = logging.getLogger("actorserve.scheduler")
@@ -100,23 +102,21 @@ async def sync_workers(reg, svc: SchedulerService, name: str, version: str, peri
 
 async def main(args: argparse.Namespace) -> None:
     """Stand by until elected active for the version, then schedule until cancelled or the lease is lost."""
-    from actors.runtime import resolve_endpoints
-    from bus.nats_bus import NatsBus
     from control.state.names import parse_model_ref
-    from control.state.registry import Registry
 
     ref = parse_model_ref(args.model)
     if not ref.version:
         raise SystemExit("--model must be NAME@VERSION")
-    nats_url, etcd_url = resolve_endpoints(args)
     sid = args.scheduler_id or f"sched-{os.getpid()}"
-    async with Registry.connect(etcd_url) as reg:
-        bus = await NatsBus.connect(nats_url, name=f"scheduler-{sid}")
-        try:
-            while True:  # each turn: win the election, serve until the lease is lost
-                await serve_term(reg, bus, ref, sid, args)
-        finally:
-            await asyncio.shield(bus.close())
+    await serve(args, f"scheduler-{sid}", functools.partial(run_terms, ref=ref, sid=sid))
+
+
+async def run_terms(ctx: ActorContext, ref, sid: str) -> None:
+    """The scheduler's loop on the context's bus and registry: each turn wins the election and serves one
+    term (:func:`serve_term`, which stops its own service) until the lease is lost; never returns."""
+    bus = await ctx.connect_bus()
+    while True:
+        await serve_term(ctx.registry, bus, ref, sid, ctx.args)
 
 
 async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:

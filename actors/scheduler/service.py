@@ -64,7 +64,7 @@ class SchedulerConfig:
 
 def cost_of(req: GenerateRequest) -> int:
     """Estimated token cost of a request: prompt + max_tokens (corrected by actual usage later)."""
-    return len(req.prompt_token_ids) + int(req.sampling.get("max_tokens") or 0)
+    return len(req.prompt_token_ids) + req.sampling.max_tokens
 
 
 class SchedulerService:
@@ -429,10 +429,11 @@ class SchedulerService:
         kind = "unavailable" if status >= 500 else "cancelled" if status == 499 else "invalid_request_error"
         err = error_dict(status, message, type_=kind, code=code,
                          retryable=retryable, retry_after=self.cfg.retry_after_s if retryable else None)
-        chunk = Chunk(req.request_id, 0, final=True, finish_reason="abort", error=err, model=req.model_ref)
+        chunk = Chunk(req.request_id, 0, final=True, finish_reason="abort", error=err, model=req.model_ref,
+                      choice_index=req.choice_index)
         rec = CompletionRecord(req.request_id, req.tenant, req.name, req.version,
                                "cancelled" if status == 499 else "error", "abort", len(req.prompt_token_ids), 0,
-                               {}, req.priority, code, "", time.time())
+                               {}, req.priority, code, "", time.time(), req.choice_index)
         try:
             await self.bus.publish(req.reply, chunk.encode())
             await self.bus.publish(subjects.done(req.name, req.version), rec.encode())

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+
+from actors.serve import ActorContext, serve
 
 log = logging.getLogger("actorserve.validator")
 
@@ -21,23 +22,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     """Serve until cancelled, then finish requests already taken (bounded)."""
-    from actors.runtime import resolve_endpoints
-    from actors.validator.service import ValidatorConfig, ValidatorService
-    from bus.nats_bus import NatsBus
-    from control.state.registry import Registry
+    await serve(args, "validator", build)
 
-    nats_url, etcd_url = resolve_endpoints(args)
-    async with Registry.connect(etcd_url) as reg:
-        bus = await NatsBus.connect(nats_url, name="validator")
-        svc = ValidatorService(bus, reg, ValidatorConfig(args.max_tokens_cap, args.max_concurrency,
-                                                         max_n=args.max_n, max_choices=args.max_choices,
-                                                         test_delay_ms=_test_delay_ms(args)))
-        await svc.start()
-        log.info("validator ready")
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await asyncio.shield(_shutdown(svc, bus))
+
+async def build(ctx: ActorContext) -> None:
+    """Start the validation service on the context's bus and registry; on stop it finishes the requests
+    already taken (at most 10 s)."""
+    from actors.validator.service import ValidatorConfig, ValidatorService
+
+    args = ctx.args
+    svc = ValidatorService(await ctx.connect_bus(), ctx.registry,
+                           ValidatorConfig(args.max_tokens_cap, args.max_concurrency, max_n=args.max_n,
+                                           max_choices=args.max_choices, test_delay_ms=_test_delay_ms(args)))
+    await svc.start()
+    ctx.on_stop(lambda: svc.stop(timeout=10.0), timeout_s=15.0, what="validator service")
+    log.info("validator ready")
 
 
 def _test_delay_ms(args: argparse.Namespace) -> float:
@@ -49,8 +48,3 @@ def _test_delay_ms(args: argparse.Namespace) -> float:
         log.warning("--test-delay-ms ignored: test faults are off (set ACTORSERVE_TEST_FAULTS=1)")
         return 0.0
     return max(0.0, delay)
-
-
-async def _shutdown(svc, bus) -> None:
-    await svc.stop(timeout=10.0)
-    await bus.close()

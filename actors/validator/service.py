@@ -11,17 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import orjson
 
 from actors.validator.errors import RequestError
-from actors.validator.validation import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_N, default_stop_token_ids,
-                                         prepare_prompt, sampling_fields, validate_request)
+from actors.validator.sampling import default_max_tokens, sampling_params
+from actors.validator.validation import (MAX_CHOICES, MAX_N, ValidatedRequest, default_stop_token_ids,
+                                         prepare_prompt, validate_request)
 from actors import content_log
 from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, error_dict
+from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, SamplingParams, error_dict, sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +35,23 @@ class ModelAssets:
     chat_template: str | None
     max_model_len: int  # context length (tokens)
     stop_token_ids: tuple[int, ...]  # EOS + end-of-turn
+    defaults: dict = field(default_factory=dict)  # the manifest's sampling defaults (checked, normalized)
 
 
 def load_assets(manifest: dict) -> ModelAssets:
-    """Build tokenizer and template from a manifest (blocking: run in a thread). ValueError if unsupported."""
+    """Build tokenizer, template and sampling defaults from a manifest (blocking: run in a thread).
+
+    ValueError if unsupported, including sampling ``defaults`` the engine cannot honour (a record written
+    before registration refused them): such a version answers 503 rather than ignore its defaults."""
     from actors.text.tokenizer import GGUFTokenizer
     if manifest.get("format", "gguf") != "gguf":
         raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
+    defaults = sampling_defaults(manifest.get("defaults") or {})
     tok = GGUFTokenizer.from_gguf(manifest["artifact"])
     template = manifest.get("chat_template")
     template = tok.chat_template if template in (None, "gguf") else template
     ctx = int(manifest.get("context_length") or getattr(tok, "context_length", None) or 2048)
-    return ModelAssets(tok, template, ctx, default_stop_token_ids(tok, template))
+    return ModelAssets(tok, template, ctx, default_stop_token_ids(tok, template), defaults)
 
 
 @dataclass
@@ -185,37 +191,32 @@ class ValidatorService:
 
     def _prepare_sync(self, req: ApiRequest, assets: ModelAssets) -> list[GenerateRequest]:
         """One GenerateRequest per choice. A single choice keeps the request id; several (``n`` > 1 or a
-        list of prompts) get ids ``<id>-<index>`` with index = prompt_index * n + i and, when a seed is
-        given, seeds ``seed + i``."""
+        list of prompts) get ids ``<id>-<index>`` and ``choice_index`` = prompt_index * n + i and, when a
+        seed is set, seeds ``seed + i``."""
         if self.cfg.test_delay_ms > 0:
             _burn_cpu(self.cfg.test_delay_ms / 1e3)
         validated = validate_request(req.endpoint, req.body, self.cfg.max_n, self.cfg.max_choices)
-        default_max = COMPLETIONS_DEFAULT_MAX_TOKENS if req.endpoint == "completions" else None
-        prompts = validated.prompts or (validated.prompt,)
-        prepared = []
-        for p in prompts:
-            v = replace(validated, prompt=p) if validated.kind == "completion" else validated
-            ids, max_tokens = prepare_prompt(v, assets.tokenizer, assets.chat_template, assets.max_model_len,
-                                             default_max, self.cfg.max_tokens_cap)
-            content_log.log_content("prompt token ids", req.request_id, list(ids))  # ACTORSERVE_LOG_PROMPTS=1 only
-            echo = ""
-            if validated.echo:
-                echo = p if isinstance(p, str) else assets.tokenizer.decode(ids)
-            prepared.append((ids, sampling_fields(v, max_tokens, assets.stop_token_ids), echo))
-        k = validated.n * len(prepared)
-        marks = {**req.marks, "validate_out": time.time()}
+        prepared = [self._prepare_prompt(req, validated, p, assets) for p in validated.prompts or (validated.prompt,)]
+        n, marks = validated.n, {**req.marks, "validate_out": time.time()}
         out = []
-        for pi, (ids, sampling, echo) in enumerate(prepared):
-            for i in range(validated.n):
-                index = pi * validated.n + i
-                rid = req.request_id if k == 1 else f"{req.request_id}-{index}"
-                smp = dict(sampling)
-                if smp.get("seed") is not None and i:
-                    seed = smp["seed"] + i
-                    smp["seed"] = seed - 2**64 if seed >= 2**64 else seed
-                out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids), smp,
-                                           req.priority, req.deadline, marks, echo_text=echo))
+        for pi, (ids, params, echo) in enumerate(prepared):
+            for i in range(n):
+                index = pi * n + i
+                rid = req.request_id if n * len(prepared) == 1 else f"{req.request_id}-{index}"
+                out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids),
+                                           params.seeded(i), req.priority, req.deadline, marks, echo_text=echo,
+                                           choice_index=index))
         return out
+
+    def _prepare_prompt(self, req: ApiRequest, validated: ValidatedRequest, prompt, assets: ModelAssets
+                        ) -> tuple[list[int], SamplingParams, str]:
+        """``(prompt token ids, sampling params, echo text)`` of one prompt. Raises RequestError."""
+        v = replace(validated, prompt=prompt) if validated.kind == "completion" else validated
+        ids, max_tokens = prepare_prompt(v, assets.tokenizer, assets.chat_template, assets.max_model_len,
+                                         default_max_tokens(req.endpoint, assets.defaults), self.cfg.max_tokens_cap)
+        content_log.log_content("prompt token ids", req.request_id, list(ids))  # ACTORSERVE_LOG_PROMPTS=1 only
+        echo = "" if not v.echo else prompt if isinstance(prompt, str) else assets.tokenizer.decode(ids)
+        return ids, sampling_params(v, max_tokens, assets.stop_token_ids, assets.defaults), echo
 
     async def _submit_all(self, gens: list[GenerateRequest]) -> None:
         """Submit every choice; if one is refused, cancel those already taken and raise its error."""

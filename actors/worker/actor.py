@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import uuid
 
+from actors.serve import ActorContext, serve
 from actors.worker.service import WorkerConfig, WorkerService
 
 log = logging.getLogger("actorserve.worker")
@@ -63,41 +65,53 @@ def build_engine(manifest: dict, args: argparse.Namespace):
 
 async def main(args: argparse.Namespace) -> None:
     """Run the worker until cancelled, then drain."""
-    from actors.runtime import resolve_endpoints
-    from bus.nats_bus import NatsBus
     from control.state.names import parse_model_ref
-    from control.state.registry import Registry
 
     ref = parse_model_ref(args.model)
     if not ref.version:
         raise SystemExit("--model must be NAME@VERSION")
-    nats_url, etcd_url = resolve_endpoints(args)
     worker_id = args.worker_id or default_worker_id()
-    async with Registry.connect(etcd_url) as reg:
-        manifest = await reg.get_model_version(ref.name, ref.version)
-        if manifest is None:
-            raise SystemExit(f"model version {ref.name}@{ref.version} is not registered")
-        engine = await asyncio.to_thread(build_engine, manifest, args)
-        log.info("worker %s loaded %s@%s; %s", worker_id, ref.name, ref.version,
-                 engine.kv.describe() if hasattr(engine, "kv") else "?")
-        bus = await NatsBus.connect(nats_url, name=f"worker-{worker_id}")
-        from actors.worker.faults import from_manifest as faults_from_manifest
-        svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version),
-                            faults=faults_from_manifest(manifest))  # None unless ACTORSERVE_TEST_FAULTS=1
-        await svc.start()
-        from actors.metrics import WorkerGauges, track_worker
-        gauges = WorkerGauges()
-        gauges.register()  # KV cache usage, running/waiting, batch size, tokens/s on this worker's /metrics
-        tracker = asyncio.create_task(track_worker(svc.stats_msg, gauges))
-        info = {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
-                "device": args.device, "dtype": args.dtype, "quantization": getattr(engine, "quantization", None),
-                "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
-        holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
-        try:
-            await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
-        finally:
-            tracker.cancel()
-            await asyncio.shield(_shutdown(holder, svc, bus, getattr(args, "drain_timeout", 10.0)))
+    await serve(args, f"worker-{worker_id}", functools.partial(run_worker, ref=ref, worker_id=worker_id))
+
+
+async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
+    """Load the engine, connect the bus, start the service, take the etcd lease and keep it until
+    cancelled; on stop the worker drains (see :func:`_drain`) before the service and the bus close."""
+    args, reg = ctx.args, ctx.registry
+    manifest = await reg.get_model_version(ref.name, ref.version)
+    if manifest is None:
+        raise SystemExit(f"model version {ref.name}@{ref.version} is not registered")
+    engine = await asyncio.to_thread(build_engine, manifest, args)
+    log.info("worker %s loaded %s@%s; %s", worker_id, ref.name, ref.version,
+             engine.kv.describe() if hasattr(engine, "kv") else "?")
+    bus = await ctx.connect_bus()
+    from actors.worker.faults import from_manifest as faults_from_manifest
+    svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version),
+                        faults=faults_from_manifest(manifest))  # None unless ACTORSERVE_TEST_FAULTS=1
+    await svc.start()
+    ctx.on_stop(svc.stop, timeout_s=10.0, what="worker service")
+    _track_gauges(ctx, svc)
+    info = {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
+            "device": args.device, "dtype": args.dtype, "quantization": getattr(engine, "quantization", None),
+            "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
+    holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
+    drain_timeout = getattr(args, "drain_timeout", 10.0)
+    ctx.on_stop(lambda: _drain(holder, svc, drain_timeout), timeout_s=drain_timeout + 5.0, what="drain")
+    await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
+
+
+def _track_gauges(ctx: ActorContext, svc: WorkerService) -> None:
+    """KV cache usage, running/waiting, batch size and tokens/s on this worker's /metrics (until stop)."""
+    from actors.metrics import WorkerGauges, track_worker
+
+    gauges = WorkerGauges()
+    gauges.register()
+    tracker = asyncio.create_task(track_worker(svc.stats_msg, gauges))
+
+    async def cancel() -> None:
+        tracker.cancel()
+
+    ctx.on_stop(cancel, timeout_s=1.0, what="gauge tracker")
 
 
 async def keep_registered(reg, holder: list, ref, worker_id: str, info: dict, ttl: int) -> None:
@@ -125,22 +139,20 @@ async def keep_registered(reg, holder: list, ref, worker_id: str, info: dict, tt
                 await asyncio.sleep(1.0)
 
 
-async def _shutdown(holder: list, svc: WorkerService, bus, drain_timeout: float = 10.0) -> None:
+async def _drain(holder: list, svc: WorkerService, drain_timeout: float = 10.0) -> None:
     """Bounded graceful stop: refuse new dispatches (draining credits), revoke the lease (schedulers stop
     dispatching here and keep its requests in flight), let running requests finish (at most
-    ``drain_timeout`` s; the rest end with a retryable 503), close."""
+    ``drain_timeout`` s; the rest end with a retryable 503). The service and the bus close after it."""
     svc.draining = True
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(svc._publish_credits(), 1.0)
+        async with asyncio.timeout(1.0):
+            await svc._publish_credits()
     log.info("draining: revoking lease")
     try:
-        await asyncio.wait_for(holder[0].revoke(), 3.0)
+        async with asyncio.timeout(3.0):
+            await holder[0].revoke()
     except Exception as exc:  # lease may already be gone (etcd down); drain anyway
         log.warning("lease revoke failed: %s", exc)
     log.info("draining: %d requests in flight", len(svc.live))
     await svc.drain(timeout=drain_timeout)
-    log.info("draining: stopping service")
-    await svc.stop()
-    log.info("draining: closing bus")
-    await bus.close()
-    log.info("drained")
+    log.info("drained; stopping the service")

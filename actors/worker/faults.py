@@ -1,4 +1,4 @@
-"""Test-only fault injection for a worker (ARCHITECTURE.md: exists only when ``ACTORSERVE_TEST_FAULTS=1``).
+"""Test-only fault injection for a worker (docs/architecture.md: exists only when ``ACTORSERVE_TEST_FAULTS=1``).
 
 A model version's manifest may carry ``test_faults``, e.g.::
 

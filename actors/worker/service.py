@@ -17,7 +17,7 @@ import orjson
 
 from actors.aio import wait_event
 from actors.recent import RecentIds
-from actors.worker.engine.types import EngineRequest, SamplingParams, StepOutput
+from actors.worker.engine.types import EngineRequest, StepOutput
 from actors import content_log
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg, NoResponders
@@ -25,9 +25,6 @@ from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, Di
                           WorkerStats, error_dict)
 
 log = logging.getLogger(__name__)
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop", "ignore_eos",
-                   "logprobs", "frequency_penalty", "presence_penalty")
 
 
 @dataclass
@@ -52,7 +49,7 @@ class WorkerConfig:
     worker_id: str
     name: str  # model name
     version: str  # model version
-    credits_interval_s: float = 0.25  # ~4 Hz heartbeat (ARCHITECTURE.md)
+    credits_interval_s: float = 0.25  # ~4 Hz heartbeat (docs/architecture.md)
     stats_interval_s: float = 1.0
     idle_wait_s: float = 0.05  # sleep of the step loop when nothing is scheduled
     probe_interval_s: float = 2.0  # how often live streams check that their receiver still listens (s)
@@ -63,15 +60,6 @@ class WorkerConfig:
         subjects.work(self.worker_id)  # validates the id as a subject token
         if self.credits_interval_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("heartbeat intervals must be > 0")
-
-
-def to_sampling(d: dict) -> SamplingParams:
-    """Build SamplingParams from a wire dict (lists become tuples). ValueError on bad values."""
-    kw = {k: d[k] for k in SAMPLING_FIELDS if k in d and d[k] is not None}
-    for k in ("stop_token_ids", "stop"):
-        if k in kw:
-            kw[k] = tuple(kw[k])
-    return SamplingParams(**kw)
 
 
 async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float = 1.0) -> bool:
@@ -245,7 +233,7 @@ class WorkerService:
             self._front.discard(req.request_id)
             try:
                 self.engine.add_request(EngineRequest(req.request_id, tuple(req.prompt_token_ids),
-                                                      to_sampling(req.sampling), arrival_time=time.monotonic()),
+                                                      req.sampling, arrival_time=time.monotonic()),
                                         front=front)
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
@@ -345,13 +333,14 @@ class WorkerService:
         if not out.finished:
             if out.text or out.new_token_ids:
                 await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids),
-                                           model=lv.req.model_ref, worker_id=self.cfg.worker_id, logprobs=logprobs))
+                                           model=lv.req.model_ref, worker_id=self.cfg.worker_id, logprobs=logprobs,
+                                           choice_index=lv.req.choice_index))
             return
         usage = self._usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids))
         timing = self._timing(lv, now)
         await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids), True,
                                    out.finish_reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id,
-                                   logprobs))
+                                   logprobs, lv.req.choice_index))
         await self._record(lv, "ok", out.finish_reason, usage, timing)
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
@@ -364,12 +353,12 @@ class WorkerService:
         """OpenAI chat-shaped logprobs of this step's tokens (a stop token ending the request is left out)."""
         lps = getattr(out, "logprobs", None)
         if not lps:
-            return None if lv.req.sampling.get("logprobs") is None else []
-        stop_ids = set(lv.req.sampling.get("stop_token_ids") or ()) | set(getattr(self.engine, "eos_token_ids", ()))
+            return None if lv.req.sampling.logprobs is None else []
+        stop_ids = set(lv.req.sampling.stop_token_ids) | set(getattr(self.engine, "eos_token_ids", ()))
         entries = []
         for token_id, lp, top in lps:
             if out.finished and out.finish_reason == "stop" and token_id in stop_ids \
-                    and not lv.req.sampling.get("ignore_eos"):
+                    and not lv.req.sampling.ignore_eos:
                 continue
             e = self._token_entry(token_id, lp)
             e["top_logprobs"] = [self._token_entry(i, v) for i, v in top]
@@ -422,13 +411,14 @@ class WorkerService:
         usage = self._usage(lv, len(lv.req.prompt_token_ids))
         timing = self._timing(lv, time.time())
         await self._send(lv, Chunk(lv.req.request_id, lv.seq, final=True, finish_reason="abort", usage=usage,
-                                   timing=timing, error=err, model=lv.req.model_ref, worker_id=self.cfg.worker_id))
+                                   timing=timing, error=err, model=lv.req.model_ref, worker_id=self.cfg.worker_id,
+                                   choice_index=lv.req.choice_index))
         await self._record(lv, status, "abort", usage, timing, err.get("code"))
 
     async def _record(self, lv: _Live, status: str, reason, usage: dict, timing: dict, code=None) -> None:
         rec = CompletionRecord(lv.req.request_id, lv.req.tenant, lv.req.name, lv.req.version, status, reason,
                                usage["prompt_tokens"], usage["completion_tokens"], timing, lv.req.priority,
-                               code, self.cfg.worker_id, time.time())
+                               code, self.cfg.worker_id, time.time(), lv.req.choice_index)
         if lv.trace is not None:
             self._record_spans(lv, status, usage, timing)
         await self._safe_publish(subjects.done(lv.req.name, lv.req.version), rec.encode())

@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure decode/prefill tokens/s, matmul roofline and prefix-cache speedup of the "
         "engine on the default model, against transformers generate (needs actorserve[bench]).",
     )
-    _bench_engine_arguments(be)
+    from bench.engine_bench import add_arguments as _engine_arguments
+    _engine_arguments(be)
     be.set_defaults(func=_cmd_bench_engine)
     bf = bsub.add_parser(
         "fairness", help="tenant B's TTFT alone / fair share / FCFS, and a 3:1 weighted split (table + JSON)",
@@ -246,19 +247,6 @@ def build_parser() -> argparse.ArgumentParser:
     _prefix_arguments(bp)
     bp.set_defaults(func=_cmd_bench_prefix_routing)
     return parser
-
-
-def _bench_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="engine dtype (default: auto = bfloat16 where the CPU has bf16 matmul)")
-    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"),
-                   help="weight-only quantization of our engine (default: auto = the GGUF's own precision: "
-                        "int4 for the shipped Q4_1 model)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
 
 
 def _cmd_bench_prefix_routing(args: argparse.Namespace) -> int:
@@ -313,7 +301,7 @@ def _cmd_actor(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from control.state.registry import Registry
-    from control.ops.supervisor import PIDS_FILE, _pid_alive, http_status
+    from control.ops.supervisor_processes import http_status, pid_alive, read_pids
 
     state_dir = state_dir_of(args)
     nats_url, etcd_url = resolve_endpoints(args, need_nats=False)
@@ -322,11 +310,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         http_url = json.loads((state_dir / "endpoints.json").read_text()).get("http_url")
     except (OSError, ValueError, AttributeError):
         pass
-    pids: dict[str, Any] = {}
-    try:
-        pids = json.loads((state_dir / PIDS_FILE).read_text())
-    except (OSError, ValueError):
-        pass
+    pids: dict[str, Any] = read_pids(state_dir) or {}
 
     async def go() -> dict[str, Any]:
         async with Registry.connect(etcd_url) as reg:
@@ -342,7 +326,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "state_dir": str(state_dir),
         "endpoints": {"nats_url": redact_url(nats_url) if nats_url else nats_url, "etcd_url": etcd_url,
                       "http_url": http_url},  # the operator password stays in the 0600 endpoints.json
-        "processes": {k: {"pid": v, "alive": _pid_alive(v)} for k, v in pids.items() if isinstance(v, int)},
+        "processes": {k: {"pid": v, "alive": pid_alive(v)} for k, v in pids.items() if isinstance(v, int)},
         "ready": (http_status(f"{http_url}/readyz") == 200) if http_url else None,
     }
     try:

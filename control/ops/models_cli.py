@@ -65,7 +65,8 @@ def parse_default(value: str) -> tuple[str, Any]:
 
     The value is read as JSON when it parses (``temperature=0.7`` -> 0.7, ``stop=["\\n"]`` -> a list),
     else kept as a string (``stop=END`` -> ``"END"``). The key and the type are checked later by
-    :class:`control.state.registry.ModelManifest` (unknown keys are refused there, naming ``defaults.KEY``).
+    :class:`control.state.manifest.ModelManifest` (unknown keys, and ``min_p`` / ``repetition_penalty`` which
+    the engine cannot honour yet, are refused there, naming ``defaults.KEY``).
     """
     key, raw = _split_pair(value, "--default")
     try:
@@ -214,8 +215,8 @@ def add_models_commands(sub: Any) -> None:
     mreg.add_argument("--chat-template", default="gguf", metavar="gguf|TEMPLATE|@FILE",
                       help="chat template: gguf (from the artifact), an inline Jinja template, or @FILE")
     mreg.add_argument("--default", action="append", type=parse_default, default=[], metavar="KEY=VALUE",
-                      help="sampling default (temperature, top_p, top_k, min_p, max_tokens, stop, seed, ...); "
-                      "repeatable")
+                      help="sampling default applied where a request is silent (temperature, top_p, top_k, "
+                      "seed, max_tokens, stop, frequency_penalty, presence_penalty); repeatable")
     mreg.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=JSON",
                       help="extra manifest key, e.g. workers=2 (processes `up` starts) or "
                       "test_faults='{\"error_rate\":0.5}'; repeatable")

@@ -6,7 +6,7 @@ CLI tools and tests, and no actor started by the supervisor gets it (each gets i
 
 Isolation (issue #5 item 7): a tenant's NATS user may publish only to the public API subjects
 (``as.api.v1.chat|completions|cancel``) and subscribe only to its own inbox prefix ``_INBOX.<tenant>.>``
-(ARCHITECTURE.md), so it can neither read another tenant's token streams nor reach internal subjects.
+(docs/architecture.md), so it can neither read another tenant's token streams nor reach internal subjects.
 The user name is the key id, the password the API key itself, stored as a bcrypt hash in the key's
 tenant record (``nats_hash``; control/state/tenants.py). The gateway still authenticates the API key sent in
 the request's ``Authorization`` header and checks that the reply subject lies under that tenant's inbox
@@ -57,7 +57,8 @@ def authorization_block(internal_password: str, users: list[dict[str, Any]],
     """The ``authorization { users = [...] }`` section: the internal (operator) user (everything), the
     internal roles' users (control/ops/nats_roles.py ``role_users``) and the tenant ``users``."""
     internal = {"user": INTERNAL_USER, "password": internal_password,
-                "permissions": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}}
+                "permissions": {"publish": {"allow": [subjects.EVERYTHING]},
+                                "subscribe": {"allow": [subjects.EVERYTHING]}}}
     return "authorization " + json.dumps({"users": [internal, *role_users, *users]}, indent=1) + "\n"
 
 

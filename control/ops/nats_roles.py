@@ -42,7 +42,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from bus import subjects
+from bus import streams, subjects
 
 ROLES = ("gateway", "validator", "scheduler", "worker", "jobs", "control")
 ROLE_PASSWORDS_FILE = "nats-role-passwords.json"
@@ -51,15 +51,15 @@ ROLE_PASSWORDS_FILE = "nats-role-passwords.json"
 KIND_ROLES = {"gateway": "gateway", "validator": "validator", "scheduler": "scheduler", "worker": "worker",
               "jobs": "jobs", "rollout": "control", "autoscaler": "control"}
 
-# JetStream names, as the modules that create them spell them (tests/unit/test_nats_roles.py checks).
-USAGE_STREAM = "AS_DONE"  # gateway/usage.py STREAM (subjects as.int.done.>), pull consumer of the gateway
-USAGE_BUCKET = "as_usage"  # gateway/usage.py BUCKET
-QUOTA_BUCKET = "as_quota"  # gateway/quotas.py BUCKET
-IDEM_BUCKET = "as_idem"  # gateway/idempotency.py BUCKET
-JOBS_STREAM = "AS_JOBS"  # actors/jobs/store.py STREAM (subjects as.jobs.submit.<tenant>)
-JOBS_BUCKET = "as_jobs"  # actors/jobs/store.py BUCKET
-JOBS_OBJECTS = "as_job_data"  # actors/jobs/store.py OBJECTS
-JOBS_SUBMIT = "as.jobs.submit.*"  # actors/jobs/store.py submit_subject(<tenant>)
+# JetStream names (bus/streams.py, the one place that spells them).
+USAGE_STREAM = streams.USAGE_STREAM  # completion records (as.int.done.>), pull consumer of the gateway
+USAGE_BUCKET = streams.USAGE_BUCKET
+QUOTA_BUCKET = streams.QUOTA_BUCKET
+IDEM_BUCKET = streams.IDEM_BUCKET
+JOBS_STREAM = streams.JOBS_STREAM  # job submissions (as.jobs.submit.<tenant>), pull consumer of the jobs actor
+JOBS_BUCKET = streams.JOBS_BUCKET
+JOBS_OBJECTS = streams.JOBS_OBJECTS
+JOBS_SUBMIT = subjects.jobs_submit_all()
 
 _PLACEHOLDER = "zzplaceholder"
 
@@ -83,13 +83,14 @@ def inbox(role: str) -> str:
     return subjects.role_inbox_prefix(role) + ".>"
 
 
-def _jetstream(streams: tuple[str, ...] = (), buckets: tuple[str, ...] = (), objects: tuple[str, ...] = (),
+def _jetstream(stream_subjects: tuple[str, ...] = (), buckets: tuple[str, ...] = (), objects: tuple[str, ...] = (),
                acks: tuple[str, ...] = ()) -> list[str]:
     """Publish permissions of a JetStream client: the API, flow-control replies, the KV buckets'
     (``$KV.<b>.>``) and object stores' (``$O.<b>.>``) subjects, acks of the named consumers' streams,
-    and the stream subjects in ``streams`` (published to with an ack)."""
-    return (["$JS.API.>", "$JS.FC.>"] + [f"$JS.ACK.{s}.>" for s in acks] + [f"$KV.{b}.>" for b in buckets]
-            + [f"$O.{o}.>" for o in objects] + list(streams))
+    and the stream subjects in ``stream_subjects`` (published to with an ack)."""
+    return ([subjects.js_api_all(), subjects.js_flow_control_all()] + [subjects.js_acks(s) for s in acks]
+            + [subjects.kv_subjects(b) for b in buckets] + [subjects.object_subjects(o) for o in objects]
+            + list(stream_subjects))
 
 
 def _spec() -> dict[str, dict[str, Any]]:
@@ -100,7 +101,7 @@ def _spec() -> dict[str, dict[str, Any]]:
     return {
         "gateway": {
             "publish": [subjects.VALIDATE, cancel, _below(subjects.tenant_inbox_prefix)]
-            + _jetstream(streams=(JOBS_SUBMIT,), buckets=(USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET),
+            + _jetstream(stream_subjects=(JOBS_SUBMIT,), buckets=(USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET),
                          objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,)),
             "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, gw_replies, done,
                           any_of(subjects.stats)],
@@ -113,7 +114,7 @@ def _spec() -> dict[str, dict[str, Any]]:
         },
         "scheduler": {
             "publish": [any_of(subjects.work), gw_replies, done, any_of(subjects.sched_leader)]
-            + _jetstream(streams=(any_of(subjects.sched_journal),)),
+            + _jetstream(stream_subjects=(any_of(subjects.sched_journal),)),
             "subscribe": [any_of(subjects.sched_submit), any_of(subjects.credits), any_of(subjects.sched_events),
                           done, cancel],
             "responses": True,  # acks of submits
@@ -147,7 +148,7 @@ def role_permissions(role: str) -> dict[str, Any]:
     if spec is None:
         raise ValueError(f"unknown NATS role {role!r} (one of {', '.join(ROLES)})")
     perms: dict[str, Any] = {
-        "publish": {"allow": list(spec["publish"])} if spec["publish"] else {"deny": [">"]},
+        "publish": {"allow": list(spec["publish"])} if spec["publish"] else {"deny": [subjects.EVERYTHING]},
         "subscribe": {"allow": [*spec["subscribe"], inbox(role)]},
     }
     if spec["responses"]:

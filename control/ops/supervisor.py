@@ -17,119 +17,46 @@ Layout under the state directory: ``endpoints.json``, ``pids.json``, ``logs/<act
 
 Every actor runs as ``python -m control.ops.cli actor KIND ...`` in its own process group; the
 supervisor signals only those groups (and the embedded servers' groups), never anything by name.
+
+The class is assembled from three modules: this one (configuration, start, the actors' argv and
+environment, stop), control/ops/supervisor_health.py (readiness, restarts after it) and
+control/ops/supervisor_versions.py (model versions started and drained as the registry changes);
+control/ops/supervisor_processes.py has the process, ``pids.json`` and restart-budget helpers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import json
 import logging
 import os
-import shlex
-import signal
-import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from control.ops.deploy import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, _run_coro,  # noqa: F401 (re-exported)
-                            ensure_dev_tenant, manifest_fingerprint, model_manifest,
-                            register_model, start_nats_user_sync, version_worker_count)
+                                ensure_dev_tenant, manifest_fingerprint, model_manifest,
+                                register_model, start_nats_user_sync, version_worker_count)
+from control.ops import supervisor_processes as processes
+from control.ops.embedded_server import tail_file  # noqa: F401 (re-exported)
+from control.ops.supervisor_health import HealthMixin
+from control.ops.supervisor_processes import (PIDS_FILE, ActorProcess, SupervisorError,  # noqa: F401 (re-exported)
+                                              http_status, pid_alive, probe_host, url_host)
+from control.ops.supervisor_versions import STOP_ORDER, VersionsMixin
 
 log = logging.getLogger("actorserve.supervisor")
 
-PIDS_FILE = "pids.json"
-
-# Stop order: the rollout controller first (no decisions while the stack goes away), then the edges
-# (no new traffic), then the pipeline front to back.
-STOP_ORDER = ("rollout", "gateway", "jobs", "validator", "scheduler", "worker")
 # Start order: the slow loaders first, the edges last. A kind missing from actors.kinds.ACTOR_MODULES
 # (e.g. "rollout" before its actor exists) is skipped.
 START_ORDER = ("worker", "scheduler", "validator", "jobs", "rollout", "gateway")
 # Actors that serve one model version (started and drained as versions come and go).
 MODEL_KINDS = ("scheduler", "worker")
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-
-class SupervisorError(RuntimeError):
-    """The stack could not be started (an actor died during startup, readiness timed out, ...)."""
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def tail_file(path: str | os.PathLike[str], max_bytes: int = 4000) -> str:
-    """The last ``max_bytes`` of a text file (decoded leniently), or a note if unreadable."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            return f.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"<could not read {path}: {e}>"
-
-
-def http_status(url: str, timeout: float = 1.0) -> int | None:
-    """HTTP status of ``GET url`` (loopback), or None if the server does not answer."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (local URL)
-            return int(resp.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except (OSError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _probe_host(host: str) -> str:
-    """Address to probe a server bound on ``host`` (wildcards are probed on loopback)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-@dataclass
-class ActorProcess:
-    """One supervised actor process: its identity, argv, log file and restart history."""
-
-    name: str  # e.g. "gateway-0"
-    kind: str  # gateway | validator | scheduler | worker
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: collections.deque[float] = field(default_factory=collections.deque)
-    given_up: bool = False
-    model: str | None = None  # "name@version" for schedulers and workers
-    dynamic: bool = False  # started by the registry watch (its death is not fatal during wait_ready)
-
-    @property
-    def pid(self) -> int | None:
-        """Pid (== process group id) of the current process, or None before the first start."""
-        return self.proc.pid if self.proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        """True while the current process has not exited."""
-        return self.proc is not None and self.proc.poll() is None
-
-
-class Supervisor:
+class Supervisor(HealthMixin, VersionsMixin):
     """Starts, watches and stops the embedded stack and one process per actor.
 
     Arguments: ``state_dir`` (created if missing), ``host``/``port`` of the first gateway (gateway
@@ -250,7 +177,7 @@ class Supervisor:
 
     def gateway_url(self, n: int) -> str:
         """Base URL of gateway ``n`` (0-based)."""
-        return f"http://{_url_host(self.host)}:{self.gateway_ports[n]}"
+        return f"http://{url_host(self.host)}:{self.gateway_ports[n]}"
 
     @property
     def model_ref(self) -> str:
@@ -283,16 +210,16 @@ class Supervisor:
                 return a
         raise KeyError(name)
 
+    def _event(self, msg: str, level: int = logging.INFO) -> None:
+        """Log ``msg`` and keep it in :attr:`events`."""
+        log.log(level, msg)
+        self._events.append(msg)
+
     # -- start -----------------------------------------------------------------------------
 
     def _check_not_running(self) -> None:
-        path = self.state_dir / PIDS_FILE
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
-        pid = data.get("supervisor") if isinstance(data, dict) else None
-        if isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+        pid = processes.other_supervisor(self.state_dir)
+        if pid is not None:
             raise SupervisorError(
                 f"another `actorserve up` (pid {pid}) seems to be running with state dir {self.state_dir}; "
                 f"stop it first or pass a different --state-dir"
@@ -302,10 +229,10 @@ class Supervisor:
         from control.ops.ports import free_ports, port_open
 
         if self.port == 0:
-            self.gateway_ports = free_ports(self.gateways, _probe_host(self.host))
+            self.gateway_ports = free_ports(self.gateways, probe_host(self.host))
             return
         self.gateway_ports = [self.port + i for i in range(self.gateways)]
-        busy = [p for p in self.gateway_ports if port_open(p, _probe_host(self.host))]
+        busy = [p for p in self.gateway_ports if port_open(p, probe_host(self.host))]
         if busy:
             raise SupervisorError(
                 f"port(s) {', '.join(map(str, busy))} on {self.host} already in use; pass another --port"
@@ -433,199 +360,10 @@ class Supervisor:
         return env
 
     def _spawn(self, a: ActorProcess) -> None:
-        with open(a.log_path, "ab") as logf:
-            logf.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {shlex.join(a.argv)}\n".encode())
-            logf.flush()
-            a.proc = subprocess.Popen(
-                a.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                cwd=str(self.state_dir),
-                env=self._child_env(a.kind),
-                start_new_session=True,
-                close_fds=True,
-            )
-        log.info("started %s (pid %s)", a.name, a.proc.pid)
+        processes.spawn(a, self.state_dir, self._child_env(a.kind))
 
     def _write_pids(self) -> None:
-        data: dict[str, Any] = {"supervisor": os.getpid(), **self.pids}
-        path = self.state_dir / PIDS_FILE
-        tmp = path.with_name(f".{PIDS_FILE}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(data, indent=2) + "\n")
-            os.replace(tmp, path)
-        except OSError as e:  # pragma: no cover - state dir removed under us
-            log.warning("could not write %s: %s", path, e)
-
-    # -- readiness -------------------------------------------------------------------------
-
-    def _died_error(self, a: ActorProcess) -> SupervisorError:
-        rc = a.proc.returncode if a.proc is not None else None
-        return SupervisorError(
-            f"{a.name} exited with status {rc} during startup; last lines of {a.log_path}:\n"
-            f"{tail_file(a.log_path)}"
-        )
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        """Block until every gateway's ``GET /readyz`` answers 200.
-
-        Raises SupervisorError (with the tail of its log) if an actor exits meanwhile, if
-        ``timeout`` seconds pass, or if :meth:`request_stop` is called. Does not stop anything
-        itself: call :meth:`stop`. Afterwards dead actors are restarted (when ``supervise``).
-        """
-        deadline = time.monotonic() + timeout
-        echo = self._echo_source() if self.echo_worker_log else None
-        pending = list(range(self.gateways))
-        try:
-            while True:
-                if echo is not None:
-                    echo()
-                with self._lock:
-                    for a in self.actors:
-                        if not a.dynamic and a.proc is not None and a.proc.poll() is not None:
-                            raise self._died_error(a)
-                pending = [n for n in pending if http_status(f"{self._probe_url(n)}/readyz") != 200]
-                if not pending:
-                    break
-                if self._stop_requested.is_set():
-                    raise SupervisorError("stop requested while waiting for readiness")
-                if time.monotonic() >= deadline:
-                    names = ", ".join(f"gateway-{n}" for n in pending)
-                    tails = "\n".join(
-                        f"--- {a.name} ({a.log_path}):\n{tail_file(a.log_path, 1500)}" for a in self.actors
-                    )
-                    raise SupervisorError(f"{names} not ready within {timeout:.0f} s; actor logs:\n{tails}")
-                self._stop_requested.wait(0.25)
-        finally:
-            if echo is not None:
-                echo(final=True)
-        self._ready = True
-
-    def _probe_url(self, n: int) -> str:
-        return f"http://{_url_host(_probe_host(self.host))}:{self.gateway_ports[n]}"
-
-    def _echo_source(self) -> Callable[..., None] | None:
-        """A function copying new bytes of worker-0's log to the echo stream (the progress bar)."""
-        workers = [a for a in self.actors if a.kind == "worker"]
-        if not workers:
-            return None
-        path = workers[0].log_path
-        stream = self.echo_stream or sys.stderr
-        out = getattr(stream, "buffer", None)
-        try:
-            offset = path.stat().st_size
-        except OSError:
-            offset = 0
-        # Skip our own "=== starting" header: show from the start of this run's output.
-        try:
-            text = path.read_bytes()
-            idx = text.rfind(b"\n=== ")
-            if idx >= 0:
-                nl = text.find(b"\n", idx + 1)
-                offset = nl + 1 if nl >= 0 else offset
-        except OSError:
-            pass
-        state = {"offset": offset}
-
-        def echo(final: bool = False) -> None:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(state["offset"])
-                    data = f.read()
-            except OSError:
-                return
-            if not data:
-                return
-            state["offset"] += len(data)
-            if out is not None:
-                out.write(data)
-            else:
-                stream.write(data.decode("utf-8", "replace"))
-            stream.flush()
-            if final and not data.endswith(b"\n"):
-                stream.write("\n")
-                stream.flush()
-
-        return echo
-
-    # -- supervision -----------------------------------------------------------------------
-
-    def _monitor_loop(self) -> None:
-        while not self._stop_requested.wait(0.5):
-            if not self._ready:
-                continue  # before readiness a death is fatal (wait_ready reports it)
-            # Embedded servers first (etcd, then NATS): actors need them. Outside the lock: a start
-            # blocks up to the server's startup timeout.
-            servers_changed = self._restart_servers()
-            with self._lock:
-                if self._stopping:
-                    return
-                changed = servers_changed
-                for a in self.actors:
-                    if a.given_up or a.proc is None or a.proc.poll() is None:
-                        continue
-                    changed |= self._restart(a)
-                if changed:
-                    self._write_pids()
-
-    def _restart_servers(self) -> bool:
-        """Start an embedded server (etcd, nats-server) that died again, on the same ports with the same
-        data directory (JetStream file store, etcd data), at most ``max_restarts`` per
-        ``restart_window_s`` each. Returns True when one was restarted."""
-        if self.stack is None:
-            return False
-        changed = False
-        for srv in (self.stack.etcd, self.stack.nats):
-            if self._stopping or srv.running or srv.pid is None or srv.name in self._servers_given_up:
-                continue
-            rc = srv._proc.returncode if srv._proc is not None else None
-            history = self._server_restarts.setdefault(srv.name, collections.deque())
-            now = time.monotonic()
-            while history and now - history[0] > self.restart_window_s:
-                history.popleft()
-            if len(history) >= self.max_restarts:
-                self._servers_given_up.add(srv.name)
-                msg = (f"{srv.name} exited with status {rc}; restarted {len(history)} times in the last "
-                       f"{self.restart_window_s:.0f} s: giving up on it (log: {srv.log_path})")
-                log.error(msg)
-                self._events.append(msg)
-                continue
-            history.append(now)
-            msg = f"{srv.name} exited with status {rc}; restarting on port {srv.port} (log: {srv.log_path})"
-            log.warning(msg)
-            self._events.append(msg)
-            try:
-                srv.start()
-                changed = True
-            except (RuntimeError, OSError) as e:  # retried on the next round, within the window's budget
-                log.error("could not restart %s: %s", srv.name, str(e).splitlines()[0])
-        return changed
-
-    def _restart(self, a: ActorProcess) -> bool:
-        rc = a.proc.returncode if a.proc is not None else None
-        now = time.monotonic()
-        while a.restarts and now - a.restarts[0] > self.restart_window_s:
-            a.restarts.popleft()
-        if len(a.restarts) >= self.max_restarts:
-            a.given_up = True
-            msg = (
-                f"{a.name} exited with status {rc}; restarted {len(a.restarts)} times in the last "
-                f"{self.restart_window_s:.0f} s: giving up on it (log: {a.log_path})"
-            )
-            log.error(msg)
-            self._events.append(msg)
-            return False
-        a.restarts.append(now)
-        msg = f"{a.name} exited with status {rc}; restarting (log: {a.log_path})"
-        log.warning(msg)
-        self._events.append(msg)
-        try:
-            self._spawn(a)
-        except OSError as e:
-            log.error("could not restart %s: %s", a.name, e)
-            return False
-        return True
+        processes.write_pids(self.state_dir, self.pids)
 
     def request_stop(self) -> None:
         """Ask a waiting :meth:`wait_ready` / :meth:`wait` to return; safe from signal handlers."""
@@ -635,167 +373,10 @@ class Supervisor:
         """Block until :meth:`request_stop` is called (True) or ``timeout`` passes (False)."""
         return self._stop_requested.wait(timeout)
 
-    # -- registry watch: versions come and go live ------------------------------------------
-
-    def _watch_thread(self) -> None:
-        try:
-            asyncio.run(self._watch_registry())
-        except Exception:  # pragma: no cover - logged, the rest of the stack keeps running
-            log.exception("registry watch stopped")
-
-    async def _watch_registry(self) -> None:
-        """Poll the registry every ``registry_poll_s`` s (one connection, reopened after errors) and
-        reconcile the running model versions with it until :meth:`stop`."""
-        from control.state.registry import Registry
-
-        reg = None
-        allowed: set[str] | None = None  # model names the dev tenant was given (start() did the first)
-        warned = False
-        try:
-            while not self._stop_requested.is_set():
-                try:
-                    if reg is None:
-                        reg = await Registry.open(self.stack.etcd_url, timeout=3.0)
-                    models = await reg.list_models()
-                    warned = False
-                except Exception as e:
-                    if not warned and not self._stop_requested.is_set():
-                        log.warning("registry watch: cannot read the registry (%r); retrying", e)
-                        warned = True
-                    if reg is not None:
-                        await reg.close()
-                        reg = None
-                    await asyncio.sleep(self.registry_poll_s)
-                    continue
-                if allowed is None:
-                    allowed = set(models)
-                new_names = set(models) - allowed
-                if new_names and self.dev_api_key:
-                    try:
-                        from control.state.tenants import TenantAdmin
-
-                        await TenantAdmin(reg).ensure_dev_tenant(self.state_dir, sorted(new_names))
-                        allowed |= new_names
-                    except Exception as e:
-                        log.warning("registry watch: could not allow %s for the dev tenant: %r",
-                                    ", ".join(sorted(new_names)), e)
-                # Spawning is quick; draining may wait up to stop_timeout_s: keep it off the loop.
-                await asyncio.to_thread(self.reconcile, models)
-                await asyncio.sleep(self.registry_poll_s)
-        finally:
-            if reg is not None:
-                await reg.close()
-
-    def reconcile(self, models: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> tuple[list[str], list[str]]:
-        """Make the running model versions match the registry listing ``models``
-        (``{name: {version: manifest}}``, as :meth:`control.state.registry.Registry.list_models` returns).
-
-        Starts the scheduler and workers of every valid active version not running yet; drains (and
-        forgets) those of versions that are gone, no longer active or whose manifest changed (a
-        changed active one is then started again). Returns ``(started, stopped)`` refs. Called by the
-        registry watch; safe to call from any thread. Does nothing once :meth:`stop` began.
-        """
-        from control.state.registry import ModelManifest
-
-        desired: dict[str, tuple[str, int]] = {}
-        for name, versions in models.items():
-            for version, manifest in versions.items():
-                if not isinstance(manifest, Mapping) or manifest.get("status", "active") != "active":
-                    continue
-                ref = f"{name}@{version}"
-                try:
-                    ModelManifest.from_dict({"name": name, "version": version, **manifest})
-                except ValueError as e:
-                    if ref not in self._bad_manifests:
-                        log.error("not starting %s: invalid manifest: %s", ref, e)
-                        self._bad_manifests.add(ref)
-                    continue
-                self._bad_manifests.discard(ref)
-                desired[ref] = (manifest_fingerprint(manifest), version_worker_count(manifest, self.workers))
-        with self._lock:
-            if self._stopping:
-                return [], []
-            stop_refs = [r for r, fp in self._versions.items() if r not in desired or desired[r][0] != fp]
-            draining: list[ActorProcess] = []
-            for ref in stop_refs:
-                del self._versions[ref]
-                group = [a for a in self.actors if a.model == ref]
-                self.actors = [a for a in self.actors if a.model != ref]
-                draining += group
-                msg = f"{ref} left the registry's active versions (or changed): draining " + \
-                    (", ".join(a.name for a in group) or "nothing")
-                log.info(msg)
-                self._events.append(msg)
-            self._draining += draining
-            if draining:
-                self._write_pids()
-        if draining:
-            for kind in STOP_ORDER:
-                self._terminate([a for a in draining if a.kind == kind])
-            with self._lock:
-                gone = {id(a) for a in draining}
-                self._draining = [a for a in self._draining if id(a) not in gone]
-        started: list[str] = []
-        with self._lock:
-            if self._stopping:
-                return started, stop_refs
-            for ref, (fp, workers) in sorted(desired.items()):
-                if ref in self._versions:
-                    continue
-                group = self._version_actors(ref, workers)
-                for a in group:
-                    a.dynamic = True
-                    self.actors.append(a)
-                    try:
-                        self._spawn(a)
-                    except OSError as e:
-                        log.error("could not start %s: %s", a.name, e)
-                self._versions[ref] = fp
-                started.append(ref)
-                msg = f"{ref} registered: started " + ", ".join(a.name for a in group)
-                log.info(msg)
-                self._events.append(msg)
-            if started:
-                self._write_pids()
-        return started, stop_refs
-
-    @property
-    def running_versions(self) -> list[str]:
-        """``name@version`` of every model version whose processes this supervisor runs, sorted."""
-        with self._lock:
-            return sorted(self._versions)
-
     # -- stop ------------------------------------------------------------------------------
 
     def _terminate(self, group: list[ActorProcess]) -> None:
-        live = [a for a in group if a.proc is not None and a.proc.poll() is None]
-        for a in live:
-            try:
-                os.killpg(a.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + self.stop_timeout_s
-        for a in live:
-            try:
-                a.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %s) did not exit within %.0f s of SIGTERM; sending SIGKILL",
-                            a.name, a.proc.pid, self.stop_timeout_s)
-                try:
-                    os.killpg(a.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    a.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
-                    log.error("%s (pid %s) survived SIGKILL", a.name, a.proc.pid)
-        for a in group:
-            if a.proc is not None:
-                # Reap anything left in the actor's own group (it should be empty).
-                try:
-                    os.killpg(a.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        processes.terminate(group, self.stop_timeout_s)
 
     def stop(self) -> None:
         """Stop the actors (gateways, validator, scheduler, workers — each kind SIGTERMed as a
@@ -815,21 +396,7 @@ class Supervisor:
             self._user_sync.stop()
         if self.stack is not None:
             self.stack.stop()
-        self._remove_own_pids()
-
-    def _remove_own_pids(self) -> None:
-        """Remove ``pids.json`` if this process wrote it: an ``up`` refused because another supervisor runs
-        on the state dir must leave that one's file (the guard against a second ``up``, and ``status``)."""
-        path = self.state_dir / PIDS_FILE
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
-        if isinstance(data, dict) and data.get("supervisor") == os.getpid():
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        processes.remove_own_pids(self.state_dir)
 
     def __enter__(self) -> "Supervisor":
         return self.start()

@@ -16,13 +16,13 @@ log = logging.getLogger(__name__)
 
 
 async def campaign(registry, key: str, info: Mapping[str, Any], *, ttl: int = 2, poll_s: float = 0.25):
-    """Block until this candidate holds ``key``; return its lease (``control.state.registry.WorkerLease``).
+    """Block until this candidate holds ``key``; return its lease (``control.state.leases.WorkerLease``).
 
     etcd errors while campaigning are retried (every ``poll_s``) and logged once per outage;
     cancellation propagates. The lease keeps the key while etcd is away (``WorkerLease``): the holder
     keeps its role through an etcd outage, re-checks it with :func:`still_holds` when etcd answers
     again (``lease.recovered``), and stands down when ``lease.lost`` is set."""
-    from control.state.registry import OutageLog
+    from control.state.leases import OutageLog
 
     announced = False
     outage = OutageLog(log, f"campaign for {key}")

@@ -1,6 +1,6 @@
 """A model's routing table and the pure rules that edit it and route by it (no I/O).
 
-Stored as JSON at ``/actorserve/models/{name}/routing`` (ARCHITECTURE.md). Record fields:
+Stored as JSON at ``/actorserve/models/{name}/routing`` (docs/architecture.md). Record fields:
 
 * ``stable``: version that takes the traffic the canary does not; None: the highest active version.
 * ``canary``: version under rollout, or None.

@@ -11,12 +11,12 @@ from actors.scheduler.service import SchedulerConfig, SchedulerService
 from actors.worker.service import WorkerConfig, WorkerService
 from bus import subjects
 from bus.memory import MemoryBus
-from bus.messages import CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest
+from bus.messages import CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, SamplingParams
 from tests.actor.test_worker_service import collect, engine, gen, tiny_path, wait_final  # noqa: F401
 
 
 def treq(rid: str, tenant: str) -> GenerateRequest:
-    return GenerateRequest(rid, tenant, "m", "1", f"_INBOX.{tenant}.{rid}", (1, 2, 3), {"max_tokens": 4},
+    return GenerateRequest(rid, tenant, "m", "1", f"_INBOX.{tenant}.{rid}", (1, 2, 3), SamplingParams(max_tokens=4),
                            deadline=time.time() + 30)
 
 

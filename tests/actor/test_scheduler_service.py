@@ -10,11 +10,12 @@ import orjson
 from actors.scheduler.service import SchedulerConfig, SchedulerService
 from bus import subjects
 from bus.memory import MemoryBus
-from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest
+from bus.messages import Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, SamplingParams
 
 
 def req(i: int, reply: str = "_INBOX.t.r") -> GenerateRequest:
-    return GenerateRequest(f"r{i}", "t", "m", "1", reply, (1, 2, 3), {"max_tokens": 4}, deadline=time.time() + 30)
+    return GenerateRequest(f"r{i}", "t", "m", "1", reply, (1, 2, 3), SamplingParams(max_tokens=4),
+                           deadline=time.time() + 30)
 
 
 async def fake_worker(bus: MemoryBus, wid: str, accepted: list) -> None:
@@ -159,10 +160,12 @@ async def test_expired_in_queue_gets_deadline_error():
     svc = SchedulerService(bus, SchedulerConfig("m", "1"))
     await svc.start()
     chunks = await collect(bus, "_INBOX.t.r")
-    r = GenerateRequest("late", "t", "m", "1", "_INBOX.t.r", (1,), {}, deadline=time.time() + 0.2)
+    r = GenerateRequest("late-2", "t", "m", "1", "_INBOX.t.r", (1,), SamplingParams(), deadline=time.time() + 0.2,
+                        choice_index=2)
     assert (await submit(bus, r))["accepted"]
     await asyncio.sleep(0.5)
     assert chunks and chunks[0].error["code"] == "deadline_exceeded"
+    assert chunks[0].choice_index == 2  # the gateway merges it into the right choice
     await svc.stop()
 
 
@@ -175,7 +178,8 @@ async def test_prompt_larger_than_any_kv_cache_is_refused_not_blocking():
     await fake_worker(bus, "w1", accepted)
     svc.on_worker_lease("w1", True)
     await bus.publish(subjects.credits("m", "1", "w1"), Credits("w1", "m", "1", 4, 4, 8, 8, 16).encode())
-    big = GenerateRequest("big", "t", "m", "1", "_INBOX.t.r", tuple(range(64)), {}, deadline=time.time() + 30)
+    big = GenerateRequest("big", "t", "m", "1", "_INBOX.t.r", tuple(range(64)), SamplingParams(),
+                          deadline=time.time() + 30)
     await submit(bus, big)
     await submit(bus, req(1))
     await asyncio.sleep(0.3)
@@ -186,7 +190,7 @@ async def test_prompt_larger_than_any_kv_cache_is_refused_not_blocking():
 
 
 def treq(rid: str, tenant: str, priority: str = "interactive") -> GenerateRequest:
-    return GenerateRequest(rid, tenant, "m", "1", "_INBOX.t.r", (1, 2, 3), {"max_tokens": 4}, priority,
+    return GenerateRequest(rid, tenant, "m", "1", "_INBOX.t.r", (1, 2, 3), SamplingParams(max_tokens=4), priority,
                            time.time() + 30)
 
 
@@ -300,8 +304,8 @@ async def test_shared_prefixes_stick_to_one_worker():
     prefixes = {"p": tuple(range(64)), "q": tuple(range(100, 164))}
     for i in range(8):
         name = "pq"[i % 2]
-        r = GenerateRequest(f"{name}{i}", "t", "m", "1", "_INBOX.t.r", prefixes[name] + (i,), {"max_tokens": 4},
-                            deadline=time.time() + 30)
+        r = GenerateRequest(f"{name}{i}", "t", "m", "1", "_INBOX.t.r", prefixes[name] + (i,),
+                            SamplingParams(max_tokens=4), deadline=time.time() + 30)
         await submit(bus, r)
         await asyncio.sleep(0.05)
     homes = {name: {w for w, got in on.items() if any(g.startswith(name) for g in got)} for name in "pq"}

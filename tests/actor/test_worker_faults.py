@@ -12,7 +12,7 @@ from actors.worker.faults import FAULT_CODE, FaultInjector, from_manifest
 from actors.worker.service import WorkerConfig, WorkerService
 from bus import subjects
 from bus.memory import MemoryBus
-from bus.messages import Chunk, CompletionRecord, Dispatch, DispatchAck, GenerateRequest
+from bus.messages import Chunk, CompletionRecord, Dispatch, DispatchAck, GenerateRequest, SamplingParams
 from tests.engine_fixtures import write_tiny_llama_gguf
 
 ON = {"ACTORSERVE_TEST_FAULTS": "1"}
@@ -31,7 +31,7 @@ def engine(path: str) -> LLMEngine:
 
 def gen(rid: str, max_tokens: int = 3) -> GenerateRequest:
     return GenerateRequest(rid, "t", "m", "2", f"_INBOX.t.{rid}", (5, 6, 7, 8),
-                           {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                            deadline=time.time() + 30)
 
 

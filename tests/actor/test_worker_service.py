@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -11,7 +12,8 @@ from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.service import WorkerConfig, WorkerService
 from bus import subjects
 from bus.memory import MemoryBus
-from bus.messages import Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest
+from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
+                          SamplingParams)
 from tests.engine_fixtures import write_tiny_llama_gguf
 
 
@@ -28,7 +30,7 @@ def engine(path: str) -> LLMEngine:
 
 def gen(rid: str, max_tokens: int = 8, deadline: float = 0.0) -> GenerateRequest:
     return GenerateRequest(rid, "t", "m", "1", f"_INBOX.t.{rid}", (5, 6, 7, 8),
-                           {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                            deadline=deadline or time.time() + 30)
 
 
@@ -65,6 +67,18 @@ async def test_streams_ordered_chunks_and_a_completion_record(tiny_path):
         assert set(chunks[-1].timing) >= {"queue_ms", "prefill_ms", "decode_ms"}
         await asyncio.sleep(0.05)
         assert [r.request_id for r in records] == ["a"] and records[0].status == "ok"
+
+
+async def test_chunks_and_record_carry_the_choice_index(tiny_path):
+    bus = MemoryBus()
+    async with WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1")):
+        chunks = await collect(bus, "_INBOX.t.a-3")
+        records = await collect(bus, subjects.done("m", "1"), CompletionRecord)
+        assert await dispatch(bus, dataclasses.replace(gen("a-3", max_tokens=3), choice_index=3))
+        await wait_final(chunks)
+        assert chunks and all(c.choice_index == 3 for c in chunks)
+        await asyncio.sleep(0.05)
+        assert [r.choice_index for r in records] == [3]
 
 
 async def test_cancel_ends_request_within_a_step(tiny_path):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 
 from bus.journal import JetStreamJournal
-from bus.messages import GenerateRequest
+from bus.messages import GenerateRequest, SamplingParams
 from bus.nats_bus import NatsBus
 
 
 def req(i: int) -> GenerateRequest:
-    return GenerateRequest(f"j{i}", "t", "jm", "1", "_INBOX.t.x", (1, 2), {"max_tokens": 3}, deadline=time.time() + 60)
+    return GenerateRequest(f"j{i}", "t", "jm", "1", "_INBOX.t.x", (1, 2), SamplingParams(max_tokens=3),
+                           deadline=time.time() + 60)
 
 
 async def test_journal_replays_what_was_not_removed(infra):

@@ -113,10 +113,11 @@ async def test_dev_tenant_key_file_reused(infra, registry, tmp_path):
 async def _stores(infra, n: int):
     import nats
 
+    from bus.jetstream import JetStream
     from gateway.quotas import QuotaStore
 
     conns = [await nats.connect(infra.nats_url) for _ in range(n)]
-    stores = [QuotaStore(nc.jetstream()) for nc in conns]
+    stores = [QuotaStore(JetStream(nc)) for nc in conns]
     for s in stores:
         await s.open()
     return conns, stores
@@ -204,6 +205,7 @@ async def test_token_quotas_charged_from_completion_records(infra, registry):
     charged to tpm and the day, and metered per tenant and version; fanned-out choices count once."""
     import nats
 
+    from bus.jetstream import JetStream
     from gateway.quotas import QuotaStore
     from gateway.usage import UsageMeter
 
@@ -212,7 +214,7 @@ async def test_token_quotas_charged_from_completion_records(infra, registry):
     await adm.create(name, with_key=False)
     tenant = await adm.set_quota(name, tpm=100, daily_tokens=1000)
     nc = await nats.connect(infra.nats_url)
-    js = nc.jetstream()
+    js = JetStream(nc)
     store = QuotaStore(js)
     await store.open()
     meter = UsageMeter(js, store)
@@ -222,7 +224,7 @@ async def test_token_quotas_charged_from_completion_records(infra, registry):
         recs = [CompletionRecord("r1", name, "m", "1", "ok", "stop", 20, 30, {}, ts=time.time()),
                 CompletionRecord("r2", name, "m", "1", "cancelled", None, 10, 5, {}, ts=time.time()),
                 CompletionRecord("r3-0", name, "m", "2", "ok", "length", 10, 20, {}, ts=time.time()),
-                CompletionRecord("r3-1", name, "m", "2", "ok", "length", 10, 20, {}, ts=time.time())]
+                CompletionRecord("r3-1", name, "m", "2", "ok", "length", 10, 20, {}, ts=time.time(), choice_index=1)]
         for r in recs:
             await nc.publish(f"as.int.done.{r.name}.{r.version}", r.encode())
         t_end = time.time() + 10

@@ -9,7 +9,7 @@ import pytest
 from bus import subjects
 from bus.base import BusTimeout, NoResponders
 from bus.memory import MemoryBus, subject_matches
-from bus.messages import Chunk, Dispatch, GenerateRequest
+from bus.messages import Chunk, Dispatch, GenerateRequest, SamplingParams
 
 
 def test_subjects_follow_architecture():
@@ -33,7 +33,7 @@ def test_subject_tokens_refuse_injection(bad):
 
 
 def test_message_roundtrip_and_unknown_fields():
-    req = GenerateRequest("r1", "t", "m", "1", "_INBOX.t.x", (1, 2, 3), {"temperature": 0.0, "stop": ["x"]},
+    req = GenerateRequest("r1", "t", "m", "1", "_INBOX.t.x", (1, 2, 3), SamplingParams(temperature=0.0, stop=("x",)),
                           "batch", 123.5, {"gateway_in": 1.0})
     again = Dispatch.decode(Dispatch(req, "s").encode()).request
     assert again.prompt_token_ids == [1, 2, 3] or tuple(again.prompt_token_ids) == (1, 2, 3)

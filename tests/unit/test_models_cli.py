@@ -79,6 +79,18 @@ def test_register_refusals_name_the_field(artifact, tmp_path, capsys):
     assert "format exl2 is not supported" in err and "models register" in err
 
 
+@pytest.mark.parametrize("key", ["min_p", "repetition_penalty"])
+def test_register_refuses_defaults_the_engine_cannot_honour(artifact, capsys, key):
+    with pytest.raises(RegistryCommandError, match=f"defaults.{key} is not supported yet"):
+        build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", f"{key}=0.1"))
+    a = _parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", f"{key}=1.1",
+               "--etcd", "http://127.0.0.1:1")
+    assert a.func(a) == 2  # refused before any etcd connection: never stored
+    assert f"defaults.{key} is not supported yet" in capsys.readouterr().err
+    with pytest.raises(RegistryCommandError, match="defaults.temperature must be a number"):
+        build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", "temperature=9"))
+
+
 def test_option_parsing():
     assert parse_option("workers=2") == ("workers", 2)
     assert parse_option('pool="gpu"') == ("pool", "gpu")

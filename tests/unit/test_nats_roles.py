@@ -64,14 +64,17 @@ def test_unknown_roles_and_kinds_are_refused():
     assert nats_roles.role_of_kind("rollout") == "control"
 
 
-def test_jetstream_names_match_the_modules_that_create_them():
-    from actors.jobs import store
-    from gateway import idempotency, quotas, usage
-    assert (nats_roles.USAGE_STREAM, nats_roles.USAGE_BUCKET) == (usage.STREAM, usage.BUCKET)
-    assert nats_roles.QUOTA_BUCKET == quotas.BUCKET and nats_roles.IDEM_BUCKET == idempotency.BUCKET
-    assert (nats_roles.JOBS_STREAM, nats_roles.JOBS_BUCKET, nats_roles.JOBS_OBJECTS) == \
-        (store.STREAM, store.BUCKET, store.OBJECTS)
-    assert store.submit_subject("acme").rsplit(".", 1)[0] + ".*" == nats_roles.JOBS_SUBMIT
+def test_durable_jetstream_names_are_the_documented_ones():
+    """Stream, bucket and consumer names hold data across restarts (docs/state.md): renaming one would orphan
+    what is stored, so they are pinned here, and the role permissions grant exactly these."""
+    from bus import streams
+    assert (streams.USAGE_STREAM, streams.USAGE_CONSUMER, streams.JOBS_STREAM, streams.JOBS_CONSUMER) == \
+        ("AS_DONE", "meter", "AS_JOBS", "jobs")
+    assert (streams.QUOTA_BUCKET, streams.IDEM_BUCKET, streams.USAGE_BUCKET, streams.JOBS_BUCKET,
+            streams.JOBS_OBJECTS) == ("as_quota", "as_idem", "as_usage", "as_jobs", "as_job_data")
+    assert streams.journal_stream("m", "v1") == "SCHED_m_v1"
+    assert subjects.jobs_submit("acme") == "as.jobs.submit.acme" and nats_roles.JOBS_SUBMIT == "as.jobs.submit.*"
+    assert streams.DONE.subjects == ("as.int.done.>",) and streams.JOB_QUEUE.subjects == (nats_roles.JOBS_SUBMIT,)
 
 
 def test_role_users_and_inbox_prefix_from_the_url():

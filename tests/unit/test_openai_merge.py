@@ -11,9 +11,17 @@ LP = [{"token": "Hi", "bytes": [72, 105], "logprob": -0.5,
 
 def chunks():
     u = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
-    return [Chunk("r-1", 0, "Hi", (1,), logprobs=LP), Chunk("r-0", 0, "Yo", (2,), logprobs=LP),
-            Chunk("r-0", 1, "!", (3,), True, "stop", u, {"decode_ms": 1.0}, logprobs=LP),
-            Chunk("r-1", 1, "", (4,), True, "length", u, {"decode_ms": 2.0}, logprobs=[])]
+    return [Chunk("r-1", 0, "Hi", (1,), logprobs=LP, choice_index=1),
+            Chunk("r-0", 0, "Yo", (2,), logprobs=LP, choice_index=0),
+            Chunk("r-0", 1, "!", (3,), True, "stop", u, {"decode_ms": 1.0}, logprobs=LP, choice_index=0),
+            Chunk("r-1", 1, "", (4,), True, "length", u, {"decode_ms": 2.0}, logprobs=[], choice_index=1)]
+
+
+def test_choice_index_is_the_chunk_field_not_parsed_from_the_id():
+    m = ChoiceMerger("chat", "r", "m@1", {"n": 2}, {}, 2)
+    assert m.index(Chunk("r-1", 0, choice_index=1)) == 1
+    assert m.index(Chunk("r-1-x", 0, choice_index=0)) == 0  # an id of any shape
+    assert m.index(Chunk.decode(b'{"request_id":"r-1","seq":0}')) == 0  # an older sender: the default
 
 
 def test_chat_stream_and_body_with_n2():

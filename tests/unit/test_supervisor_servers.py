@@ -1,5 +1,5 @@
 """Supervisor restarts a dead embedded server (etcd, nats-server) on its ports, within the restart budget
-(control/ops/supervisor.py ``_restart_servers``); fakes stand in for the server processes."""
+(``Supervisor._restart_servers``, control/ops/supervisor_health.py); fakes stand in for the server processes."""
 
 from __future__ import annotations
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from bus.messages import CompletionRecord
 from control.state.tenants import Tenant, TenantError, hash_key, key_matches, new_api_key, parse_bearer
 from gateway.auth import unauthorized
 from gateway.idempotency import body_hash, record_key
-from gateway.quotas import _fmt_reset, _headers, _rpm_change, _window_sum
+from gateway.quotas import _fmt_reset, _headers, rpm_take, window_sum
 from gateway.usage import is_primary
 
 
@@ -45,14 +46,14 @@ def test_sliding_window_admits_exactly_limit():
     v: dict = {}
     admitted = 0
     for i in range(300):  # 5 requests per second for 60 s
-        new, (ok, _, _) = _rpm_change(v, 100, 1000.0 + i * 0.2)
-        if ok:
+        new = rpm_take(v, 100, 1000.0 + i * 0.2)
+        if new is not None:
             admitted += 1
             v = new
     assert admitted == 100
-    total, kept, oldest = _window_sum(v["b"], 1000.0 + 59.9)
+    total, kept, oldest = window_sum(v["b"], 1000.0 + 59.9)
     assert total == 100 and oldest == 1000
-    assert _window_sum(v["b"], 1000.0 + 60.0)[0] < 100  # the oldest second left the window
+    assert window_sum(v["b"], 1000.0 + 60.0)[0] < 100  # the oldest second left the window
     assert _fmt_reset(0.2) == "1s" and _fmt_reset(61) == "1m1s"
     assert set(_headers("requests", 10, 3, 5)) == {"x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
                                                    "x-ratelimit-reset-requests"}
@@ -66,7 +67,10 @@ def test_idempotency_hashes():
 
 
 def test_fanned_out_records_count_one_request():
-    assert is_primary("abc") and is_primary("abc-0") and not is_primary("abc-3")
+    def rec(rid: str, **kw) -> CompletionRecord:
+        return CompletionRecord(rid, "t", "m", "1", "ok", "stop", 3, 2, {}, **kw)
+    assert is_primary(rec("abc")) and is_primary(rec("abc-0", choice_index=0))
+    assert not is_primary(rec("abc-3", choice_index=3))
 
 
 def test_tenants_show_prints_no_hash():

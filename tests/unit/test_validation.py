@@ -8,12 +8,12 @@ import os
 import pytest
 
 from actors.validator.errors import RequestError
+from actors.validator.sampling import sampling_params
 from actors.validator.validation import (
     ValidatedRequest,
     choice_count,
     default_stop_token_ids,
     prepare_prompt,
-    sampling_fields,
     validate_chat,
     validate_completion,
     validate_request,
@@ -329,22 +329,22 @@ def test_default_stop_ids_from_template_marker():
 def test_sampling_fields(tok):
     v = validate_chat(chat(temperature=0.5, stop=["x"], stop_token_ids=[7], seed=3))
     stops = default_stop_token_ids(tok)
-    f = sampling_fields(v, 12, stops)
-    assert f["max_tokens"] == 12 and f["stop"] == ("x",) and f["seed"] == 3
-    assert f["stop_token_ids"][0] == 7 and set(stops) <= set(f["stop_token_ids"])
-    f2 = sampling_fields(validate_chat(chat(ignore_eos=True)), 12, stops)
-    assert f2["stop_token_ids"] == () and f2["ignore_eos"]
+    f = sampling_params(v, 12, stops)
+    assert f.max_tokens == 12 and f.stop == ("x",) and f.seed == 3 and f.temperature == 0.5
+    assert f.stop_token_ids[0] == 7 and set(stops) <= set(f.stop_token_ids)
+    f2 = sampling_params(validate_chat(chat(ignore_eos=True)), 12, stops)
+    assert f2.stop_token_ids == () and f2.ignore_eos
     from actors.worker.engine.types import SamplingParams
 
-    SamplingParams(**f)  # accepted by the engine's own checks
+    assert isinstance(f, SamplingParams)  # the engine's own type: its checks ran at construction
 
 
 # ----------------------------------------------------------------------------- issue 4: n, logprobs, prompts
 def test_n_logprobs_penalties_reach_sampling():
     v = validate_chat(chat(n=3, logprobs=True, top_logprobs=4, frequency_penalty=0.5, presence_penalty=-1, seed=7))
     assert (v.n, v.logprobs, v.num_choices) == (3, 4, 3)
-    f = sampling_fields(v, 10)
-    assert (f["logprobs"], f["frequency_penalty"], f["presence_penalty"], f["seed"]) == (4, 0.5, -1.0, 7)
+    f = sampling_params(v, 10)
+    assert (f.logprobs, f.frequency_penalty, f.presence_penalty, f.seed) == (4, 0.5, -1.0, 7)
     assert validate_chat(chat(logprobs=True)).logprobs == 0
     assert validate_chat(chat(logprobs=False, top_logprobs=None)).logprobs is None
 

@@ -1,6 +1,8 @@
 """Engine-facing data types: what goes into the engine and what comes out of one step.
 
-Pure module (no torch, no nats). The worker actor converts bus messages into these and back.
+Pure module (no torch, no nats). The worker actor converts bus messages into these and back, except
+``SamplingParams``: the engine takes the wire message itself (``bus.messages.SamplingParams``, validated at
+construction; a pure dataclass module with no nats import), so the field list exists once.
 Shapes follow vLLM v1's ``sched/output.py`` style: every field documented with its meaning and unit.
 The engine interface takes a ``model_key`` and ``adapter`` on every request so a worker can later
 serve several models and LoRA adapters without reshaping it.
@@ -10,37 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bus.messages import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling and stopping parameters (validated by the validator; re-checked here).
-
-    Raises ValueError from ``__post_init__`` on out-of-range values.
-    """
-
-    temperature: float = 1.0  # 0 means greedy (argmax)
-    top_p: float = 1.0  # nucleus mass in (0, 1]
-    top_k: int = 0  # 0 disables top-k
-    seed: int | None = None  # per-request RNG seed; None = nondeterministic
-    max_tokens: int = 16  # generated-token cap (tokens)
-    stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides EOS
-    stop: tuple[str, ...] = ()  # stop strings; matched on detokenized text, excluded from output
-    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
-    logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus the top k (raw distribution)
-    frequency_penalty: float = 0.0  # OpenAI: logit -= count(token in output) * frequency_penalty
-    presence_penalty: float = 0.0  # OpenAI: logit -= (count > 0) * presence_penalty
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be in [0, 20]")
+__all__ = ["SamplingParams", "EngineRequest", "StepOutput", "EngineStats"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,251 @@
+"""JetStream behind a small bus-level API: the only module besides ``bus/nats_bus.py`` that uses nats-py's
+JetStream. Streams, publishes with a de-duplication id, durable pull consumers, KV buckets
+(``bus/kv.py`` semantics) and object stores, all opened from the configs of ``bus/streams.py``.
+
+nats-py errors never leave this module: a lost conditional write is ``bus.kv.KvConflict``, a server or
+connection failure ``bus.base.BusError`` (``KvError`` for KV calls), an expired wait ``TimeoutError``.
+Opening is create-or-bind: an existing stream / bucket / store is used as it is (its config is not
+changed), a missing one is created; two processes opening at once both succeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator
+
+import nats
+from nats import errors as nats_errors
+from nats.js import api
+from nats.js import errors as js_errors
+
+from bus import streams
+from bus.base import BusError
+from bus.kv import Entry, KeyValue, KvConflict, KvError, decode
+
+log = logging.getLogger(__name__)
+
+_WRONG_LAST = (10071, 10164)  # JSStreamWrongLastSequenceErr(Constant): a conditional write lost
+
+
+def _storage(file: bool) -> api.StorageType:
+    return api.StorageType.FILE if file else api.StorageType.MEMORY
+
+
+@contextlib.contextmanager
+def _mapped(what: str, error: type[BusError] = BusError):
+    """Translate nats-py errors raised inside into this package's errors (``what`` names the call)."""
+    try:
+        yield
+    except js_errors.KeyWrongLastSequenceError as exc:
+        raise KvConflict(f"{what}: {exc}") from exc
+    except js_errors.APIError as exc:
+        if getattr(exc, "err_code", None) in _WRONG_LAST:  # KV errors skip APIError.__init__
+            raise KvConflict(f"{what}: {exc}") from exc
+        raise error(f"{what}: {exc}") from exc
+    except nats_errors.TimeoutError:
+        raise
+    except nats_errors.Error as exc:
+        raise error(f"{what}: {exc}") from exc
+
+
+class JsMsg:
+    """A message delivered by a pull consumer: ``data``, ``ack()``, ``in_progress()`` (BusError on failure)."""
+
+    def __init__(self, msg) -> None:
+        self._msg = msg
+        self.data: bytes = msg.data
+
+    async def ack(self) -> None:
+        """Acknowledge: the message is done (a work queue removes it)."""
+        with _mapped("ack"):
+            await self._msg.ack()
+
+    async def in_progress(self) -> None:
+        """Still working on it: restart the consumer's ack wait."""
+        with _mapped("in-progress ack"):
+            await self._msg.in_progress()
+
+
+class PullConsumer:
+    """A durable pull consumer (``JetStream.pull``)."""
+
+    def __init__(self, sub, name: str) -> None:
+        self._sub, self.name = sub, name
+
+    async def fetch(self, batch: int, timeout: float) -> list[JsMsg]:
+        """Up to ``batch`` messages, waiting at most ``timeout`` s; [] when none came. BusError otherwise."""
+        try:
+            with _mapped(f"fetch from {self.name}"):
+                return [JsMsg(m) for m in await self._sub.fetch(batch, timeout=timeout)]
+        except TimeoutError:
+            return []
+
+    async def stop(self) -> None:
+        """Stop pulling (unacknowledged messages are redelivered after their ack wait)."""
+        try:
+            await self._sub.unsubscribe()
+        except (nats_errors.Error, ValueError) as exc:
+            log.debug("unsubscribe of consumer %s: %s", self.name, exc)
+
+
+class ObjectStore:
+    """A JetStream object store holding whole byte strings by name."""
+
+    def __init__(self, store, name: str) -> None:
+        self._store, self.name = store, name
+
+    async def put(self, name: str, data: bytes) -> None:
+        """Store ``data`` under ``name`` (replacing any previous object)."""
+        with _mapped(f"put {name} into {self.name}"):
+            await self._store.put(name, data)
+
+    async def get(self, name: str) -> bytes:
+        """The bytes of object ``name``; KeyError if there is none, BusError on failure."""
+        try:
+            with _mapped(f"get {name} from {self.name}"):
+                return (await self._store.get(name)).data
+        except BusError as exc:
+            if isinstance(exc.__cause__, js_errors.NotFoundError):
+                raise KeyError(name) from exc
+            raise
+
+
+class JetStreamKV(KeyValue):
+    """A :class:`bus.kv.KeyValue` on a nats-py KV bucket (open with ``JetStream.bucket``)."""
+
+    def __init__(self, kv, config: streams.BucketConfig, timeout: float = 5.0) -> None:
+        super().__init__(config, timeout)
+        self._kv = kv
+
+    async def _entry(self, key: str) -> Entry | None:
+        try:
+            with _mapped(f"get {key} from {self.name}", KvError):
+                e = await self._kv.get(key)
+        except KvError as exc:
+            if not isinstance(exc.__cause__, js_errors.KeyNotFoundError):
+                raise
+            tomb = exc.__cause__.entry  # set when the key's latest entry is a delete / purge marker
+            return Entry(key, None, tomb.revision, True) if tomb is not None else None
+        return Entry(key, decode(e.value), e.revision)
+
+    async def _put(self, key: str, data: bytes) -> int:
+        with _mapped(f"put {key} into {self.name}", KvError):
+            return await self._kv.put(key, data)
+
+    async def _create(self, key: str, data: bytes) -> int:
+        with _mapped(f"create {key} in {self.name}", KvError):
+            return await self._kv.create(key, data)
+
+    async def _swap(self, key: str, data: bytes, last: int) -> int:
+        with _mapped(f"update {key} of {self.name}", KvError):
+            return await self._kv.update(key, data, last=last)
+
+    async def _delete(self, key: str, last: int | None) -> None:
+        with _mapped(f"delete {key} from {self.name}", KvError):
+            await self._kv.delete(key, last=last)
+
+    async def _history(self, key: str) -> list[Entry]:
+        try:
+            with _mapped(f"history of {key} in {self.name}", KvError):
+                return [_js_entry(e) for e in await self._kv.history(key)]
+        except KvError as exc:
+            if isinstance(exc.__cause__, js_errors.NoKeysError):
+                return []
+            raise
+
+    async def _open_watch(self, pattern: str):
+        with _mapped(f"watch {pattern} in {self.name}", KvError):
+            watcher = await self._kv.watch(pattern)
+        return _watched(watcher), watcher.stop
+
+
+def _js_entry(e) -> Entry:
+    deleted = e.operation in ("DEL", "PURGE")
+    return Entry(e.key, None if deleted else decode(e.value), e.revision, deleted)
+
+
+async def _watched(watcher) -> AsyncIterator[Entry | None]:
+    """Entries of a nats-py watcher: current values (their delete markers skipped), None, then changes."""
+    initial = True
+    async for e in watcher:
+        if e is None:
+            initial = False
+            yield None
+            continue
+        entry = _js_entry(e)
+        if not (initial and entry.deleted):
+            yield entry
+
+
+class JetStream:
+    """JetStream of one NATS connection. ``JetStream(nc)`` on a nats-py client, or ``bus.js()`` on a
+    connected ``bus.nats_bus.NatsBus``. ``timeout``: seconds per JetStream API request."""
+
+    def __init__(self, nc: nats.NATS, timeout: float = 5.0) -> None:
+        self._js = nc.jetstream(timeout=timeout)
+
+    async def bucket(self, config: streams.BucketConfig, timeout: float = 5.0) -> JetStreamKV:
+        """The KV bucket of ``config`` (created if missing); its calls are bounded by ``timeout`` s."""
+        with _mapped(f"open bucket {config.name}", KvError):
+            try:
+                kv = await self._js.key_value(config.name)
+            except js_errors.NotFoundError:
+                kv = await self._js.create_key_value(api.KeyValueConfig(
+                    bucket=config.name, history=config.history, ttl=config.ttl_s, max_bytes=config.max_bytes,
+                    storage=_storage(config.file)))
+        return JetStreamKV(kv, config, timeout)
+
+    async def ensure_stream(self, config: streams.StreamConfig) -> None:
+        """Create the stream of ``config`` unless it exists."""
+        with _mapped(f"open stream {config.name}"):
+            try:
+                await self._js.stream_info(config.name)
+            except js_errors.NotFoundError:
+                await self._js.add_stream(api.StreamConfig(
+                    name=config.name, subjects=list(config.subjects), storage=_storage(config.file),
+                    retention=api.RetentionPolicy.WORK_QUEUE if config.work_queue else api.RetentionPolicy.LIMITS,
+                    max_bytes=config.max_bytes, max_age=config.max_age_s, duplicate_window=config.duplicate_window_s))
+
+    async def publish(self, subject: str, data: bytes, *, msg_id: str | None = None, timeout: float = 5.0) -> int:
+        """Publish into a stream and wait for its ack; returns the stream sequence. ``msg_id``: the
+        ``Nats-Msg-Id`` de-duplication id (a repeat within the stream's window is stored once)."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id is not None else None
+        with _mapped(f"publish to {subject}"):
+            return (await self._js.publish(subject, data, timeout=timeout, headers=headers)).seq
+
+    async def pull(self, stream: streams.StreamConfig, consumer: streams.ConsumerConfig) -> PullConsumer:
+        """Bind (creating if needed) the durable pull consumer ``consumer`` of ``stream`` (filtered on the
+        stream's first subject: every stream of bus/streams.py has one)."""
+        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, ack_wait=consumer.ack_wait_s,
+                                 max_ack_pending=consumer.max_ack_pending, max_deliver=consumer.max_deliver or -1)
+        with _mapped(f"consumer {consumer.durable} of {stream.name}"):
+            sub = await self._js.pull_subscribe(stream.subjects[0], durable=consumer.durable, stream=stream.name,
+                                                config=cfg)
+        return PullConsumer(sub, consumer.durable)
+
+    async def objects(self, config: streams.ObjectStoreConfig) -> ObjectStore:
+        """The object store of ``config`` (created if missing)."""
+        with _mapped(f"open object store {config.name}"):
+            try:
+                store = await self._js.object_store(config.name)
+            except js_errors.NotFoundError:
+                store = await self._js.create_object_store(config.name, api.ObjectStoreConfig(
+                    bucket=config.name, ttl=config.ttl_s, max_bytes=config.max_bytes, storage=_storage(config.file)))
+        return ObjectStore(store, config.name)
+
+    async def next_msg(self, stream: str, subject: str, seq: int) -> tuple[int, bytes] | None:
+        """``(sequence, data)`` of the first message on ``subject`` of ``stream`` at or after ``seq``; None if none."""
+        try:
+            with _mapped(f"read {stream}"):
+                msg = await self._js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except BusError as exc:
+            if isinstance(exc.__cause__, js_errors.NotFoundError):
+                return None
+            raise
+        return msg.seq, msg.data
+
+    async def delete_msg(self, stream: str, seq: int) -> None:
+        """Remove message ``seq`` from ``stream`` (BusError if it is gone or the server is away)."""
+        with _mapped(f"delete {seq} from {stream}"):
+            await self._js.delete_msg(stream, seq)

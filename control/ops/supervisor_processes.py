@@ -1,0 +1,219 @@
+"""OS processes of ``actorserve up``: one supervised actor process, spawning it in its own process group,
+stopping a group of them, the restart budget, ``pids.json`` and the small probes the CLI's ``status`` uses.
+
+Used by control/ops/supervisor.py (:class:`control.ops.supervisor.Supervisor`) and control/ops/cli.py.
+Only the process groups this code started are ever signalled, never anything found by name.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+log = logging.getLogger("actorserve.supervisor")
+
+PIDS_FILE = "pids.json"
+
+
+class SupervisorError(RuntimeError):
+    """The stack could not be started (an actor died during startup, readiness timed out, ...)."""
+
+
+def http_status(url: str, timeout: float = 1.0) -> int | None:
+    """HTTP status of ``GET url`` (loopback), or None if the server does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (local URL)
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True while a process ``pid`` exists (also when it belongs to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def probe_host(host: str) -> str:
+    """Address to probe a server bound on ``host`` (wildcards are probed on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def url_host(host: str) -> str:
+    """``host`` as written in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def restart_allowed(history: collections.deque[float], now: float, window_s: float, max_restarts: int) -> bool:
+    """The restart budget: forget restarts older than ``window_s`` seconds, then, when fewer than
+    ``max_restarts`` remain, record ``now`` and return True (False: the budget is spent)."""
+    while history and now - history[0] > window_s:
+        history.popleft()
+    if len(history) >= max_restarts:
+        return False
+    history.append(now)
+    return True
+
+
+@dataclass
+class ActorProcess:
+    """One supervised actor process: its identity, argv, log file and restart history."""
+
+    name: str  # e.g. "gateway-0"
+    kind: str  # gateway | validator | scheduler | worker | jobs | rollout
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: collections.deque[float] = field(default_factory=collections.deque)
+    given_up: bool = False
+    model: str | None = None  # "name@version" for schedulers and workers
+    dynamic: bool = False  # started by the registry watch (its death is not fatal during wait_ready)
+
+    @property
+    def pid(self) -> int | None:
+        """Pid (== process group id) of the current process, or None before the first start."""
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """True while the current process has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+
+def spawn(a: ActorProcess, cwd: Path, env: Mapping[str, str]) -> None:
+    """Start ``a.argv`` as the leader of a new process group, stdout and stderr appended to ``a.log_path``
+    (after a ``=== <time> starting: <argv>`` line); sets ``a.proc``. Raises OSError when it cannot."""
+    with open(a.log_path, "ab") as logf:
+        logf.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {shlex.join(a.argv)}\n".encode())
+        logf.flush()
+        a.proc = subprocess.Popen(a.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                  cwd=str(cwd), env=dict(env), start_new_session=True, close_fds=True)
+    log.info("started %s (pid %s)", a.name, a.proc.pid)
+
+
+def _killpg(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate(group: list[ActorProcess], timeout_s: float) -> None:
+    """SIGTERM the process groups of ``group``'s live processes, wait up to ``timeout_s`` seconds in all,
+    SIGKILL those still running; then SIGKILL whatever is left in each group."""
+    live = [a for a in group if a.proc is not None and a.proc.poll() is None]
+    for a in live:
+        _killpg(a.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for a in live:
+        try:
+            a.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %s) did not exit within %.0f s of SIGTERM; sending SIGKILL",
+                        a.name, a.proc.pid, timeout_s)
+            _killpg(a.proc.pid, signal.SIGKILL)
+            try:
+                a.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
+                log.error("%s (pid %s) survived SIGKILL", a.name, a.proc.pid)
+    for a in group:
+        if a.proc is not None:  # reap anything left in the actor's own group (it should be empty)
+            _killpg(a.proc.pid, signal.SIGKILL)
+
+
+# -- pids.json ------------------------------------------------------------------------------------
+
+
+def read_pids(state_dir: Path) -> dict[str, Any] | None:
+    """``<state_dir>/pids.json`` as a dict, or None when it is missing or not a JSON object."""
+    try:
+        data = json.loads((state_dir / PIDS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_pids(state_dir: Path, pids: Mapping[str, int]) -> None:
+    """Atomically write ``pids.json``: ``{"supervisor": <this pid>, **pids}`` (a failure is logged)."""
+    path = state_dir / PIDS_FILE
+    tmp = path.with_name(f".{PIDS_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"supervisor": os.getpid(), **pids}, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:  # pragma: no cover - state dir removed under us
+        log.warning("could not write %s: %s", path, e)
+
+
+def other_supervisor(state_dir: Path) -> int | None:
+    """Pid of another live supervisor named by ``pids.json``, else None."""
+    pid = (read_pids(state_dir) or {}).get("supervisor")
+    return pid if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid) else None
+
+
+def remove_own_pids(state_dir: Path) -> None:
+    """Remove ``pids.json`` if this process wrote it: an ``up`` refused because another supervisor runs
+    on the state dir must leave that one's file (the guard against a second ``up``, and ``status``)."""
+    if (read_pids(state_dir) or {}).get("supervisor") == os.getpid():
+        (state_dir / PIDS_FILE).unlink(missing_ok=True)
+
+
+# -- a log followed on a terminal -----------------------------------------------------------------
+
+
+def _run_start(path: Path) -> int:
+    """Offset in ``path`` just after the last ``=== ... starting`` header line (the end if none)."""
+    try:
+        text = path.read_bytes()
+    except OSError:
+        return 0
+    idx = text.rfind(b"\n=== ")
+    nl = text.find(b"\n", idx + 1) if idx >= 0 else -1
+    return nl + 1 if nl >= 0 else len(text)
+
+
+def log_follower(path: Path, stream: TextIO) -> Callable[..., None]:
+    """A function copying the bytes appended to ``path`` since the current run's header to ``stream``
+    (its binary buffer when it has one, so a progress bar's carriage returns pass); ``final=True``
+    ends an unfinished line."""
+    out = getattr(stream, "buffer", None)
+    state = {"offset": _run_start(path)}
+
+    def echo(final: bool = False) -> None:
+        try:
+            with open(path, "rb") as f:
+                f.seek(state["offset"])
+                data = f.read()
+        except OSError:
+            return
+        if not data:
+            return
+        state["offset"] += len(data)
+        if out is not None:
+            out.write(data)
+        else:
+            stream.write(data.decode("utf-8", "replace"))
+        stream.flush()
+        if final and not data.endswith(b"\n"):
+            stream.write("\n")
+            stream.flush()
+
+    return echo

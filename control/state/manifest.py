@@ -1,0 +1,111 @@
+"""The model manifest: the validated record of one model version in etcd (pure: no I/O).
+
+Stored at ``/actorserve/models/{name}/versions/{version}`` by ``Registry.put_model_version``; the
+``actorserve models register`` verb builds one (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from bus.messages import sampling_defaults
+from control.state import names
+
+SUPPORTED_FORMATS = ("gguf",)
+SUPPORTED_TOKENIZERS = ("gguf",)
+MANIFEST_STATUSES = ("active", "disabled", "retired")
+
+
+@dataclass(frozen=True)
+class ModelManifest:
+    """Manifest of one model version, stored at ``/actorserve/models/{name}/versions/{version}``.
+
+    Validated on construction; every problem raises ValueError naming the field.
+
+    * ``artifact``: path of the weights file (non-empty string).
+    * ``format``: only ``"gguf"`` for now; others raise
+      ``ValueError("format X is not supported yet (supported: gguf)")``.
+    * ``context_length``: max tokens (prompt + completion), positive int, or None (from the artifact).
+    * ``memory_bytes``: memory the weights need, in bytes, non-negative int or None (unknown).
+    * ``tokenizer``: ``"gguf"`` (read from the artifact).
+    * ``chat_template``: ``"gguf"`` (from the artifact) or an inline Jinja template string.
+    * ``defaults``: sampling defaults the validator applies where a request is silent (request >
+      manifest > server default): ``bus.messages.MANIFEST_DEFAULTABLE`` (temperature, top_p, top_k, seed,
+      max_tokens, stop, frequency_penalty, presence_penalty), each checked like the wire SamplingParams
+      field. ``min_p`` and ``repetition_penalty`` are refused (the engine cannot honour them yet), as is
+      any other key.
+    * ``status``: one of ``active``, ``disabled``, ``retired``.
+    * ``extra``: unknown keys met by from_dict, kept so that a round trip loses nothing.
+    """
+
+    name: str
+    version: str
+    artifact: str
+    format: str = "gguf"
+    quantization: str | None = None
+    context_length: int | None = None
+    memory_bytes: int | None = None
+    tokenizer: str = "gguf"
+    chat_template: str = "gguf"
+    defaults: dict[str, Any] = field(default_factory=dict)
+    status: str = "active"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names.validate_name("model name", self.name)
+        names.validate_name("model version", self.version)
+        if not isinstance(self.artifact, str) or not self.artifact:
+            raise ValueError("artifact must be a non-empty path string")
+        if self.format not in SUPPORTED_FORMATS:
+            raise ValueError(
+                f"format {self.format} is not supported yet (supported: {', '.join(SUPPORTED_FORMATS)})"
+            )
+        if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
+            raise ValueError("quantization must be a non-empty string or null")
+        for fname, minimum in (("context_length", 1), ("memory_bytes", 0)):
+            v = getattr(self, fname)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
+                raise ValueError(f"{fname} must be an integer >= {minimum} or null, got {v!r}")
+        if self.tokenizer not in SUPPORTED_TOKENIZERS:
+            raise ValueError(
+                f"tokenizer {self.tokenizer} is not supported yet (supported: {', '.join(SUPPORTED_TOKENIZERS)})"
+            )
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            raise ValueError('chat_template must be "gguf" or a non-empty template string')
+        sampling_defaults(self.defaults)  # ValueError naming defaults.<key>; the stored form stays as given
+        if self.status not in MANIFEST_STATUSES:
+            raise ValueError(f"status must be one of {', '.join(MANIFEST_STATUSES)}, got {self.status!r}")
+        if not isinstance(self.extra, Mapping):
+            raise ValueError("extra must be an object")
+        # Private copies so that callers cannot mutate a frozen manifest through their dicts.
+        object.__setattr__(self, "defaults", dict(self.defaults))
+        object.__setattr__(self, "extra", dict(self.extra))
+
+    @property
+    def ref(self) -> names.ModelRef:
+        """``name@version`` as a ModelRef."""
+        return names.ModelRef(self.name, self.version)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (unknown keys from ``extra`` merged back at top level)."""
+        d: dict[str, Any] = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name != "extra":
+                v = getattr(self, f.name)
+                d[f.name] = dict(v) if isinstance(v, dict) else v
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelManifest":
+        """Build from a dict (e.g. stored JSON). Unknown keys go to ``extra``; ValueError if invalid."""
+        if not isinstance(data, Mapping):
+            raise ValueError("manifest must be an object")
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        missing = [k for k in ("name", "version", "artifact") if k not in data]
+        if missing:
+            raise ValueError(f"manifest is missing {', '.join(missing)}")
+        kwargs = {k: v for k, v in data.items() if k in known}
+        extra = {k: v for k, v in data.items() if k not in known and k != "extra"}
+        return cls(**kwargs, extra=extra)

@@ -1,0 +1,208 @@
+"""The gateway's one request pipeline, shared by the HTTP front, the NATS API, idempotent runs and the jobs actor.
+
+Every front runs a request the same way; only the reading of the caller and the formatting differ:
+
+1. the front authenticates the caller and reads the body and the deadline (HTTP and NATS carry the key,
+   the body and the deadline differently), then builds a :class:`Request`;
+2. :func:`start` (or the context manager :func:`admitted`) admits it through the tenancy layer (model
+   access, priority class, quotas: ApiError 404 / 429) and submits it (``Frontend.submit``: ApiError 400 /
+   404 / 413 / 503). A failed submit releases the quota slot at once; otherwise :meth:`Started.release`
+   (called by :func:`admitted` on every exit) does, exactly once;
+3. :func:`run` consumes the response chunks through ``Frontend.next`` (which owns the deadline, the
+   inactivity limit, gap detection and bus loss), merges the choices (``gateway.merge.ChoiceMerger``) and
+   hands each chunk's streaming objects to a :class:`Sink` (``emit``). It ends in an :class:`Outcome`: on an error
+   chunk, a ``StreamError``, a client disconnect or an unexpected failure it cancels the generation (every
+   fanned-out choice) once, and in every case it closes the in-flight entry once;
+4. the front formats the Outcome (JSON response, SSE tail, NATS reply, idempotency record, job result).
+
+Usage is metered from the workers' completion records (gateway/usage.py), never on this path.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from bus.messages import Chunk, error_dict
+from control.state.tenants import DEV_TENANT, Tenant
+from gateway.frontend import Frontend, Submitted
+from gateway.inflight import StreamError
+from gateway.merge import ChoiceMerger
+from gateway.openai_format import ApiError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # client-disconnect check period while waiting for chunks (s)
+
+
+@dataclass
+class Request:
+    """One API request as the pipeline admits and submits it.
+
+    ``tenant``: the authenticated tenant record, admitted through the tenancy layer when set (None: no
+    admission, e.g. the jobs actor whose jobs were admitted when accepted). ``headers``: the response
+    headers of the front; admission adds the ``x-ratelimit-*`` values to this very dict.
+    ``deadline_ms``: relative deadline (ms); ``marks``: timing marks (epoch s) the response reports.
+    """
+
+    tenant_id: str
+    endpoint: str
+    body: dict
+    request_id: str
+    deadline_ms: int
+    marks: dict[str, float]
+    tenant: Tenant | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tenant is not None and self.tenant.id != self.tenant_id:
+            raise ValueError(f"tenant_id {self.tenant_id!r} is not the id of the tenant {self.tenant.id!r}")
+
+
+class Admitter(Protocol):
+    """What admits requests: gateway.tenancy.Tenancy (model access, priority class, quotas)."""
+
+    async def admit(self, tenant: Tenant, body: dict, request_id: str, headers: dict) -> Any:
+        """Admit one request (ApiError 404 / 429), adding x-ratelimit-* to ``headers``; the admission to
+        release (None: nothing held)."""
+
+    async def release(self, admission: Any) -> None:
+        """Free what ``admit`` took."""
+
+
+@dataclass
+class Started:
+    """A submitted request and the quota slot it holds until :meth:`release`."""
+
+    sub: Submitted
+    tenancy: Admitter | None = None
+    admission: Any = None
+
+    async def release(self) -> None:
+        """Free the quota slot (idempotent: only the first call releases)."""
+        adm, self.admission = self.admission, None
+        await _release(self.tenancy, adm)
+
+
+async def _release(tenancy: Admitter | None, adm: Any) -> None:
+    if tenancy is not None and adm is not None:
+        await tenancy.release(adm)
+
+
+async def start(fe: Frontend, req: Request, tenancy: Admitter | None = None) -> Started:
+    """Admit ``req`` (when ``tenancy`` and ``req.tenant`` are set) and submit it.
+
+    Raises ApiError (404 model not allowed, 429 quota, and the submit's 400 / 404 / 413 / 503); the slot is
+    released before any exception leaves."""
+    adm = None
+    try:
+        if tenancy is not None and req.tenant is not None:
+            adm = await tenancy.admit(req.tenant, req.body, req.request_id, req.headers)
+        sub = await fe.submit(tenant=req.tenant_id, endpoint=req.endpoint, body=req.body,
+                              request_id=req.request_id, deadline_ms=req.deadline_ms, marks=req.marks)
+    except BaseException:
+        await _release(tenancy, adm)
+        raise
+    return Started(sub, tenancy, adm)
+
+
+@asynccontextmanager
+async def admitted(fe: Frontend, req: Request, tenancy: Admitter | None = None) -> AsyncIterator[Submitted]:
+    """:func:`start` as a context manager: yields the Submitted request, releases its slot on every exit."""
+    started = await start(fe, req, tenancy)
+    try:
+        yield started.sub
+    finally:
+        await started.release()
+
+
+class Sink(Protocol):
+    """Where a streaming request's objects go (SSE writer, NATS replies, idempotent live run)."""
+
+    async def emit(self, events: list[dict], merger: ChoiceMerger) -> None:
+        """The streaming objects one chunk produced (possibly none), in order; ``merger.done`` after the last
+        chunk. Raising ConnectionResetError means the client went away."""
+
+
+@dataclass
+class Outcome:
+    """How one request ended. ``detail``: the Chunk.error-style dict of a failure (None: success or
+    disconnect); ``merger`` holds everything merged so far (``merger.body()`` is the response on success)."""
+
+    merger: ChoiceMerger
+    detail: dict | None = None
+    disconnected: bool = False  # the client went away (HTTP 499)
+
+    @property
+    def ok(self) -> bool:
+        """Every choice finished normally."""
+        return self.detail is None and not self.disconnected
+
+    @property
+    def error(self) -> ApiError | None:
+        """The client-facing error of a failure (a worker's 499 cancelled becomes 408), else None."""
+        return ApiError.from_chunk_error(self.detail) if self.detail is not None else None
+
+    @property
+    def status(self) -> int:
+        """200, the error's HTTP status, or 499 for a client disconnect."""
+        if self.disconnected:
+            return 499
+        return self.error.status if self.detail is not None else 200
+
+
+async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None,
+              gone: Callable[[], bool] | None = None) -> Outcome:
+    """Consume ``sub``'s chunks until every choice's final one; see the module docstring.
+
+    ``sink``: told of each chunk's streaming objects (None: a non-streaming request). ``gone``: polled every
+    POLL_S s while waiting; True = the client disconnected. Cancel reasons: ``sibling_failed`` (an error
+    chunk), ``stream_error`` (deadline, silence, gap, bus loss; ``Frontend.next`` already sent
+    ``gateway_gave_up``), ``disconnect``. Never raises but for task cancellation."""
+    merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
+    out = Outcome(merger)
+    try:
+        while not merger.done:
+            chunk = await _next(fe, sub, gone)
+            if chunk.error:
+                return await _fail(fe, sub, out, chunk.error, "sibling_failed")
+            await _add(merger, chunk, sink)
+    except StreamError as exc:
+        return await _fail(fe, sub, out, exc.error, "stream_error")
+    except ConnectionResetError:
+        out.disconnected = True
+        await fe.cancel(sub.request_id, "disconnect", num_choices=sub.num_choices)
+    except Exception as exc:  # a bug must still end the request, its generation and the client's wait
+        log.exception("request %s failed in the gateway", sub.request_id)
+        return await _fail(fe, sub, out, error_dict(500, f"internal error: {exc}", type_="server_error"),
+                           "stream_error")
+    finally:
+        fe.table.close(sub.request_id)
+    return out
+
+
+async def _next(fe: Frontend, sub: Submitted, gone: Callable[[], bool] | None) -> Chunk:
+    """The next chunk (Frontend.next); ConnectionResetError once ``gone()`` says the client left."""
+    while True:
+        if gone is not None and gone():
+            raise ConnectionResetError("client disconnected")
+        chunk = await fe.next(sub, POLL_S if gone is not None else None)
+        if chunk is not None:
+            return chunk
+
+
+async def _add(merger: ChoiceMerger, chunk: Chunk, sink: Sink | None) -> None:
+    """Merge one chunk (every object names the version that served it) and pass its objects on."""
+    merger.model = chunk.model or merger.model
+    events = merger.add(chunk)
+    if sink is not None:
+        await sink.emit(events, merger)
+
+
+async def _fail(fe: Frontend, sub: Submitted, out: Outcome, detail: dict, reason: str) -> Outcome:
+    """Record the failure and cancel the generation (every fanned-out choice) with ``reason``."""
+    out.detail = detail
+    await fe.cancel(sub.request_id, reason, num_choices=sub.num_choices)
+    return out
