@@ -112,15 +112,25 @@ async def closed_loop(url: str, key: str, concurrency: int, duration_s: float, m
 
 
 async def setup_tenants(etcd_url: str) -> dict[str, str]:
-    """Create tenants ``bench-a`` and ``bench-b`` (allowed: the default model); return their keys."""
+    """Create tenants ``bench-a`` and ``bench-b`` (allowed: the default model, weight 1); return their keys.
+    Tenants left in the state directory by an earlier run are reused with a fresh key and weight 1, so the
+    bench can be run again after a failed run."""
     from control.state.registry import Registry
     from control.state.tenants import TenantAdmin
-    keys = {}
     async with Registry.connect(etcd_url) as reg:
         admin = TenantAdmin(reg)
-        for t in ("bench-a", "bench-b"):
-            _, _, keys[t] = await admin.create(t, allowed_models=[MODEL])
-    return keys
+        return {t: await _bench_tenant(admin, t) for t in ("bench-a", "bench-b")}
+
+
+async def _bench_tenant(admin, tenant_id: str) -> str:
+    """A new API key of ``tenant_id``, created (or reset: model access, weight 1) for this run."""
+    from control.state.tenants import TenantError
+    try:
+        return (await admin.create(tenant_id, allowed_models=[MODEL]))[2]
+    except TenantError:
+        await admin.allow_models(tenant_id, [MODEL])
+        await admin.set_weight(tenant_id, 1.0)
+        return (await admin.add_key(tenant_id))[1]
 
 
 async def set_weights(etcd_url: str, weights: dict[str, float]) -> None:

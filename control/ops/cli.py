@@ -142,7 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    # -- up ---------------------------------------------------------------------------------
+    _add_up_command(sub)
+    _add_actor_command(sub)
+    from control.ops.diagnose_cli import add_diagnose_command
+    from control.ops.models_cli import add_models_commands
+    from control.ops.rollout_cli import add_rollout_commands
+    from control.ops.tenants_cli import add_tenant_commands
+
+    for add_verb in (add_models_commands, add_tenant_commands, add_rollout_commands, add_diagnose_command):
+        add_verb(sub)
+    _add_status_command(sub)
+    _add_bench_commands(sub)
+    return parser
+
+
+def _add_up_command(sub: Any) -> None:
+    """``actorserve up``: the embedded stack, supervised."""
     up = sub.add_parser(
         "up",
         help="start nats, etcd and every actor locally (supervised)",
@@ -173,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="log level of the supervisor and the actors (default: $ACTORSERVE_LOG_LEVEL or INFO)")
     up.set_defaults(func=_cmd_up)
 
-    # -- actor ------------------------------------------------------------------------------
+
+def _add_actor_command(sub: Any) -> None:
+    """``actorserve actor KIND``: one actor process (its module adds its own options)."""
     actor = sub.add_parser(
         "actor",
         help="run one actor process",
@@ -195,33 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: $ACTORSERVE_TRACES, else none)")
         p.set_defaults(func=_cmd_actor)
 
-    # -- models -----------------------------------------------------------------------------
-    from control.ops.models_cli import add_models_commands
 
-    add_models_commands(sub)
-
-    # -- tenants ----------------------------------------------------------------------------
-    from control.ops.tenants_cli import add_tenant_commands
-
-    add_tenant_commands(sub)
-
-    # -- rollout ----------------------------------------------------------------------------
-    from control.ops.rollout_cli import add_rollout_commands
-
-    add_rollout_commands(sub)
-
-    # -- diagnose ---------------------------------------------------------------------------
-    from control.ops.diagnose_cli import add_diagnose_command
-
-    add_diagnose_command(sub)
-
-    # -- status -----------------------------------------------------------------------------
+def _add_status_command(sub: Any) -> None:
+    """``actorserve status``: endpoints, processes, models, live workers."""
     st = sub.add_parser("status", help="show endpoints, processes, models and live workers")
     common_arguments(st)
     st.add_argument("--json", action="store_true", help="print machine-readable JSON")
     st.set_defaults(func=_cmd_status)
 
-    # -- bench ------------------------------------------------------------------------------
+
+def _add_bench_commands(sub: Any) -> None:
+    """``actorserve bench engine | fairness | prefix-routing``."""
     bench = sub.add_parser("bench", help="benchmarks (engine, fairness)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     be = bsub.add_parser(
@@ -246,7 +247,6 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.prefix_routing_bench import add_arguments as _prefix_arguments
     _prefix_arguments(bp)
     bp.set_defaults(func=_cmd_bench_prefix_routing)
-    return parser
 
 
 def _cmd_bench_prefix_routing(args: argparse.Namespace) -> int:

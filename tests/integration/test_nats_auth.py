@@ -11,6 +11,7 @@ import pytest
 from nats.errors import NoServersError
 
 from control.ops.embedded import EmbeddedNats
+from control.ops.embedded_server import http_get_json
 from control.ops.nats_auth import tenant_users
 from control.state.tenants import _key_entry, new_api_key
 
@@ -29,6 +30,30 @@ async def _connect(url, user=None, password=None, **kw):
     return nc, errors
 
 
+async def _reload(srv, users) -> None:
+    """Install ``users`` and wait until nats-server has applied the reload (its /varz config_load_time
+    moves): a fixed sleep raced the reload on a loaded machine (a tenant connected, then had no rights)."""
+    before = http_get_json(f"{srv.monitor_url}/varz")["config_load_time"]
+    assert srv.set_tenant_users(users)
+    await _wait_for(lambda: http_get_json(f"{srv.monitor_url}/varz")["config_load_time"] != before)
+
+
+async def _delivered(reader, writer, pattern: str, subject: str, reply: str = "", tries: int = 10):
+    """The message ``writer`` publishes on ``subject`` as read by ``reader`` subscribed to ``pattern``.
+    Each try subscribes afresh and waits 0.5 s: nats-server applies a new user's permissions
+    asynchronously, so the first try after a reload can be refused (seen 1 in 10 runs, before and after
+    the wait for config_load_time). nats.errors.TimeoutError after ``tries`` tries."""
+    for _ in range(tries):
+        sub = await reader.subscribe(pattern)
+        await reader.flush()
+        await writer.publish(subject, b"m", reply=reply)
+        try:
+            return await sub.next_msg(timeout=0.5)
+        except nats.errors.TimeoutError:
+            await sub.unsubscribe()
+    raise nats.errors.TimeoutError
+
+
 async def _wait_for(cond, timeout=5.0):
     async with asyncio.timeout(timeout):
         while not cond():
@@ -39,23 +64,17 @@ async def test_tenant_users_are_confined_to_the_api_and_their_inbox(tmp_path):
     acme, other = new_api_key(), new_api_key()
     srv = EmbeddedNats(tmp_path, auth=True)
     async with srv:
-        srv.set_tenant_users(tenant_users(_records(acme=acme, other=other)))
-        await asyncio.sleep(0.3)  # reload
+        await _reload(srv, tenant_users(_records(acme=acme, other=other)))
         with pytest.raises(Exception):  # no credentials: refused
             await nats.connect(srv.url, allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0)
         internal, _ = await _connect(srv.client_url)
         tenant, errors = await _connect(srv.url, acme[0], acme[1], inbox_prefix="_INBOX.acme")
         try:
             # the internal user reads everything, including what the tenant publishes to the API
-            api = await internal.subscribe("as.api.v1.chat")
-            await internal.flush()
-            await tenant.publish("as.api.v1.chat", b"{}", reply="_INBOX.acme.x")
-            assert (await api.next_msg(timeout=5)).reply == "_INBOX.acme.x"
+            got = await _delivered(internal, tenant, "as.api.v1.chat", "as.api.v1.chat", reply="_INBOX.acme.x")
+            assert got.reply == "_INBOX.acme.x"
             # own inbox: allowed
-            own = await tenant.subscribe("_INBOX.acme.>")
-            await tenant.flush()
-            await internal.publish("_INBOX.acme.y", b"mine")
-            assert (await own.next_msg(timeout=5)).data == b"mine"
+            assert (await _delivered(tenant, internal, "_INBOX.acme.>", "_INBOX.acme.y")).data == b"m"
             # another tenant's inbox, everything, internal subjects: permission errors, nothing delivered
             for subject in ("_INBOX.other.>", ">", "as.int.>", "_INBOX.>"):
                 sub = await tenant.subscribe(subject)

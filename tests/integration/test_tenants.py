@@ -251,3 +251,17 @@ async def test_token_quotas_charged_from_completion_records(infra, registry):
         await meter.close()
         await store.close()
         await nc.close()
+
+
+async def test_fairness_bench_tenants_survive_a_second_run(infra, registry):
+    """`bench fairness` reuses its tenants left by an earlier (failed) run: fresh keys, weight back to 1."""
+    from bench.fairness_bench import MODEL, setup_tenants
+
+    first = await setup_tenants(infra.etcd_url)
+    await TenantAdmin(registry).set_weight("bench-a", 3.0)
+    second = await setup_tenants(infra.etcd_url)
+    assert set(second) == {"bench-a", "bench-b"} and all(second[t] != first[t] for t in second)
+    tenant = await TenantAdmin(registry).get("bench-a")
+    assert tenant.weight == 1.0 and tenant.allows_model(MODEL)
+    from control.state.tenants import key_matches
+    assert any(key_matches(second["bench-a"], h) for h in tenant.active_key_hashes())
