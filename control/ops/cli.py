@@ -149,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     from control.ops.rollout_cli import add_rollout_commands
     from control.ops.tenants_cli import add_tenant_commands
 
-    for add_verb in (add_models_commands, add_tenant_commands, add_rollout_commands, add_diagnose_command):
-        add_verb(sub)
+    add_models_commands(sub)
+    add_tenant_commands(sub)
+    add_rollout_commands(sub)
+    add_diagnose_command(sub)
     _add_status_command(sub)
     _add_bench_commands(sub)
     return parser
