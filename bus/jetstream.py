@@ -19,9 +19,9 @@ from nats import errors as nats_errors
 from nats.js import api
 from nats.js import errors as js_errors
 
-from bus import streams
+from bus import streams, subjects
 from bus.base import BusError
-from bus.kv import Entry, KeyValue, KvConflict, KvError, decode
+from bus.kv import Entry, KeyValue, KvConflict, KvError, check_pattern, decode
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +114,23 @@ class ObjectStore:
 class JetStreamKV(KeyValue):
     """A :class:`bus.kv.KeyValue` on a nats-py KV bucket (open with ``JetStream.bucket``)."""
 
-    def __init__(self, kv, config: streams.BucketConfig, timeout: float = 5.0) -> None:
+    def __init__(self, kv, config: streams.BucketConfig, timeout: float = 5.0, manager=None) -> None:
         super().__init__(config, timeout)
-        self._kv = kv
+        self._kv, self._manager = kv, manager
+
+    async def values(self, pattern: str = ">") -> list[Entry]:
+        """Current entries matching ``pattern``, in revision order, read as the stream's subject list
+        (STREAM.INFO with a subjects filter) then one get per key. Not through a watch: nats-py's watcher
+        can send its end-of-initial-values marker before values already on their way (it compares the
+        consumer's pending count with what the client has processed), which once listed no jobs."""
+        if self._manager is None:
+            return await super().values(pattern)
+        filt = subjects.kv_key_subjects(self.name, check_pattern(pattern))
+        with _mapped(f"list {pattern} in {self.name}", KvError):
+            info = await self._timed(self._manager.stream_info(streams.kv_stream(self.name), subjects_filter=filt))
+        prefix = filt[: len(filt) - len(pattern)]
+        found = [await self.get(subj[len(prefix):]) for subj in sorted(info.state.subjects or {})]
+        return sorted((e for e in found if e is not None), key=lambda e: e.revision)
 
     async def _entry(self, key: str) -> Entry | None:
         try:
@@ -194,7 +208,7 @@ class JetStream:
                 kv = await self._js.create_key_value(api.KeyValueConfig(
                     bucket=config.name, history=config.history, ttl=config.ttl_s, max_bytes=config.max_bytes,
                     storage=_storage(config.file)))
-        return JetStreamKV(kv, config, timeout)
+        return JetStreamKV(kv, config, timeout, self._js)
 
     async def ensure_stream(self, config: streams.StreamConfig) -> None:
         """Create the stream of ``config`` unless it exists."""

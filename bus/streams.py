@@ -130,6 +130,12 @@ JOURNAL_PREFIX = "SCHED_"
 NAMES = (USAGE_STREAM, JOBS_STREAM, QUOTA_BUCKET, IDEM_BUCKET, USAGE_BUCKET, JOBS_BUCKET, JOBS_OBJECTS)
 
 
+def kv_stream(bucket: str) -> str:
+    """``KV_<bucket>``: the stream behind a JetStream KV bucket (NATS ADR-8)."""
+    _check_name(bucket, "bucket")
+    return f"KV_{bucket}"
+
+
 def journal_stream(name: str, version: str) -> str:
     """``SCHED_<name>_<version>``: the stream of one model version's scheduler journal (no dots allowed)."""
     _check_name(name, "model")

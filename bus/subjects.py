@@ -182,6 +182,12 @@ def kv_subjects(bucket: str) -> str:
     return f"$KV.{_token(bucket, 'bucket')}.>"
 
 
+def kv_key_subjects(bucket: str, pattern: str) -> str:
+    """``$KV.<bucket>.<pattern>``: the subjects of the keys of one KV bucket matching ``pattern``
+    (``*`` / ``>`` wildcards; JetStream KV stores key K of bucket B on subject ``$KV.B.K``, ADR-8)."""
+    return f"$KV.{_token(bucket, 'bucket')}.{pattern}"
+
+
 def object_subjects(bucket: str) -> str:
     """``$O.<bucket>.>``: the chunks and metadata of one JetStream object store."""
     return f"$O.{_token(bucket, 'bucket')}.>"

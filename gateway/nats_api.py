@@ -141,9 +141,10 @@ class NatsApi:
                 await self._reply(msg, error_reply(err))
             return
         try:
-            rid = str(orjson.loads(msg.data).get("request_id", ""))
+            rid = orjson.loads(msg.data).get("request_id", "")
         except (orjson.JSONDecodeError, AttributeError):
             rid = ""
+        rid = rid if isinstance(rid, str) else ""  # 5 or null is malformed, not the id "5" / "None"
         rid = rid.split("-", 1)[1] if rid.startswith(("chatcmpl-", "cmpl-")) else rid
         try:
             subjects.cancel(rid)

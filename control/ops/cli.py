@@ -225,7 +225,7 @@ def _add_status_command(sub: Any) -> None:
 
 def _add_bench_commands(sub: Any) -> None:
     """``actorserve bench engine | fairness | prefix-routing``."""
-    bench = sub.add_parser("bench", help="benchmarks (engine, fairness)")
+    bench = sub.add_parser("bench", help="benchmarks (engine, fairness, prefix-routing)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     be = bsub.add_parser(
         "engine", help="offline engine benchmark against transformers (table + JSON)",

@@ -154,6 +154,14 @@ async def test_values_lists_the_keys_matching_a_filter(pair):
     assert len(await a.values(">")) == 3 and await a.values("none.*") == []
 
 
+async def test_values_right_after_many_writes(pair):
+    """Every key written is listed at once, in revision order (a watch-based listing could end early)."""
+    a, b = pair
+    for i in range(200):
+        await a.put(f"m.t.{i}", i)
+    assert [e.value for e in await b.values("m.t.*")] == list(range(200))
+
+
 async def test_bad_keys_are_refused_alike(pair):
     a, _ = pair
     for key in ("", ".k", "k.", "a b", "k*"):

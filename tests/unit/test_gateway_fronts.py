@@ -140,6 +140,26 @@ def outcome(stream: bool, detail: dict | None = None, streamed: int = 0) -> tupl
     return pipeline.Outcome(ChoiceMerger("completions", "r", "tiny@1", {}, {}, 1), detail), live
 
 
+async def test_nats_cancel_answers_false_for_a_malformed_id():
+    """A request id that is not a string (5, null) is malformed, as docs/nats-api.md says: no cancel sent."""
+    bus, fe = await stack()
+    api = NatsApi(fe)
+    await api.start()
+    sent: list[str] = []
+
+    async def on_cancel(msg) -> None:
+        sent.append(msg.subject)
+    await bus.subscribe(subjects.cancel_all(), on_cancel)
+    answers = []
+    for rid in (5, None, "a.b", "chatcmpl-abc123"):
+        reply = await bus.request(subjects.API_CANCEL, orjson.dumps({"request_id": rid}), 2.0)
+        answers.append(orjson.loads(reply.data)["cancelled"])
+    await api.stop()
+    assert answers == [False, False, False, True]
+    # only the well-formed id is cancelled (with its possible fanned-out choices: this gateway holds none)
+    assert sent[0] == subjects.cancel("abc123") and all(s.startswith(subjects.cancel("abc123")) for s in sent)
+
+
 def test_idempotent_result_shapes():
     err = error_dict(400, "too long", code="context_length_exceeded")
     out, live = outcome(True, err)  # a streamed request failing before any output: a plain JSON error
