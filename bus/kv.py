@@ -24,6 +24,7 @@ Every call to the bucket is bounded by ``timeout`` seconds (TimeoutError).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import re
@@ -127,7 +128,7 @@ class Watch:
             await stop()
 
 
-class KeyValue:
+class KeyValue(abc.ABC):
     """A JSON KV bucket. Subclasses implement the raw operations (``_entry``, ``_put``, ``_create``,
     ``_swap``, ``_delete``, ``_history``, ``_open_watch``) on bytes; this class adds JSON, key
     checks, timeouts and the compare-and-swap loop."""
@@ -213,27 +214,34 @@ class KeyValue:
 
     # -- raw operations (implementations) --------------------------------------------------------
 
+    @abc.abstractmethod
     async def _entry(self, key: str) -> Entry | None:
         """Latest entry, delete markers included (as ``deleted`` entries); None if none."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _put(self, key: str, data: bytes) -> int:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _create(self, key: str, data: bytes) -> int:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _swap(self, key: str, data: bytes, last: int) -> int:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _delete(self, key: str, last: int | None) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _history(self, key: str) -> list[Entry]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _open_watch(self, pattern: str) -> tuple[AsyncIterator, Callable[[], Awaitable[None]]]:
-        raise NotImplementedError
+        ...
 
 
 # -- the in-memory twin ----------------------------------------------------------------------------
