@@ -95,6 +95,36 @@ def _boolean(v: Any) -> bool:
     return v
 
 
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI ``logit_bias``: a mapping token id -> bias (JSON object keys are strings) or (id, bias) pairs;
+    ids >= 0, biases in [-100, 100], at most ``MAX_LOGIT_BIAS`` entries. Returns pairs sorted by id."""
+    items = v.items() if isinstance(v, Mapping) else v
+    if not isinstance(items, (list, tuple, type({}.items()))):
+        raise ValueError("an object mapping token ids to biases in [-100, 100]")
+    out: dict[int, float] = {}
+    for pair in items:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError("an object mapping token ids to biases in [-100, 100]")
+        out[_token_id(pair[0])] = _number(-100.0, 100.0)(pair[1])
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+    return tuple(sorted(out.items()))
+
+
+def _token_id(k: Any) -> int:
+    if isinstance(k, str) and k.isdigit():
+        k = int(k)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError("an object whose keys are token ids (non-negative integers)")
+    return k
+
+
+def _optional_text(v: Any) -> str | None:
+    if v is not None and (not isinstance(v, str) or not v):
+        raise ValueError("null or a non-empty string")
+    return v
+
+
 def _param(default: Any, check: Callable[[Any], Any], manifest: bool = False) -> Any:
     """A SamplingParams field: its default, its check, and whether a model manifest may default it."""
     return field(default=default, metadata={"check": check, "manifest": manifest})
@@ -103,6 +133,7 @@ def _param(default: Any, check: Callable[[Any], Any], manifest: bool = False) ->
 # Sampling defaults a manifest may name that the engine cannot honour yet (issue [10]): refused at
 # registration rather than stored and ignored.
 NOT_YET_HONOURED = ("min_p", "repetition_penalty")
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 @dataclass(frozen=True)
@@ -126,6 +157,14 @@ class SamplingParams(Message):
     logprobs: int | None = _param(None, _integer(0, 20, optional=True))  # None: off; k: sampled + top k
     frequency_penalty: float = _param(0.0, _number(-2.0, 2.0), manifest=True)  # logit -= count * penalty
     presence_penalty: float = _param(0.0, _number(-2.0, 2.0), manifest=True)  # logit -= (count > 0) * penalty
+    # (token id, bias) sorted by id, biases in [-100, 100] added to the raw logits (OpenAI semantics)
+    logit_bias: tuple[tuple[int, float], ...] = _param((), _logit_bias)
+    min_p: float = _param(0.0, _number(0.0, 1.0), manifest=True)  # drop tokens with p < min_p * max p; 0 = off
+    # CTRL (Keskar et al. 2019): logits of prompt + generated tokens divided (> 0) or multiplied (< 0) by it
+    repetition_penalty: float = _param(1.0, _number(0.0, 10.0, lo_open=True), manifest=True)  # 1 = off
+    # llguidance grammar the output must match (its JSON TopLevelGrammar text, built by the validator from
+    # response_format / structured_outputs / guided_* / tools); None = unconstrained
+    grammar: str | None = _param(None, _optional_text)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -151,7 +190,8 @@ def check_sampling_field(name: str, value: Any, label: str | None = None) -> Any
     try:
         return f.metadata["check"](value)
     except ValueError as exc:
-        raise ValueError(f"{label or name} must be {exc}, got {value!r}") from None
+        shown = repr(value)
+        raise ValueError(f"{label or name} must be {exc}, got {shown if len(shown) <= 80 else shown[:77] + '...'}") from None
 
 
 def sampling_defaults(defaults: Mapping[str, Any], label: str = "defaults") -> dict[str, Any]:

@@ -34,7 +34,7 @@ def test_round_trip_through_generate_request_and_dispatch():
 def test_decode_tolerates_older_and_newer_senders():
     data = orjson.loads(gen(SamplingParams(max_tokens=4)).encode())
     del data["choice_index"]  # an older validator: no index
-    data["sampling"]["min_p"] = 0.1  # a newer one: a field this worker does not know
+    data["sampling"]["top_a"] = 0.1  # a newer one: a field this worker does not know
     r = GenerateRequest.decode(orjson.dumps(data))
     assert r.choice_index == 0 and r.sampling == SamplingParams(max_tokens=4)
     assert GenerateRequest.decode(orjson.dumps({**data, "sampling": {}})).sampling == SamplingParams()
