@@ -173,6 +173,10 @@ class WorkerGauges:
             "kv": (total - int(st.num_free_blocks)) / total if total else 0.0,
             "max_batch": int(st.max_batch_size_seen),
             "gen_tps": 0.0, "prompt_tps": 0.0, "batch": 0.0,
+            "constrained_steps": int(getattr(st, "num_constrained_steps", 0)),
+            "grammar_ms": float(getattr(st, "grammar_compile_ms_total", 0.0)),
+            "grammar_hits": int(getattr(st, "grammar_cache_hits", 0)),
+            "grammar_misses": int(getattr(st, "grammar_cache_misses", 0)),
         }
         if prev is not None and now > prev["t"] and row["steps"] >= prev["steps"]:
             dt, dsteps = now - prev["t"], row["steps"] - prev["steps"]
@@ -204,6 +208,14 @@ class WorkerGauges:
              "1", "gen_tps"),
             ("actorserve_prompt_tokens_per_second", "Prompt tokens prefilled per second (last stats interval).",
              "1", "prompt_tps"),
+            ("actorserve_constrained_steps", "Engine steps with at least one grammar-constrained sequence "
+             "(structured outputs), since the worker started.", "1", "constrained_steps"),
+            ("actorserve_grammar_compile_ms", "Time spent compiling structured-output grammars since the worker "
+             "started (cache misses).", "ms", "grammar_ms"),
+            ("actorserve_grammar_cache_hits", "Structured-output requests whose compiled grammar was cached.", "1",
+             "grammar_hits"),
+            ("actorserve_grammar_cache_misses", "Structured-output requests whose grammar was compiled.", "1",
+             "grammar_misses"),
         )
         for name, desc, unit, key in specs:
             observable_gauge(name, desc, unit, lambda key=key: [(r[key], r["labels"]) for r in self.rows()])

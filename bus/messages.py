@@ -130,9 +130,6 @@ def _param(default: Any, check: Callable[[Any], Any], manifest: bool = False) ->
     return field(default=default, metadata={"check": check, "manifest": manifest})
 
 
-# Sampling defaults a manifest may name that the engine cannot honour yet (issue [10]): refused at
-# registration rather than stored and ignored.
-NOT_YET_HONOURED = ("min_p", "repetition_penalty")
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
@@ -197,16 +194,13 @@ def check_sampling_field(name: str, value: Any, label: str | None = None) -> Any
 def sampling_defaults(defaults: Mapping[str, Any], label: str = "defaults") -> dict[str, Any]:
     """Check a model manifest's sampling ``defaults``; return them normalized (``stop`` a tuple).
 
-    Raises ValueError naming ``<label>.<key>`` for a key the engine cannot honour yet
-    (``NOT_YET_HONOURED``), a key that is no manifest-defaultable parameter, or a bad value.
+    Raises ValueError naming ``<label>.<key>`` for a key that is no manifest-defaultable parameter
+    (``MANIFEST_DEFAULTABLE``), or a bad value.
     """
     if not isinstance(defaults, Mapping):
         raise ValueError(f"{label} must be an object")
     out = {}
     for k, v in defaults.items():
-        if k in NOT_YET_HONOURED:
-            raise ValueError(f"{label}.{k} is not supported yet: the engine cannot honour it "
-                             f"(supported: {', '.join(MANIFEST_DEFAULTABLE)})")
         if k not in MANIFEST_DEFAULTABLE:
             raise ValueError(f"{label}.{k} is not a known sampling parameter "
                              f"(known: {', '.join(MANIFEST_DEFAULTABLE)})")
@@ -250,6 +244,11 @@ class GenerateRequest(Message):
     attempt: int = 0  # dispatch attempt (0 = first); bumped on re-dispatch after a worker loss
     echo_text: str = ""  # completions `echo`: prompt text the worker prepends to the first chunk's text
     choice_index: int = 0  # index of this choice in its API request's response (prompt_index * n + i)
+    # tool calling (docs/tools.md): the parser the worker runs on the output (actors.text.tool_calls.FORMATS,
+    # set by the validator from the manifest's tool_call_format when tools are offered); None = plain text
+    tool_parser: str | None = None
+    parallel_tool_calls: bool = True  # False: at most one call is parsed out of the output
+    tool_calls_forced: bool = False  # the grammar forces well-formed calls: their arguments stream as written
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -282,7 +281,7 @@ class Chunk(Message):
     text: str = ""  # text delta (valid UTF-8)
     token_ids: tuple[int, ...] = ()  # token ids produced in this step
     final: bool = False  # last chunk of the request
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the final chunk
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" | "abort" on the final chunk
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
     timing: dict[str, float] | None = None  # timing breakdown in ms (keys: docs/architecture.md "Conventions")
     error: dict[str, Any] | None = None  # {status, message, type, param, code, retryable, retry_after}
@@ -292,6 +291,10 @@ class Chunk(Message):
     # [{"token": str, "bytes": [int], "logprob": float, "top_logprobs": [{"token", "bytes", "logprob"}]}]
     logprobs: list[dict[str, Any]] | None = None
     choice_index: int = 0  # the request's GenerateRequest.choice_index (0 for an unsplit request)
+    # OpenAI streaming tool-call deltas parsed out of the output by the worker (GenerateRequest.tool_parser):
+    # {"index", "id", "type": "function", "function": {"name", "arguments": ""}} opens call ``index``, then
+    # {"index", "function": {"arguments": <piece>}}; the call's text is not in ``text``
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -372,6 +375,10 @@ class WorkerStats(Message):
     max_cancel_steps: int = 0  # most engine steps between a cancel's arrival and its request's end
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_constrained_steps: int = 0  # engine steps with >= 1 grammar-constrained sequence
+    grammar_compile_ms_total: float = 0.0  # time spent compiling grammars (ms, cache misses only)
+    grammar_cache_hits: int = 0  # requests whose grammar came from the compiled-grammar LRU
+    grammar_cache_misses: int = 0  # requests whose grammar was compiled
 
 
 @dataclass(frozen=True)
@@ -392,6 +399,7 @@ class CompletionRecord(Message):
     worker_id: str = ""
     ts: float = 0.0
     choice_index: int = 0  # the request's GenerateRequest.choice_index (metering counts choice 0's prompt)
+    tool_calls: int = 0  # tool calls parsed out of the output (finish_reason "tool_calls" when > 0)
 
 
 def error_dict(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,

@@ -15,6 +15,7 @@ name                what                                   who
 ``as_usage``        KV: usage per tenant and version       usage meter (gateway)
 ``as_jobs``         KV: job records (TTL 7 days)           jobs API, jobs actor
 ``as_job_data``     objects: large inputs, batch outputs   jobs API, jobs actor
+``as_responses``    KV: stored responses (TTL 30 days)     Responses API (gateway)
 ==================  =====================================  ===============================================
 """
 
@@ -126,8 +127,10 @@ IDEM_BUCKET = "as_idem"
 USAGE_BUCKET = "as_usage"
 JOBS_BUCKET = "as_jobs"
 JOBS_OBJECTS = "as_job_data"
+RESPONSES_BUCKET = "as_responses"
 JOURNAL_PREFIX = "SCHED_"
-NAMES = (USAGE_STREAM, JOBS_STREAM, QUOTA_BUCKET, IDEM_BUCKET, USAGE_BUCKET, JOBS_BUCKET, JOBS_OBJECTS)
+NAMES = (USAGE_STREAM, JOBS_STREAM, QUOTA_BUCKET, IDEM_BUCKET, USAGE_BUCKET, JOBS_BUCKET, JOBS_OBJECTS,
+         RESPONSES_BUCKET)
 
 
 def kv_stream(bucket: str) -> str:
@@ -151,6 +154,8 @@ IDEMPOTENCY = BucketConfig(IDEM_BUCKET, ttl_s=DAY_S, max_bytes=128 * MiB)
 USAGE = BucketConfig(USAGE_BUCKET, max_bytes=16 * MiB)
 JOBS = BucketConfig(JOBS_BUCKET, ttl_s=JOBS_TTL_S, max_bytes=128 * MiB)
 JOB_DATA = ObjectStoreConfig(JOBS_OBJECTS, ttl_s=JOBS_TTL_S, max_bytes=192 * MiB)
+RESPONSES_TTL_S = 30 * DAY_S  # stored responses (POST /v1/responses, store=true) live 30 days after their last write
+RESPONSES = BucketConfig(RESPONSES_BUCKET, ttl_s=RESPONSES_TTL_S, max_bytes=128 * MiB)
 DONE = StreamConfig(USAGE_STREAM, (subjects.done_tree(),), max_bytes=64 * MiB, max_age_s=7 * DAY_S)
 JOB_QUEUE = StreamConfig(JOBS_STREAM, (subjects.jobs_submit_all(),), max_bytes=64 * MiB, work_queue=True)
 METER = ConsumerConfig(USAGE_CONSUMER, ack_wait_s=30.0, max_ack_pending=10000)

@@ -12,6 +12,7 @@ import re
 API_CHAT = "as.api.v1.chat"  # public NATS API: chat completions (request-reply, streaming to inbox)
 API_COMPLETIONS = "as.api.v1.completions"  # public NATS API: completions
 API_CANCEL = "as.api.v1.cancel"  # public NATS API: cancel by request id
+API_RESPONSES = "as.api.v1.responses"  # public NATS API: OpenAI Responses create (docs/responses.md)
 VALIDATE = "as.int.validate"  # validator queue group
 VALIDATORS_QUEUE = "validators"  # queue group name of the validators
 GATEWAYS_QUEUE = "gateways"  # queue group name of the NATS API front

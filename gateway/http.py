@@ -1,7 +1,8 @@
 """aiohttp HTTP front: OpenAI-compatible endpoints, health and readiness.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /healthz, GET /readyz,
-GET /metrics (Prometheus text, no key).
+GET /metrics (Prometheus text, no key); with a tenancy layer on JetStream also /v1/usage, /v1/jobs and
+/v1/responses (gateway/responses_api.py).
 Errors use the OpenAI error shape. A streamed request waits for its first chunk before sending any
 byte, so errors found by the validator (e.g. context length) are real HTTP statuses. aiohttp does not
 cancel handlers when a client goes away, so waits poll the transport and turn a disconnect into a
@@ -78,6 +79,9 @@ class HttpFront:
         app.router.add_get("/v1/models", self.models)
         if self.tenancy is not None:
             self.tenancy.add_routes(app)  # /v1/usage, /v1/jobs
+            if self.tenancy.quotas is not None:  # JetStream is there: /v1/responses (docs/responses.md)
+                from gateway.responses_api import ResponsesApi
+                ResponsesApi(self.fe, self.tenancy, self.fe.bus.js()).add_routes(app)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/openapi.json", self.openapi)

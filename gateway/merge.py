@@ -6,6 +6,9 @@ carries its choice's index in ``Chunk.choice_index`` (the ids are never parsed).
 ``ChoiceMerger.add`` takes every chunk in arrival order and returns the streaming objects it yields
 (each with the right choice ``index``; one role delta first and exactly one finish_reason per index);
 ``body`` builds the non-streaming response. Both fronts use it, so their semantics cannot drift.
+Tool calls (parsed by the worker, ``Chunk.tool_calls``; docs/tools.md) stream as one ``delta.tool_calls``
+event per delta and join into ``message.tool_calls`` (content null when the answer is only calls), so the
+joined stream equals the non-streamed answer.
 
 Usage: ``prompt_tokens`` counts each prompt once (not once per choice, as at OpenAI), ``completion_tokens``
 sums every choice. Streaming: with ``stream_options.include_usage`` every content chunk has ``usage: null``
@@ -20,7 +23,7 @@ import time
 from typing import Any
 
 from bus.messages import Chunk
-from gateway.openai_format import full_timing, object_id
+from gateway.openai_format import full_timing, join_tool_calls, object_id
 
 
 def _n(body: dict) -> int:
@@ -42,6 +45,7 @@ class ChoiceMerger:
         self.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
         self.texts: dict[int, list[str]] = {}
         self.lps: dict[int, list[dict]] = {}
+        self.calls: dict[int, list[dict]] = {}  # tool_calls deltas per choice (Chunk.tool_calls)
         self.offsets: dict[int, int] = {}
         self.finish: dict[int, str | None] = {}
         self.usages: dict[int, dict] = {}
@@ -85,13 +89,15 @@ class ChoiceMerger:
         return out
 
     def _choice(self, i: int, text: str | None = None, role: bool = False, finish: str | None = None,
-                logprobs: dict | None = None) -> dict[str, Any]:
+                logprobs: dict | None = None, tool_call: dict | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_call is not None:  # one OpenAI tool_calls delta per event, as OpenAI streams them
+                delta["tool_calls"] = [tool_call]
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
@@ -122,6 +128,9 @@ class ChoiceMerger:
             self.texts[i].append(chunk.text)
             self.lps.setdefault(i, []).extend(entries)
             events.append(self._event(self._choice(i, chunk.text, logprobs=self._lp_obj(i, entries))))
+        for call in chunk.tool_calls or ():
+            self.calls.setdefault(i, []).append(call)
+            events.append(self._event(self._choice(i, tool_call=call)))
         if chunk.final and i not in self.finish:
             self.finish[i] = chunk.finish_reason
             self.usages[i] = dict(chunk.usage or {})
@@ -152,8 +161,10 @@ class ChoiceMerger:
             text = "".join(self.texts[i])
             lp = self._lp_obj(i, self.lps.get(i, [])) if self.logprobs else None
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": lp, "finish_reason": self.finish.get(i)})
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                if self.calls.get(i):  # content null when the answer is only calls (OpenAI)
+                    message.update(content=text or None, tool_calls=join_tool_calls(self.calls[i]))
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": self.finish.get(i)})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish.get(i)})
         return {"id": object_id(self.endpoint, self.request_id),

@@ -1,4 +1,5 @@
-"""Public NATS API: ``as.api.v1.chat``, ``as.api.v1.completions`` (queue group "gateways") and ``as.api.v1.cancel``.
+"""Public NATS API: ``as.api.v1.chat``, ``as.api.v1.completions`` (queue group "gateways") and ``as.api.v1.cancel``;
+``as.api.v1.responses`` (the OpenAI Responses create, docs/responses.md) where the gateway has JetStream.
 
 Request: the OpenAI JSON body, published with a reply subject (the caller's inbox). Headers:
 ``Authorization: Bearer <api key>`` (required when the gateway has a tenancy layer, i.e. always in a
@@ -60,6 +61,7 @@ class NatsApi:
         self.tenancy = tenancy
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
+        self.responses = None  # gateway.responses_api.ResponsesApi once started with JetStream
 
     async def start(self) -> None:
         """Subscribe to the API subjects (queue group ``gateways``)."""
@@ -67,6 +69,10 @@ class NatsApi:
         self._subs = [await bus.subscribe(subjects.API_CHAT, self._spawn("chat"), queue=q),
                       await bus.subscribe(subjects.API_COMPLETIONS, self._spawn("completions"), queue=q),
                       await bus.subscribe(subjects.API_CANCEL, self._on_cancel, queue=q)]
+        if self.tenancy is not None and self.tenancy.quotas is not None:  # JetStream: the Responses API
+            from gateway.responses_api import ResponsesApi
+            self.responses = ResponsesApi(self.fe, self.tenancy, bus.js())
+            self._subs.append(await bus.subscribe(subjects.API_RESPONSES, self._spawn("responses"), queue=q))
 
     async def stop(self) -> None:
         """Unsubscribe; requests in flight are cancelled."""
@@ -77,7 +83,8 @@ class NatsApi:
 
     def _spawn(self, endpoint: str):
         async def handler(msg: Msg) -> None:
-            task = asyncio.create_task(tracing.traced("request", self._handle(endpoint, msg),
+            work = self._handle_responses(msg) if endpoint == "responses" else self._handle(endpoint, msg)
+            task = asyncio.create_task(tracing.traced("request", work,
                                                       {"actorserve.endpoint": endpoint, "actorserve.front": "nats"}))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -119,6 +126,34 @@ class NatsApi:
             req = self._request(endpoint, msg, new_request_id(), marks)
             async with pipeline.admitted(self.fe, req, self.tenancy) as sub:  # 404 not allowed, 429 quota, 503
                 await self._serve(msg, sub, req.body)
+        except orjson.JSONDecodeError as exc:
+            await self._reply(msg, error_reply(invalid_json(exc)))
+        except ApiError as err:
+            await self._reply(msg, error_reply(err))
+
+    async def _handle_responses(self, msg: Msg) -> None:
+        """``as.api.v1.responses``: a Responses create (docs/responses.md); replies as for chat, the
+        streamed events one per message, the terminal one (completed / incomplete / failed) ``final``."""
+        if not msg.reply:
+            return
+        from gateway import responses_format as rf
+        marks = {"gateway_in": time.time()}
+        try:
+            tenant = self.tenancy.cache.tenants[self._tenant(msg)]
+            marks["auth_done"] = time.time()
+            preq, req, rec = await self.responses.prepare(tenant, orjson.loads(msg.data),
+                                                          _header(msg, "x-actorserve-deadline-ms"), marks, {})
+            if req["background"]:
+                await self.responses.background(preq, rec)
+                await self._reply(msg, orjson.dumps({**rf.response_object(rec), "final": True}))
+                return
+
+            async def send(ev: dict) -> None:
+                final = ev["type"] in ("response.completed", "response.incomplete", "response.failed")
+                await self._reply(msg, orjson.dumps({**ev, "final": True} if final else ev))
+            rec = await self.responses.execute(preq, req, rec, send=send if req["stream"] else None)
+            if not req["stream"]:
+                await self._reply(msg, orjson.dumps(rf.response_object(rec)))
         except orjson.JSONDecodeError as exc:
             await self._reply(msg, error_reply(invalid_json(exc)))
         except ApiError as err:

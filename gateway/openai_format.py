@@ -63,6 +63,24 @@ def full_timing(worker_timing: dict | None, marks: dict[str, float], t_end: floa
     return {k: round(v, 3) for k, v in t.items()}
 
 
+def join_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``message.tool_calls`` of a non-streamed answer from its streaming deltas (``Chunk.tool_calls``):
+    per ``index``, the opening delta's ``id``, ``type`` and ``function.name`` and every delta's
+    ``function.arguments`` concatenated, in index order (so the joined stream equals the answer)."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        fn = d.get("function") or {}
+        call = calls.setdefault(int(d.get("index", 0)), {"id": "", "type": "function",
+                                                         "function": {"name": "", "arguments": ""}})
+        for key in ("id", "type"):
+            if d.get(key):
+                call[key] = d[key]
+        if fn.get("name"):
+            call["function"]["name"] = fn["name"]
+        call["function"]["arguments"] += fn.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
+
+
 def completion_body(endpoint: str, request_id: str, model: str, text: str, finish_reason: str | None,
                     usage: dict, timing: dict, created: int | None = None) -> dict[str, Any]:
     """Non-streaming response (chat.completion or text_completion) with usage.actorserve_timing."""

@@ -51,9 +51,47 @@ def _sampling_props() -> dict[str, Any]:
         "user": _NULLABLE_STR,
         "priority": {"type": ["string", "null"], "enum": ["interactive", "batch", None]},
         "deadline_ms": _DEADLINE,
-        "ignore_eos": {"type": ["boolean", "null"]},
+        "ignore_eos": {"type": ["boolean", "null"], "description": "not with a structured output format"},
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1, "description": "0 = off"},
+        "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 10,
+                               "description": "CTRL's; 1 = off"},
+        "logit_bias": {"type": ["object", "null"], "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                       "description": "token id (in the vocabulary) -> bias added to its logit"},
+        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"},
+                     "description": "advisory (docs/api.md)"},
+        "service_tier": {"type": ["string", "null"], "description": "advisory (docs/api.md)"},
+        "store": {"enum": [False, None], "description": "nothing is stored: true is refused"},
+        **_structured_props(),
     }
+
+
+def _structured_props() -> dict[str, Any]:
+    """Structured-output fields (actors/validator/structured.py): at most one format per request."""
+    schema = {"type": "object"}
+    json_schema = {"type": "object", "required": ["name", "schema"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 64}, "description": {"type": "string"},
+        "schema": schema, "strict": {"type": ["boolean", "null"]}}}
+    response_format = {"oneOf": [
+        {"type": "null"},
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+         "properties": {"type": {"const": "json_schema"}, "json_schema": json_schema}}]}
+    text = {"type": ["string", "null"], "minLength": 1}
+    choice = {"type": ["array", "null"], "items": {"type": "string"}, "minItems": 1, "maxItems": 1024}
+    json_value = {"oneOf": [schema, {"type": "string"}, {"type": "null"}], "description": "JSON schema or its text"}
+    flag = {"type": ["boolean", "null"]}
+    so = {"type": ["object", "null"], "additionalProperties": False, "properties": {
+        "json": json_value, "regex": text, "choice": choice, "grammar": text, "json_object": flag,
+        "disable_any_whitespace": flag, "whitespace_pattern": text, "disable_fallback": flag,
+        "disable_additional_properties": {"enum": [False, None]}}}
+    return {"response_format": response_format, "structured_outputs": so, "guided_json": json_value,
+            "guided_regex": text, "guided_choice": choice,
+            "guided_grammar": {**text, "description": "Lark, or GBNF / EBNF"},
+            "guided_whitespace_pattern": text,
+            "guided_decoding_backend": {"type": ["string", "null"], "description": "advisory: llguidance is used"}}
 
 
 def _chat_request(models: list[str]) -> dict:
@@ -71,7 +109,15 @@ def _chat_request(models: list[str]) -> dict:
         "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
         "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-        "tools": {"type": ["array", "null"]}, "tool_choice": {}, "response_format": {}, "logit_bias": {},
+        "tools": {"type": ["array", "null"]}, "tool_choice": {}, "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "functions": {"type": "null", "description": "deprecated (use tools): any value is refused"},
+        "function_call": {"type": "null", "description": "deprecated (use tool_choice): any value is refused"},
+        "modalities": {"oneOf": [{"type": "null"}, {"const": ["text"]}], "description": "text output only"},
+        "audio": {"type": "null", "description": "no audio output: any value is refused"},
+        "prediction": {"type": "null", "description": "no predicted outputs: any value is refused"},
+        "web_search_options": {"type": "null", "description": "no web search: any value is refused"},
+        **{k: {"type": ["string", "null"], "description": "advisory (docs/api.md)"}
+           for k in ("safety_identifier", "prompt_cache_key", "reasoning_effort", "verbosity")},
         **_sampling_props()}}
 
 
@@ -84,7 +130,8 @@ def _completion_request(models: list[str]) -> dict:
         "prompt": prompt,
         "echo": {"type": ["boolean", "null"]},
         "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
-        "best_of": {"type": ["integer", "null"]}, "suffix": _NULLABLE_STR, "logit_bias": {},
+        "best_of": {"enum": [1, None], "description": "only 1"},
+        "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "no insertion: a suffix is refused"},
         **_sampling_props()}}
 
 
@@ -101,7 +148,10 @@ def _components() -> dict:
                               "token_logprobs": {"type": "array", "items": _NUM},
                               "top_logprobs": {"type": "array", "items": {"type": "object"}},
                               "text_offset": {"type": "array", "items": {"type": "integer"}}}}
-    finish = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+    finish = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
+    tool_calls = {"type": "array", "items": {"type": "object", "required": ["function"],
+                                             "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                                                            "function": {"type": "object"}}}}  # docs/tools.md
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
                             "total_tokens": {"type": "integer"},
@@ -123,7 +173,7 @@ def _components() -> dict:
                                "logprobs": chat_lp,
                                "message": {"type": "object", "required": ["role", "content"], "properties": {
                                    "role": {"const": "assistant"}, "content": _NULLABLE_STR,
-                                   "refusal": _NULLABLE_STR}}}}}}},
+                                   "refusal": _NULLABLE_STR, "tool_calls": tool_calls}}}}}}},
         "Completion": {"type": "object", "required": req + ["usage"], "properties": {
             **head, "object": {"const": "text_completion"}, "usage": {"$ref": "#/components/schemas/Usage"},
             "choices": {"type": "array", "minItems": 1, "items": {
@@ -138,7 +188,8 @@ def _components() -> dict:
                 "type": "object", "required": ["index", "delta", "finish_reason"],
                 "properties": {"index": {"type": "integer"}, "finish_reason": finish, "logprobs": chat_lp,
                                "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                                          "content": _NULLABLE_STR}}}}}}},
+                                                                          "content": _NULLABLE_STR,
+                                                                          "tool_calls": tool_calls}}}}}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"}, "data": {"type": "array", "items": {
                 "type": "object", "required": ["id", "object", "created", "owned_by"],
@@ -162,6 +213,101 @@ def _generate_op(summary: str, request: dict, response_ref: str) -> dict:
             "security": [{"bearerAuth": []}]}
 
 
+def _responses_paths(models: list[str]) -> dict:
+    """The Responses API paths (gateway/responses_api.py, docs/responses.md): request fields are those of
+    gateway/responses_format.py (translated, advisory, default-only), schemas inline."""
+    s, null_s = {"type": "string"}, {"type": ["string", "null"]}
+    parts = {"oneOf": [s, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"], "properties": {
+            "type": {"enum": ["input_text", "output_text", "text"]}, "text": s}}}]}
+    item = {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+            "content": parts, "id": s}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"const": "function_call"}, "call_id": s, "name": s, "arguments": s, "id": s}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"}, "call_id": s, "output": parts, "id": s}}]}
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}, "description": null_s,
+        "parameters": {"type": ["object", "null"]}, "strict": {"type": ["boolean", "null"]}}}
+    fmt = {"oneOf": [{"type": "object", "required": ["type"],
+                      "properties": {"type": {"enum": ["text", "json_object"]}}},
+                     {"type": "object", "required": ["type", "name", "schema"], "properties": {
+                         "type": {"const": "json_schema"}, "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                         "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]},
+                         "description": s}}]}
+    flag = {"type": ["boolean", "null"]}
+    request = {"type": "object", "required": ["model", "input"], "additionalProperties": False, "properties": {
+        "model": {"type": "string", "enum": models}, "input": {"oneOf": [s, {"type": "array", "items": item,
+                                                                              "minItems": 1}]},
+        "instructions": null_s, "previous_response_id": null_s,
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "tools": {"type": ["array", "null"], "items": tool},
+        "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required", None]},
+                                  {"type": "object", "required": ["type", "name"],
+                                   "properties": {"type": {"const": "function"}, "name": s}}]},
+        "text": {"type": ["object", "null"], "properties": {"format": fmt}},
+        "stream": flag, "store": flag, "background": {**flag, "description": "needs store; not with stream"},
+        "parallel_tool_calls": flag,
+        "metadata": {"type": ["object", "null"], "maxProperties": 16,
+                     "additionalProperties": {"type": "string", "maxLength": 512}},
+        "priority": {"enum": ["interactive", "batch", None]}, "deadline_ms": _DEADLINE,
+        "seed": {"type": ["integer", "null"]},
+        **{k: {**null_s, "description": "advisory (docs/responses.md)"}
+           for k in ("service_tier", "prompt_cache_key", "safety_identifier", "user")},
+        "stream_options": {"type": ["object", "null"], "description": "advisory"},
+        "reasoning": {"type": ["object", "null"], "maxProperties": 0, "description": "no reasoning models"},
+        "include": {"type": ["array", "null"], "maxItems": 0}, "truncation": {"enum": ["disabled", None]},
+        "max_tool_calls": {"type": "null"}, "top_logprobs": {"enum": [0, None]}}}
+    response = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+                "properties": {"id": {"type": "string", "pattern": "^resp_"}, "object": {"const": "response"},
+                               "created_at": {"type": "integer"}, "model": s,
+                               "status": {"enum": ["queued", "in_progress", "completed", "incomplete", "failed",
+                                                   "cancelled"]},
+                               "output": {"type": "array", "items": {"type": "object", "required": ["type", "id"]}},
+                               "usage": {"type": ["object", "null"]}, "error": {"type": ["object", "null"]}}}
+    ok = {"200": {"description": "the response", "content": {"application/json": {"schema": response}}}}
+    rid = [{"name": "id", "in": "path", "required": True, "schema": s}]
+    sec = [{"bearerAuth": []}]
+    create = {"summary": "Create a model response (OpenAI Responses API)", "security": sec,
+              "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False, "schema": s},
+                             {"name": "x-actorserve-deadline-ms", "in": "header", "required": False,
+                              "schema": _DEADLINE}],
+              "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+              "responses": {"200": {"description": "the response (JSON), or its SSE events when stream is true",
+                                    "content": {"application/json": {"schema": response},
+                                                "text/event-stream": {"schema": s}}},
+                            **_errors(400, 401, 404, 408, 409, 413, 429, 502, 503)}}
+    items = {"type": "object", "required": ["object", "data", "has_more"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}},
+        "first_id": null_s, "last_id": null_s, "has_more": {"type": "boolean"}}}
+    deleted = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": s, "object": {"const": "response"}, "deleted": {"const": True}}}
+    page = [{"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1,
+                                                                            "maximum": 100}},
+            {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}},
+            {"name": "after", "in": "query", "required": False, "schema": s}]
+    return {
+        "/v1/responses": {"post": create},
+        "/v1/responses/{id}": {
+            "get": {"summary": "A stored response", "security": sec, "parameters": rid,
+                    "responses": {**ok, **_errors(401, 404, 503)}},
+            "delete": {"summary": "Delete a stored response", "security": sec, "parameters": rid,
+                       "responses": {"200": {"description": "deleted", "content": {"application/json": {
+                           "schema": deleted}}}, **_errors(401, 404, 503)}}},
+        "/v1/responses/{id}/input_items": {"get": {
+            "summary": "A stored response's input items", "security": sec, "parameters": rid + page,
+            "responses": {"200": {"description": "a page of items", "content": {"application/json": {
+                "schema": items}}}, **_errors(400, 401, 404, 503)}}},
+        "/v1/responses/{id}/cancel": {"post": {
+            "summary": "Cancel a background response", "security": sec, "parameters": rid,
+            "responses": {**ok, **_errors(400, 401, 404, 503)}}},
+    }
+
+
 def openapi_document(models: list[str], server_url: str | None = None) -> dict:
     """The OpenAPI 3.1 document; ``models`` become the examples of the ``model`` field."""
     models = models or ["smollm2-135m-instruct"]
@@ -175,6 +321,7 @@ def openapi_document(models: list[str], server_url: str | None = None) -> dict:
                                                           "#/components/schemas/ChatCompletion")},
             "/v1/completions": {"post": _generate_op("Text completion", _completion_request(models),
                                                      "#/components/schemas/Completion")},
+            **_responses_paths(models),
             "/v1/models": {"get": {"summary": "Registered models", "security": [{"bearerAuth": []}],
                                    "responses": {"200": {"description": "models", "content": {"application/json": {
                                        "schema": {"$ref": "#/components/schemas/ModelList"}}}}, **_errors(401)}}},

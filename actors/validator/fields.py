@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bus.messages import MANIFEST_DEFAULTABLE
+from bus.messages import MANIFEST_DEFAULTABLE, SamplingParams, check_sampling_field
 
 from .errors import RequestError
+from .structured import structured_grammar
 
 PRIORITIES = ("interactive", "batch")
 MAX_STOP_SEQUENCES = 4
@@ -35,7 +36,8 @@ class ValidatedRequest:
     string (text parts joined with "\\n", null content of an assistant tool-call message becomes "").
     `prompt` (completions) is a string or a tuple of token ids. `max_tokens` is the client's value
     (None = not given); `max_tokens_param` names the field it came from, for error messages.
-    `extras` holds the accepted-but-not-acted-on OpenAI fields (tools, response_format, ...).
+    `extras` holds the accepted fields this record does not translate: the tool-calling fields other than
+    `tools` and the advisory fields (actors/validator/validation.py ``check_fields``).
     Sampling fields the client left out hold the server defaults here; `given` names those it set.
     """
 
@@ -61,10 +63,14 @@ class ValidatedRequest:
     deadline_ms: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id; ids checked against the vocab later
+    grammar: str | None = None  # llguidance grammar text (actors/validator/structured.py); None = unconstrained
     user: str | None = None
     logprobs: int | None = None  # None: off; k: sampled token's logprob plus the k most likely
     echo: bool = False  # completions: prepend the prompt to the output
-    tools: list[Any] | None = None
+    tools: Any = None  # chat: actors.validator.tools.ToolRequest (tools, tool_choice, parallel_tool_calls)
     extras: dict[str, Any] = field(default_factory=dict)
     given: frozenset[str] = frozenset()  # sampling fields the client set (not null): manifest defaults fill the rest
 
@@ -239,6 +245,28 @@ def _scheduling(body: dict) -> dict[str, Any]:
     return dict(priority=priority, deadline_ms=deadline_ms, user=user)
 
 
+_SAMPLING_DEFAULTS = SamplingParams()
+
+
+def _sampling_field(body: dict, name: str) -> Any:
+    """``body[name]`` checked by the SamplingParams check of that field; its default when absent/null."""
+    v = body.get(name)
+    if v is None:
+        return getattr(_SAMPLING_DEFAULTS, name)
+    try:
+        return check_sampling_field(name, v)
+    except ValueError as exc:
+        raise bad(f"'{name}' {str(exc).removeprefix(name).strip()}", name) from None
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI ``logit_bias``: an object token id -> bias in [-100, 100], at most 300 entries."""
+    v = body.get("logit_bias")
+    if v is not None and not isinstance(v, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases in [-100, 100]", "logit_bias")
+    return _sampling_field(body, "logit_bias")
+
+
 def _sampling(body: dict) -> dict[str, Any]:
     """The sampling fields both endpoints share (``max_tokens`` and ``logprobs`` are per endpoint)."""
     return dict(
@@ -248,6 +276,8 @@ def _sampling(body: dict) -> dict[str, Any]:
         presence_penalty=opt_number(body, "presence_penalty", -2.0, 2.0, 0.0),
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body), stop_token_ids=_stop_token_ids(body),
         ignore_eos=opt_bool(body, "ignore_eos"),
+        min_p=_sampling_field(body, "min_p"), repetition_penalty=_sampling_field(body, "repetition_penalty"),
+        logit_bias=_logit_bias(body), grammar=structured_grammar(body),
         given=frozenset(k for k in REQUEST_SAMPLING_FIELDS if body.get(k) is not None),
     )
 

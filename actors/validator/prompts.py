@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from actors.text.chat_template import ChatTemplateError, render_chat
+from actors.text.tool_calls import render_messages
 
 from .errors import RequestError
 from .fields import ValidatedRequest, bad
@@ -35,12 +36,14 @@ def prepare_prompt(
     max_model_len: int,
     default_max_tokens: int | None,
     max_tokens_cap: int | None,
+    tool_format: str | None = None,
 ) -> tuple[list[int], int]:
     """Render and tokenize the prompt; return `(prompt_token_ids, max_tokens)` (both in tokens).
 
     Chat: `chat_template` (or the tokenizer's own when None) is rendered with
     `add_generation_prompt=True` and the text tokenized without adding BOS/EOS (the template writes
-    whatever markers it wants). Completions: a string prompt is tokenized with the tokenizer's own
+    whatever markers it wants; tools and tool messages in ``tool_format``: :func:`render_prompt`).
+    Completions: a string prompt is tokenized with the tokenizer's own
     BOS policy; a token-id prompt is used as given (ids must lie in the vocabulary).
 
     Length policy (vLLM's, `OpenAIServing._validate_input` + `get_max_tokens`):
@@ -54,19 +57,25 @@ def prepare_prompt(
       clamps silently (the answer then ends with finish_reason "length"), as vLLM does with a
       generation-config `max_new_tokens`.
 
-    Raises RequestError(400) also for an empty prompt, out-of-vocabulary token ids, or a chat
-    template that refuses the conversation.
+    Raises RequestError(400) also for an empty prompt, out-of-vocabulary token ids (in the prompt, or
+    as `logit_bias` keys: param "logit_bias"), or a chat template that refuses the conversation.
     """
     if max_model_len < 2:
         raise ValueError("max_model_len must be >= 2")
-    ids = _prompt_ids(validated, tokenizer, chat_template)
+    oov_bias = next((t for t, _ in validated.logit_bias if t >= tokenizer.vocab_size), None)
+    if oov_bias is not None:
+        raise bad(f"token id {oov_bias} in 'logit_bias' is outside the vocabulary (0..{tokenizer.vocab_size - 1})",
+                  "logit_bias")
+    ids = _prompt_ids(validated, tokenizer, chat_template, tool_format)
     return ids, _max_tokens(validated, len(ids), max_model_len, default_max_tokens, max_tokens_cap)
 
 
-def _prompt_ids(validated: ValidatedRequest, tokenizer: Tokenizer, chat_template: str | None) -> list[int]:
+def _prompt_ids(validated: ValidatedRequest, tokenizer: Tokenizer, chat_template: str | None,
+                tool_format: str | None = None) -> list[int]:
     """The prompt's token ids (chat: the rendered template). RequestError 400 naming the prompt field."""
     if validated.kind == "chat":
-        ids = tokenizer.encode(_render(validated, tokenizer, chat_template), add_special_tokens=False)
+        ids = tokenizer.encode(render_prompt(validated, tokenizer, chat_template, tool_format),
+                               add_special_tokens=False)
     elif isinstance(validated.prompt, tuple):
         ids = list(validated.prompt)
         vs = tokenizer.vocab_size
@@ -80,13 +89,27 @@ def _prompt_ids(validated: ValidatedRequest, tokenizer: Tokenizer, chat_template
     return ids
 
 
-def _render(validated: ValidatedRequest, tokenizer: Tokenizer, chat_template: str | None) -> str:
+def render_prompt(validated: ValidatedRequest, tokenizer: Tokenizer, chat_template: str | None,
+                  tool_format: str | None = None) -> str:
+    """The prompt text of a chat request: ``chat_template`` (or the tokenizer's) rendered with the assistant
+    header appended.
+
+    With a ``tool_format`` (the manifest's ``tool_call_format``), the messages are first rewritten by
+    actors.text.tool_calls.render_messages: the offered tools (when ``tool_choice`` is not "none") go into
+    the system turn, assistant ``tool_calls`` and ``tool`` results become text in that format (model chat
+    templates such as SmolLM2's render only ``content``). Without one, messages go to the template as
+    they are. RequestError 400 (param "messages") when the template refuses the conversation.
+    """
     template = chat_template if chat_template is not None else tokenizer.chat_template
     if not template:
         raise bad("this model has no chat template; use the completions endpoint", "messages")
+    messages = [dict(m) for m in validated.messages or ()]
+    if tool_format is not None:
+        tools = validated.tools
+        messages = render_messages(tool_format, messages, tools.tools if tools is not None and tools.active else None)
     try:
-        return render_chat(template, [dict(m) for m in validated.messages or ()], add_generation_prompt=True,
-                           bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, tools=validated.tools)
+        return render_chat(template, messages, add_generation_prompt=True, bos_token=tokenizer.bos_token,
+                           eos_token=tokenizer.eos_token)
     except ChatTemplateError as exc:
         raise bad(str(exc), "messages") from exc
 

@@ -49,9 +49,12 @@ def stop_token_ids(validated: ValidatedRequest, default_stop_ids: tuple[int, ...
 def sampling_params(validated: ValidatedRequest, max_tokens: int, default_stop_ids: tuple[int, ...] = (),
                     defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The SamplingParams of one prompt: fields the client set (``validated.given``) win over the manifest's
-    ``defaults``, which win over ``SERVER_DEFAULTS``; ``max_tokens`` as settled by prepare_prompt.
+    ``defaults``, which win over ``SERVER_DEFAULTS`` (``min_p`` and ``repetition_penalty`` included);
+    ``max_tokens`` as settled by prepare_prompt; ``logit_bias`` and ``grammar`` (structured outputs) are
+    the request's only (no manifest default).
     Raises ValueError if a default is out of range (checked at registration, so only for a hand-edited record)."""
     requested = {k: getattr(validated, k) for k in validated.given}
     chosen = layered(requested, defaults or {}, SERVER_DEFAULTS)
     return SamplingParams(**chosen, max_tokens=max_tokens, stop_token_ids=stop_token_ids(validated, default_stop_ids),
-                          ignore_eos=validated.ignore_eos, logprobs=validated.logprobs)
+                          ignore_eos=validated.ignore_eos, logprobs=validated.logprobs,
+                          logit_bias=validated.logit_bias, grammar=validated.grammar)

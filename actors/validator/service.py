@@ -16,7 +16,9 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from actors.validator.errors import RequestError
+from actors.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 from actors.validator.sampling import default_max_tokens, sampling_params
+from actors.validator.tools import check_format
 from actors.validator.validation import (MAX_CHOICES, MAX_N, ValidatedRequest, default_stop_token_ids,
                                          prepare_prompt, validate_request)
 from actors import content_log
@@ -36,6 +38,7 @@ class ModelAssets:
     max_model_len: int  # context length (tokens)
     stop_token_ids: tuple[int, ...]  # EOS + end-of-turn
     defaults: dict = field(default_factory=dict)  # the manifest's sampling defaults (checked, normalized)
+    tool_call_format: str | None = None  # the manifest's tool_call_format (docs/tools.md); None: no tools
 
 
 def load_assets(manifest: dict) -> ModelAssets:
@@ -51,7 +54,10 @@ def load_assets(manifest: dict) -> ModelAssets:
     template = manifest.get("chat_template")
     template = tok.chat_template if template in (None, "gguf") else template
     ctx = int(manifest.get("context_length") or getattr(tok, "context_length", None) or 2048)
-    return ModelAssets(tok, template, ctx, default_stop_token_ids(tok, template), defaults)
+    tool_format = manifest.get("tool_call_format")
+    if tool_format is not None and tool_format not in TOOL_CALL_FORMATS:
+        raise ValueError(f"tool_call_format {tool_format!r} is not supported (supported: {', '.join(TOOL_CALL_FORMATS)})")
+    return ModelAssets(tok, template, ctx, default_stop_token_ids(tok, template), defaults, tool_format)
 
 
 @dataclass
@@ -196,6 +202,10 @@ class ValidatorService:
         if self.cfg.test_delay_ms > 0:
             _burn_cpu(self.cfg.test_delay_ms / 1e3)
         validated = validate_request(req.endpoint, req.body, self.cfg.max_n, self.cfg.max_choices)
+        parser = check_format(validated.tools, assets.tool_call_format, f"{req.name}@{req.version}")  # 400 naming tools
+        tools = validated.tools
+        tool_kw = {} if parser is None else dict(tool_parser=parser, parallel_tool_calls=tools.parallel,
+                                                 tool_calls_forced=tools.forced)
         prepared = [self._prepare_prompt(req, validated, p, assets) for p in validated.prompts or (validated.prompt,)]
         n, marks = validated.n, {**req.marks, "validate_out": time.time()}
         out = []
@@ -205,7 +215,7 @@ class ValidatorService:
                 rid = req.request_id if n * len(prepared) == 1 else f"{req.request_id}-{index}"
                 out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids),
                                            params.seeded(i), req.priority, req.deadline, marks, echo_text=echo,
-                                           choice_index=index))
+                                           choice_index=index, **tool_kw))
         return out
 
     def _prepare_prompt(self, req: ApiRequest, validated: ValidatedRequest, prompt, assets: ModelAssets
@@ -213,7 +223,8 @@ class ValidatorService:
         """``(prompt token ids, sampling params, echo text)`` of one prompt. Raises RequestError."""
         v = replace(validated, prompt=prompt) if validated.kind == "completion" else validated
         ids, max_tokens = prepare_prompt(v, assets.tokenizer, assets.chat_template, assets.max_model_len,
-                                         default_max_tokens(req.endpoint, assets.defaults), self.cfg.max_tokens_cap)
+                                         default_max_tokens(req.endpoint, assets.defaults), self.cfg.max_tokens_cap,
+                                         assets.tool_call_format)
         content_log.log_content("prompt token ids", req.request_id, list(ids))  # ACTORSERVE_LOG_PROMPTS=1 only
         echo = "" if not v.echo else prompt if isinstance(prompt, str) else assets.tokenizer.decode(ids)
         return ids, sampling_params(v, max_tokens, assets.stop_token_ids, assets.defaults), echo

@@ -11,18 +11,24 @@ Two steps:
    :func:`actors.validator.sampling.sampling_params` builds the wire SamplingParams
    (request > manifest default > server default).
 
+Every request field of an endpoint is in exactly one class of one table (:data:`ACTED`, :data:`REFUSED`,
+:data:`ADVISORY`; :func:`check_fields`): nothing is accepted and silently ignored. Structured-output fields
+become one llguidance grammar (actors/validator/structured.py).
+
 Field rules follow OpenAI's API reference; where OpenAI is silent or a choice was needed, vLLM's
 OpenAI-compatible server is the model (see docs/decisions/0003-tokenizer.md).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .fields import (MAX_N, MAX_STOP_SEQUENCES, PRIORITIES, ValidatedRequest, bad, check_unknown, common_fields,
                      is_int, opt_bool, opt_max_tokens)
 from .prompts import default_stop_token_ids, prepare_prompt
 from .sampling import COMPLETIONS_DEFAULT_MAX_TOKENS
+from .tools import tool_grammar, validate_tools
 
 __all__ = [
     "ValidatedRequest",
@@ -40,6 +46,10 @@ __all__ = [
     "MAX_STOP_SEQUENCES",
     "MAX_TOP_LOGPROBS",
     "MAX_COMPLETION_LOGPROBS",
+    "ACTED",
+    "REFUSED",
+    "ADVISORY",
+    "check_fields",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -47,26 +57,67 @@ MAX_CHOICES = 32  # default server cap on n x number of prompts (engine requests
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs` upper bound (OpenAI)
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs` upper bound (OpenAI)
 
-# Fields we interpret, per endpoint.
-_COMMON = frozenset(
-    {
-        "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-        "stream_options", "priority", "deadline_ms", "frequency_penalty", "presence_penalty", "user",
-        "logprobs", "top_logprobs", "ignore_eos", "stop_token_ids",
-    }
-)
-_CHAT = _COMMON | {"messages", "max_completion_tokens"}
-_COMPLETION = _COMMON | {"prompt", "echo"}
+# ---- Every request field, per endpoint, in exactly one class (no field is accepted and silently ignored).
+# The /openapi.json request schemas (gateway/openapi.py) list exactly these fields; tests/unit/
+# test_no_ignored_fields.py holds the three together, with the ADVISORY / REFUSED tables of docs/api.md.
+TOOL_CALLING = ("tools", "tool_choice", "parallel_tool_calls")  # actors/validator/tools.py
+STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar", "guided_whitespace_pattern")  # actors/validator/structured.py
+_ACTED_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "n", "stream", "stream_options", "priority", "deadline_ms", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "logprobs", "ignore_eos", "logit_bias") + STRUCTURED
+# ACTED: the field changes what is generated or how it is delivered.
+ACTED: dict[str, frozenset[str]] = {
+    "chat": frozenset(_ACTED_COMMON + ("messages", "max_completion_tokens", "top_logprobs") + TOOL_CALLING),
+    "completions": frozenset(_ACTED_COMMON + ("prompt", "echo")),
+}
+_NOT_STORED = ((None, False), "completions are not stored here")
+# REFUSED: field -> (the values accepted because they ask for nothing, why any other value is a 400 naming it).
+REFUSED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
+    "chat": {"modalities": ((None, ["text"]), "only text output is supported"),
+             "audio": ((None,), "audio output is not supported"),
+             "prediction": ((None,), "predicted outputs are not supported"),
+             "web_search_options": ((None,), "web search is not supported"),
+             "functions": ((None,), "deprecated: use 'tools'"),
+             "function_call": ((None,), "deprecated: use 'tool_choice'"),
+             "store": _NOT_STORED},
+    "completions": {"suffix": ((None, ""), "insertion after a suffix is not supported"),
+                    "best_of": ((None, 1), "only best_of=1 is supported"),
+                    "store": _NOT_STORED},
+}
+# ADVISORY: field -> the JSON type its value must have; accepted, and what each does here is in docs/api.md.
+ADVISORY: dict[str, dict[str, type]] = {
+    "chat": {"user": str, "metadata": dict, "service_tier": str, "safety_identifier": str, "prompt_cache_key": str,
+             "reasoning_effort": str, "verbosity": str, "guided_decoding_backend": str},
+    "completions": {"user": str, "metadata": dict, "service_tier": str, "guided_decoding_backend": str},
+}
+_ENDPOINT_NAMES = {"chat": "chat.completions", "completions": "completions"}
 
-# Fields OpenAI accepts that we accept and carry along without acting on them (yet).
-_CHAT_PASSTHROUGH = frozenset(
-    {
-        "tools", "tool_choice", "response_format", "logit_bias", "parallel_tool_calls", "metadata", "store",
-        "service_tier", "function_call", "functions", "modalities", "reasoning_effort", "prediction", "audio",
-        "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key",
-    }
-)
-_COMPLETION_PASSTHROUGH = frozenset({"logit_bias", "suffix", "best_of", "metadata", "store", "service_tier"})
+
+def _same(value: Any, accepted: Any) -> bool:
+    return type(value) is type(accepted) and value == accepted
+
+
+def check_fields(body: dict, endpoint: str) -> dict[str, Any]:
+    """Apply the field classes of ``endpoint`` ("chat" | "completions") to ``body``; return the extras.
+
+    A field in no class is a 400 naming it (OpenAI's "Unrecognized request argument"); a REFUSED field with
+    a value other than its accepted ones is a 400 naming it; an ADVISORY field of the wrong JSON type is a
+    400 naming it. Returns the advisory and tool-calling fields given (``ValidatedRequest.extras``), ``tools``
+    aside (its own field)."""
+    refused, advisory = REFUSED[endpoint], ADVISORY[endpoint]
+    check_unknown(body, ACTED[endpoint], frozenset(refused) | frozenset(advisory), _ENDPOINT_NAMES[endpoint])
+    for name, (accepted, why) in refused.items():
+        if name in body and not any(_same(body[name], a) for a in accepted):
+            shown, got = " or ".join(json.dumps(a) for a in accepted), json.dumps(body[name])
+            raise bad(f"'{name}' is not supported on this server: {why} (accepted: {shown}, got "
+                      f"{got if len(got) <= 60 else got[:57] + '...'})", name)
+    for name, typ in advisory.items():
+        if body.get(name) is not None and not isinstance(body[name], typ):
+            what = "an object" if typ is dict else "a string"
+            raise bad(f"'{name}' must be {what}, got {type(body[name]).__name__}", name)
+    carried = set(advisory) | (set(TOOL_CALLING) - {"tools"} if endpoint == "chat" else set())
+    return {k: body[k] for k in body if k in carried}
 
 
 def choice_count(endpoint: str, body: Any) -> int:
@@ -194,21 +245,11 @@ def _completion_logprobs(body: dict) -> int | None:
     return logprobs
 
 
-def _check_completion_passthrough(body: dict) -> None:
-    """``best_of`` (only 1) and ``suffix`` (a string): carried along, not acted on."""
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise bad(f"only best_of=1 is supported, got {best_of!r}", "best_of")
-    suffix = body.get("suffix")
-    if suffix is not None and not isinstance(suffix, str):
-        raise bad("'suffix' must be a string", "suffix")
-
-
 def validate_chat(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES) -> ValidatedRequest:
     """Validate a `/v1/chat/completions` body. Raises RequestError(400, ..., param=<field>)."""
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", None)
-    check_unknown(body, _CHAT, _CHAT_PASSTHROUGH, "chat.completions")
+    extras = check_fields(body, "chat")
     common = common_fields(body, max_n)
     messages = _messages(body)
     logprobs = _chat_logprobs(body)
@@ -216,10 +257,9 @@ def validate_chat(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES)
     mt = opt_max_tokens(body, "max_tokens")
     # max_completion_tokens is the current OpenAI name; it wins when both are given (as in vLLM).
     max_tokens, max_param = (mct, "max_completion_tokens") if mct is not None else (mt, "max_tokens")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("'tools' must be an array", "tools")
-    extras = {k: body[k] for k in _CHAT_PASSTHROUGH if k in body and k != "tools"}
+    tools = validate_tools(body, common.get("grammar"))  # tools, tool_choice, parallel_tool_calls, ...
+    if tools.forced:  # tool_choice "required" / a named function: the grammar of the calls (400 with a grammar)
+        common = {**common, "grammar": tool_grammar(tools)}
     return ValidatedRequest(kind="chat", messages=messages, max_tokens=max_tokens, max_tokens_param=max_param,
                             tools=tools, extras=extras, logprobs=logprobs, **common)
 
@@ -228,10 +268,10 @@ def validate_completion(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CH
     """Validate a `/v1/completions` body. Raises RequestError(400, ..., param=<field>)."""
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", None)
-    check_unknown(body, _COMPLETION, _COMPLETION_PASSTHROUGH, "completions")
     if "top_logprobs" in body:
         raise bad("Unrecognized request argument supplied to completions: 'top_logprobs' (use 'logprobs')",
                   "top_logprobs")
+    extras = check_fields(body, "completions")
     common = common_fields(body, max_n)
     prompts = _prompt(body)
     if common["n"] * len(prompts) > max_choices:
@@ -241,9 +281,7 @@ def validate_completion(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CH
     echo = opt_bool(body, "echo")
     if echo and logprobs is not None:
         raise bad("'echo' together with 'logprobs' is not supported (prompt logprobs are not computed)", "echo")
-    _check_completion_passthrough(body)
     max_tokens = opt_max_tokens(body, "max_tokens")
-    extras = {k: body[k] for k in _COMPLETION_PASSTHROUGH if k in body}
     return ValidatedRequest(kind="completion", prompt=prompts[0], prompts=prompts, max_tokens=max_tokens,
                             extras=extras, logprobs=logprobs, echo=echo, **common)
 

@@ -17,6 +17,7 @@ import orjson
 
 from actors.aio import wait_event
 from actors.recent import RecentIds
+from actors.text.tool_calls import HermesParser, make_parser, parse_step
 from actors.worker.engine.types import EngineRequest, StepOutput
 from actors import content_log
 from bus import subjects, tracing
@@ -40,6 +41,7 @@ class _Live:
     echo_pending: bool = True  # completions echo text not yet sent
     cancel_step: int = -1  # worker step count when a cancel arrived (-1: none)
     trace: object = None  # trace context of the dispatch (the scheduler's queue span); None when tracing is off
+    tools: HermesParser | None = None  # tool-call parser of the output (GenerateRequest.tool_parser)
 
 
 @dataclass
@@ -232,6 +234,8 @@ class WorkerService:
             front = req.request_id in self._front
             self._front.discard(req.request_id)
             try:
+                self.live[req.request_id].tools = make_parser(req.tool_parser, req.parallel_tool_calls,
+                                                              req.tool_calls_forced)
                 self.engine.add_request(EngineRequest(req.request_id, tuple(req.prompt_token_ids),
                                                       req.sampling, arrival_time=time.monotonic()),
                                         front=front)
@@ -324,7 +328,7 @@ class WorkerService:
             lv.t_first = now
             await self._safe_publish(subjects.sched_events(lv.req.name, lv.req.version),
                                      b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
-        text = out.text
+        text, calls = parse_step(lv.tools, out.text, out.finished)  # tool calls out of the text (docs/tools.md)
         if lv.echo_pending and lv.req.echo_text and (text or out.new_token_ids or out.finished):
             text = lv.req.echo_text + text
         if text or out.new_token_ids:
@@ -334,14 +338,15 @@ class WorkerService:
             if out.text or out.new_token_ids:
                 await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids),
                                            model=lv.req.model_ref, worker_id=self.cfg.worker_id, logprobs=logprobs,
-                                           choice_index=lv.req.choice_index))
+                                           choice_index=lv.req.choice_index, tool_calls=calls))
             return
         usage = self._usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids))
         timing = self._timing(lv, now)
+        reason = "tool_calls" if out.finish_reason == "stop" and lv.tools and lv.tools.num_calls else out.finish_reason
         await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids), True,
-                                   out.finish_reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id,
-                                   logprobs, lv.req.choice_index))
-        await self._record(lv, "ok", out.finish_reason, usage, timing)
+                                   reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id,
+                                   logprobs, lv.req.choice_index, calls))
+        await self._record(lv, "ok", reason, usage, timing)
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
         table = getattr(self.engine, "token_bytes", None) or ()
@@ -418,7 +423,8 @@ class WorkerService:
     async def _record(self, lv: _Live, status: str, reason, usage: dict, timing: dict, code=None) -> None:
         rec = CompletionRecord(lv.req.request_id, lv.req.tenant, lv.req.name, lv.req.version, status, reason,
                                usage["prompt_tokens"], usage["completion_tokens"], timing, lv.req.priority,
-                               code, self.cfg.worker_id, time.time(), lv.req.choice_index)
+                               code, self.cfg.worker_id, time.time(), lv.req.choice_index,
+                               lv.tools.num_calls if lv.tools else 0)
         if lv.trace is not None:
             self._record_spans(lv, status, usage, timing)
         await self._safe_publish(subjects.done(lv.req.name, lv.req.version), rec.encode())
@@ -461,7 +467,10 @@ class WorkerService:
                            st.num_free_blocks, st.num_total_blocks, st.max_batch_size_seen, self.num_finished,
                            self.num_aborted, time.time(), self.max_cancel_steps,
                            int(st.extra.get("prefix_cache_hit_tokens", 0)),
-                           int(st.extra.get("prefix_cache_query_tokens", 0)))
+                           int(st.extra.get("prefix_cache_query_tokens", 0)),
+                           int(st.extra.get("num_constrained_steps", 0)),
+                           float(st.extra.get("grammar_compile_ms_total", 0.0)),
+                           int(st.extra.get("grammar_cache_hits", 0)), int(st.extra.get("grammar_cache_misses", 0)))
 
     async def _stats_loop(self) -> None:
         while True:

@@ -224,8 +224,8 @@ def _add_status_command(sub: Any) -> None:
 
 
 def _add_bench_commands(sub: Any) -> None:
-    """``actorserve bench engine | fairness | prefix-routing``."""
-    bench = sub.add_parser("bench", help="benchmarks (engine, fairness, prefix-routing)")
+    """``actorserve bench engine | fairness | prefix-routing | structured``."""
+    bench = sub.add_parser("bench", help="benchmarks (engine, fairness, prefix-routing, structured)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     be = bsub.add_parser(
         "engine", help="offline engine benchmark against transformers (table + JSON)",
@@ -249,6 +249,19 @@ def _add_bench_commands(sub: Any) -> None:
     from bench.prefix_routing_bench import add_arguments as _prefix_arguments
     _prefix_arguments(bp)
     bp.set_defaults(func=_cmd_bench_prefix_routing)
+    bs = bsub.add_parser(
+        "structured", help="engine tok/s with half the sequences JSON-schema constrained vs none (table + JSON)",
+        description="Offline engine bench on the default model; see bench/structured_bench.py.",
+    )
+    from bench.structured_bench import add_arguments as _structured_arguments
+    _structured_arguments(bs)
+    bs.set_defaults(func=_cmd_bench_structured)
+
+
+def _cmd_bench_structured(args: argparse.Namespace) -> int:
+    from bench.structured_bench import main_bench_structured
+
+    return main_bench_structured(args)
 
 
 def _cmd_bench_prefix_routing(args: argparse.Namespace) -> int:

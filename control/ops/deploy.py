@@ -21,6 +21,7 @@ DEFAULT_MODEL_VERSION = "1"
 DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_QUANTIZATION = "Q4_1"
 DEFAULT_CONTEXT_LENGTH = 8192
+DEFAULT_TOOL_CALL_FORMAT = "hermes"  # the default model's tool_call_format (actors/text/tool_calls.py)
 
 # GGUF general.file_type codes (llama.cpp's LLAMA_FTYPE_*) for the common quantizations.
 _GGUF_FILE_TYPES = {
@@ -89,7 +90,8 @@ def model_manifest(
 ) -> dict[str, Any]:
     """The manifest dict to register for ``name@version``.
 
-    Without ``model_file`` it is the shipped SmolLM2 GGUF (Q4_1, context 8192). With one, the
+    Without ``model_file`` it is the shipped SmolLM2 GGUF (Q4_1, context 8192, tool calls in the
+    ``hermes`` format). With one (``tool_call_format`` None: register it with ``--option`` to offer tools), the
     artifact is that file's absolute path and the context length and quantization come from its
     GGUF metadata unless given. Raises FileNotFoundError if the file does not exist.
     """
@@ -112,6 +114,8 @@ def model_manifest(
         "memory_bytes": os.path.getsize(artifact),
         "tokenizer": "gguf",
         "chat_template": "gguf",
+        # the shipped SmolLM2 reads and writes Hermes tool calls (docs/tools.md); another file: unknown
+        "tool_call_format": DEFAULT_TOOL_CALL_FORMAT if model_file is None else None,
     }
     return manifest
 

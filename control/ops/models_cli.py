@@ -65,8 +65,7 @@ def parse_default(value: str) -> tuple[str, Any]:
 
     The value is read as JSON when it parses (``temperature=0.7`` -> 0.7, ``stop=["\\n"]`` -> a list),
     else kept as a string (``stop=END`` -> ``"END"``). The key and the type are checked later by
-    :class:`control.state.manifest.ModelManifest` (unknown keys, and ``min_p`` / ``repetition_penalty`` which
-    the engine cannot honour yet, are refused there, naming ``defaults.KEY``).
+    :class:`control.state.manifest.ModelManifest` (unknown keys are refused there, naming ``defaults.KEY``).
     """
     key, raw = _split_pair(value, "--default")
     try:

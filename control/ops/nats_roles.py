@@ -10,7 +10,7 @@ Roles and what they do on NATS (read from actors/*, gateway/*, bus/*, control/*)
 
 * ``gateway``: requests ``as.int.validate``; publishes cancels, replies into tenant inboxes (NATS API),
   job submissions; subscribes its reply subjects ``_INBOX.*.gw.*.*``, the public API subjects, completion
-  records and worker statistics (metrics); JetStream (usage stream + KV buckets, quota, idempotency, jobs).
+  records and worker statistics (metrics); JetStream (usage stream + KV buckets, quota, idempotency, jobs, responses).
 * ``validator``: serves ``as.int.validate``; requests scheduler submits; publishes cancels and error chunks
   to gateway reply subjects.
 * ``scheduler``: serves its submit subject; dispatches (request) to ``as.int.work.*``; hears credits,
@@ -58,6 +58,7 @@ QUOTA_BUCKET = streams.QUOTA_BUCKET
 IDEM_BUCKET = streams.IDEM_BUCKET
 JOBS_STREAM = streams.JOBS_STREAM  # job submissions (as.jobs.submit.<tenant>), pull consumer of the jobs actor
 JOBS_BUCKET = streams.JOBS_BUCKET
+RESPONSES_BUCKET = streams.RESPONSES_BUCKET  # stored responses of the Responses API (gateway only)
 JOBS_OBJECTS = streams.JOBS_OBJECTS
 JOBS_SUBMIT = subjects.jobs_submit_all()
 
@@ -101,10 +102,11 @@ def _spec() -> dict[str, dict[str, Any]]:
     return {
         "gateway": {
             "publish": [subjects.VALIDATE, cancel, _below(subjects.tenant_inbox_prefix)]
-            + _jetstream(stream_subjects=(JOBS_SUBMIT,), buckets=(USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET),
+            + _jetstream(stream_subjects=(JOBS_SUBMIT,), buckets=(USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET,
+                                                                  RESPONSES_BUCKET),
                          objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,)),
-            "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, gw_replies, done,
-                          any_of(subjects.stats)],
+            "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
+                          gw_replies, done, any_of(subjects.stats)],
             "responses": True,  # reply-subject probes from workers, NATS API request acks
         },
         "validator": {

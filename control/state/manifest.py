@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from actors.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 from bus.messages import sampling_defaults
 from control.state import names
 
@@ -33,10 +34,12 @@ class ModelManifest:
     * ``chat_template``: ``"gguf"`` (from the artifact) or an inline Jinja template string.
     * ``defaults``: sampling defaults the validator applies where a request is silent (request >
       manifest > server default): ``bus.messages.MANIFEST_DEFAULTABLE`` (temperature, top_p, top_k, seed,
-      max_tokens, stop, frequency_penalty, presence_penalty), each checked like the wire SamplingParams
-      field. ``min_p`` and ``repetition_penalty`` are refused (the engine cannot honour them yet), as is
-      any other key.
+      max_tokens, stop, frequency_penalty, presence_penalty, min_p, repetition_penalty), each checked like
+      the wire SamplingParams field; any other key is refused.
     * ``status``: one of ``active``, ``disabled``, ``retired``.
+    * ``tool_call_format``: how this model writes tool calls and reads tools and results
+      (``actors.text.tool_calls.FORMATS``: ``"hermes"``; docs/tools.md), the parser the worker runs on its
+      output; None: the model takes no ``tools`` (a request offering them answers 400).
     * ``extra``: unknown keys met by from_dict, kept so that a round trip loses nothing.
     """
 
@@ -51,6 +54,7 @@ class ModelManifest:
     chat_template: str = "gguf"
     defaults: dict[str, Any] = field(default_factory=dict)
     status: str = "active"
+    tool_call_format: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,6 +81,9 @@ class ModelManifest:
         sampling_defaults(self.defaults)  # ValueError naming defaults.<key>; the stored form stays as given
         if self.status not in MANIFEST_STATUSES:
             raise ValueError(f"status must be one of {', '.join(MANIFEST_STATUSES)}, got {self.status!r}")
+        if self.tool_call_format is not None and self.tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool_call_format must be null or one of {', '.join(TOOL_CALL_FORMATS)}, "
+                             f"got {self.tool_call_format!r}")
         if not isinstance(self.extra, Mapping):
             raise ValueError("extra must be an object")
         # Private copies so that callers cannot mutate a frozen manifest through their dicts.

@@ -1,5 +1,5 @@
 """Validator service on the in-memory bus: the SamplingParams it hands the scheduler (request > manifest
-default > server default), choice ids / indexes / seeds of a fanned-out request, unhonourable defaults."""
+default > server default), choice ids / indexes / seeds of a fanned-out request, invalid stored defaults."""
 
 from __future__ import annotations
 
@@ -81,8 +81,18 @@ async def test_completions_without_manifest_defaults_get_the_server_defaults(tin
     assert (g.sampling.max_tokens, g.sampling.temperature, g.sampling.seed) == (16, 1.0, None)
 
 
-async def test_a_stored_default_the_engine_cannot_honour_is_never_ignored(tiny_path):
-    submitted, chunks = await validate(manifest(tiny_path, min_p=0.1), {"messages": [{"role": "user", "content": "x"}]})
-    assert not submitted
-    [err] = chunks
-    assert err.final and err.error["status"] == 503 and err.error["code"] == "model_unavailable"
+async def test_min_p_and_repetition_penalty_defaults_reach_the_sampling_params(tiny_path):
+    m = manifest(tiny_path, min_p=0.1, repetition_penalty=1.2)
+    [g], chunks = await validate(m, {"messages": [{"role": "user", "content": "x"}]})
+    assert not chunks and (g.sampling.min_p, g.sampling.repetition_penalty) == (0.1, 1.2)
+    [plain], _ = await validate(manifest(tiny_path), {"messages": [{"role": "user", "content": "x"}]})
+    assert (plain.sampling.min_p, plain.sampling.repetition_penalty) == (0.0, 1.0)  # server defaults: off
+
+
+async def test_a_stored_default_that_is_not_valid_is_never_ignored(tiny_path):
+    # a hand-edited record (registration refuses it): min_p out of [0, 1], or a key that is no default
+    for bad in ({"min_p": 5}, {"ignore_eos": True}):
+        submitted, chunks = await validate(manifest(tiny_path, **bad), {"messages": [{"role": "user", "content": "x"}]})
+        assert not submitted
+        [err] = chunks
+        assert err.final and err.error["status"] == 503 and err.error["code"] == "model_unavailable"

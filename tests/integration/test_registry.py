@@ -34,9 +34,10 @@ def test_manifest_validation():
         ModelManifest("m", "v1", "/x", context_length=0)
     with pytest.raises(ValueError, match="defaults.temprature"):
         ModelManifest("m", "v1", "/x", defaults={"temprature": 1.0})
-    for key in ("min_p", "repetition_penalty"):  # the engine cannot honour them yet: refused, not stored
-        with pytest.raises(ValueError, match=f"defaults.{key} is not supported yet"):
-            ModelManifest("m", "v1", "/x", defaults={key: 0.1})
+    for key, bad in (("min_p", 2), ("repetition_penalty", -1)):  # honoured by the engine, checked like the wire
+        assert ModelManifest("m", "v1", "/x", defaults={key: 0.1}).defaults == {key: 0.1}
+        with pytest.raises(ValueError, match=f"defaults.{key} must be a number"):
+            ModelManifest("m", "v1", "/x", defaults={key: bad})
     with pytest.raises(ValueError, match="defaults.top_p must be a number"):
         ModelManifest("m", "v1", "/x", defaults={"top_p": 0})
     with pytest.raises(ValueError, match="missing"):

@@ -57,12 +57,29 @@ def test_cjk_split_bytes():
     assert "".join(out) == text
 
 
-def test_special_token_skipped_and_flush_replaces_incomplete_tail():
+def test_special_token_skipped_and_flush_drops_incomplete_tail():
     table, ids = make_vocab([b"hi", "é".encode()[:1]])
     detok = IncrementalDetokenizer(table)
     assert detok.add_tokens([ids[b"hi"], 0]) == "hi"
     assert detok.add_tokens([ids["é".encode()[:1]]]) == ""
-    assert detok.flush() == "\ufffd"
+    assert detok.flush() == ""  # held back at the end exactly as mid-stream: dropped, never U+FFFD
+
+
+def test_stream_cut_inside_a_multibyte_character_ends_without_replacement_char():
+    emoji = "🎉".encode()  # 4 bytes: the last token carries only its first 1..3
+    for k in (1, 2, 3):
+        table, ids = make_vocab([b"ok ", "é".encode(), emoji[:k]])
+        detok = IncrementalDetokenizer(table)
+        out = stream(detok, [ids[b"ok "], ids["é".encode()], ids[emoji[:k]]])
+        out.append(detok.flush())
+        assert "".join(out) == "ok é" and out[-2:] == ["", ""], k
+        assert detok.flush() == ""  # nothing left behind
+
+
+def test_invalid_bytes_before_an_incomplete_tail_are_still_replaced_at_flush():
+    table, ids = make_vocab([b"a\xff" + "😀".encode()[:2]])  # invalid byte mid-stream, then a cut emoji
+    detok = IncrementalDetokenizer(table)
+    assert detok.add_tokens([1]) + detok.flush() == "a\ufffd"
 
 
 def test_invalid_byte_becomes_replacement_not_stuck():

@@ -80,13 +80,13 @@ def test_register_refusals_name_the_field(artifact, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key", ["min_p", "repetition_penalty"])
-def test_register_refuses_defaults_the_engine_cannot_honour(artifact, capsys, key):
-    with pytest.raises(RegistryCommandError, match=f"defaults.{key} is not supported yet"):
-        build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", f"{key}=0.1"))
-    a = _parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", f"{key}=1.1",
+def test_register_accepts_min_p_and_repetition_penalty_defaults_and_checks_them(artifact, capsys, key):
+    m = build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", f"{key}=0.1"))
+    assert m["defaults"] == {key: 0.1}  # honoured by the engine: stored like any other default
+    a = _parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", f"{key}=-1",
                "--etcd", "http://127.0.0.1:1")
-    assert a.func(a) == 2  # refused before any etcd connection: never stored
-    assert f"defaults.{key} is not supported yet" in capsys.readouterr().err
+    assert a.func(a) == 2  # a bad value is refused before any etcd connection: never stored
+    assert f"defaults.{key} must be a number" in capsys.readouterr().err
     with pytest.raises(RegistryCommandError, match="defaults.temperature must be a number"):
         build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--default", "temperature=9"))
 

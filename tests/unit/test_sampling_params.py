@@ -8,8 +8,8 @@ import pytest
 
 from actors.validator.sampling import COMPLETIONS_DEFAULT_MAX_TOKENS, default_max_tokens, layered, sampling_params
 from actors.validator.validation import validate_chat, validate_completion
-from bus.messages import (MANIFEST_DEFAULTABLE, NOT_YET_HONOURED, Chunk, CompletionRecord, Dispatch, GenerateRequest,
-                          SamplingParams, sampling_defaults)
+from bus.messages import (MANIFEST_DEFAULTABLE, Chunk, CompletionRecord, Dispatch, GenerateRequest, SamplingParams,
+                          sampling_defaults)
 
 
 def gen(sampling: SamplingParams, **kw) -> GenerateRequest:
@@ -79,9 +79,12 @@ def test_manifest_defaults_are_checked_and_normalized():
     assert sampling_defaults({"stop": "END", "temperature": 1, "seed": 3}) == {"stop": ("END",), "temperature": 1.0,
                                                                                 "seed": 3}
     assert set(MANIFEST_DEFAULTABLE) >= {"temperature", "top_p", "top_k", "max_tokens", "stop", "seed"}
-    for key in NOT_YET_HONOURED:
-        with pytest.raises(ValueError, match=f"defaults.{key} is not supported yet"):
-            sampling_defaults({key: 0.5})
+    assert {"min_p", "repetition_penalty"} <= set(MANIFEST_DEFAULTABLE)  # honoured by the engine now
+    assert sampling_defaults({"min_p": 0.05, "repetition_penalty": 1}) == {"min_p": 0.05, "repetition_penalty": 1.0}
+    with pytest.raises(ValueError, match="defaults.min_p must be a number"):
+        sampling_defaults({"min_p": 1.5})
+    with pytest.raises(ValueError, match="defaults.repetition_penalty must be a number"):
+        sampling_defaults({"repetition_penalty": 0})
     with pytest.raises(ValueError, match="defaults.ignore_eos is not a known sampling parameter"):
         sampling_defaults({"ignore_eos": True})  # a wire field, but not one a manifest may default
     with pytest.raises(ValueError, match="defaults.max_tokens must be an integer"):

@@ -208,7 +208,7 @@ def test_good_chat_full():
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="auto",
         response_format={"type": "text"}, logit_bias={"1": 5}, parallel_tool_calls=True, metadata={"a": "b"},
         store=False, service_tier="auto", modalities=["text"], reasoning_effort="low", prediction=None,
-        web_search_options={}, function_call=None, functions=None, audio=None,
+        web_search_options=None, function_call=None, functions=None, audio=None,
     )
     v = validate_chat(body)
     assert v.max_tokens == 20 and v.max_tokens_param == "max_completion_tokens"

@@ -4,7 +4,8 @@
   one printable unicode char (``bytes_to_unicode`` from OpenAI's GPT-2 ``encoder.py``); we map the
   chars back.  Control tokens (GGUF token_type 3) decode to b"" when special tokens are skipped.
 * ``IncrementalDetokenizer``: accumulates bytes and emits the longest complete UTF-8 prefix, so a
-  character split across tokens (emoji, CJK) is never emitted broken.
+  character split across tokens (emoji, CJK) is never emitted broken; at the end of a stream an
+  incomplete tail is dropped (never replaced by U+FFFD). Invalid bytes before it become U+FFFD.
 * ``StopStringMatcher``: holds back text that may be the start of a stop string; truncates before
   a completed stop string.
 """
@@ -91,8 +92,10 @@ class IncrementalDetokenizer:
         return text
 
     def flush(self) -> str:
-        """Return whatever bytes remain (replacing an incomplete tail with U+FFFD)."""
-        text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
+        """End of stream: return the complete text still pending and drop an incomplete trailing UTF-8
+        sequence (a character cut by max_tokens / a stop is never emitted, as mid-stream; never U+FFFD)."""
+        cut = complete_utf8_prefix_len(self._pending)
+        text, self._pending = self._pending[:cut].decode("utf-8", errors="replace"), b""
         return text
 
 

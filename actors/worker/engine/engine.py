@@ -9,6 +9,9 @@ Output conventions:
 * EOS / ``stop_token_ids`` finish with reason "stop"; the token is in ``new_token_ids`` but its text
   is not emitted.  A stop string finishes with "stop" and the text is cut before it.
   ``max_tokens`` or reaching ``max_model_len`` finishes with "length".
+* ``params.grammar`` (llguidance grammar, structured.py): tokens the grammar forbids are masked before
+  sampling (masks computed during the forward); EOS is allowed only where the grammar accepts; the request
+  finishes with "stop" once the grammar admits no continuation.
 * ``abort_request`` frees the request's blocks at once; the next ``step()`` returns one
   ``StepOutput(finished=True, finish_reason="abort", new_token_ids=())`` for it.
 """
@@ -30,6 +33,7 @@ from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
 from .model import BatchMetadata, LlamaModel, packed_linear_factory
 from .sampler import make_generator, sample_batch, top_logprobs
+from .structured import GrammarState, Structured
 from .types import EngineRequest, EngineStats, StepOutput
 
 log = logging.getLogger(__name__)
@@ -81,6 +85,7 @@ class _Request:
     detok: IncrementalDetokenizer
     stop: StopStringMatcher
     output_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None  # llguidance matcher when params.grammar is set
 
     @property
     def num_prompt(self) -> int:
@@ -112,6 +117,7 @@ class LLMEngine:
         self.token_bytes = load_token_bytes(config.model_path)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_ids()
+        self.structured = Structured(config.model_path, self.token_bytes, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[StepOutput] = []
         self._stats = EngineStats(num_total_blocks=self.kv.num_blocks)
@@ -135,7 +141,8 @@ class LLMEngine:
 
     def add_request(self, req: EngineRequest, front: bool = False) -> None:
         """Queue ``req`` (``front``: ahead of every waiting request, e.g. after ``preempt_request`` made
-        room for it); ValueError if its prompt is empty, too long, has bad ids, or the id is taken."""
+        room for it); ValueError if its prompt is empty, too long, has bad ids (prompt or logit_bias), or the
+        id is taken."""
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("prompt_token_ids is empty")
@@ -143,11 +150,15 @@ class LLMEngine:
             raise ValueError(f"prompt of {n} tokens does not fit max_model_len={self.max_model_len}")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
             raise ValueError("prompt token id out of vocabulary range")
+        if req.params.logit_bias and req.params.logit_bias[-1][0] >= self.vocab_size:  # sorted by id
+            raise ValueError(f"logit_bias token id {req.params.logit_bias[-1][0]} is out of vocabulary range "
+                             f"(vocabulary of {self.vocab_size})")
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request_id {req.request_id!r}")
+        grammar = self.structured.new_state(req.params.grammar) if req.params.grammar is not None else None
         self._requests[req.request_id] = _Request(
             req, list(req.prompt_token_ids), make_generator(req.params.seed),
-            IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
+            IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop), grammar=grammar,
         )
         self.scheduler.add(req.request_id, n, self._requests[req.request_id].token_ids, front=front)
 
@@ -187,19 +198,28 @@ class LLMEngine:
         if plan.is_empty():
             return outputs
         lowered = self._set_threads(plan)
+        masks = self._start_masks(plan)  # overlaps the forward (depends only on tokens already sampled)
         logits = self._forward(plan)
         if lowered:  # threads are process-wide: give them back
             torch.set_num_threads(self._threads)
         self.scheduler.commit(plan)
         sampling = [s for s in plan.seqs if s.samples]
         reqs = [self._requests[s.seq_id] for s in sampling]
+        self.structured.finish_masks(masks, logits)  # in place: disallowed tokens of constrained rows -> -inf
         tokens = sample_batch(logits, [r.req.params for r in reqs], [r.generator for r in reqs],
-                              [r.output_ids for r in reqs])
+                              [r.output_ids for r in reqs], [r.token_ids for r in reqs])
         self._update_stats(plan, len(tokens))
         lps = [None if r.req.params.logprobs is None else top_logprobs(logits[i], t, r.req.params.logprobs)
                for i, (r, t) in enumerate(zip(reqs, tokens))]
         outputs += [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
         return outputs
+
+    def _start_masks(self, plan: StepPlan):
+        """Start the grammar masks of the constrained rows that sample in ``plan`` (row = index among the
+        sampling seqs, as in the logits [S, V]); None when no row is constrained."""
+        sampling = [self._requests[s.seq_id] for s in plan.seqs if s.samples]
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        return self.structured.start_masks(rows, [sampling[i].grammar for i in rows])
 
     def _set_threads(self, plan: StepPlan) -> bool:
         """One thread for tiny steps (memory-bound GEMVs: a second thread gains little and, on a
@@ -252,7 +272,7 @@ class LLMEngine:
         self.scheduler.append_token(r.req.request_id)
         reason = self._stop_token_reason(r, token)
         text = "" if reason else r.stop.feed(r.detok.add_tokens([token]))
-        reason = reason or ("stop" if r.stop.stopped else self._length_reason(r))
+        reason = reason or ("stop" if r.stop.stopped else self._grammar_reason(r, token) or self._length_reason(r))
         if reason and not r.stop.stopped:
             text += r.stop.feed(r.detok.flush())
             text += r.stop.flush()
@@ -270,6 +290,15 @@ class LLMEngine:
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return "stop"
         return None
+
+    def _grammar_reason(self, r: _Request, token: int) -> str | None:
+        """Feed ``token`` to the request's matcher; "stop" once the grammar admits no continuation (the
+        token's text is still emitted).  EOS is masked out until the grammar accepts, so an EOS that
+        reaches the stop rules always ends a complete output."""
+        if r.grammar is None:
+            return None
+        r.grammar.consume(token)
+        return "stop" if r.grammar.is_stopped() else None
 
     def _length_reason(self, r: _Request) -> str | None:
         """"length" when max_tokens or max_model_len is reached, else None."""
@@ -304,6 +333,7 @@ class LLMEngine:
         s = self._stats
         s.num_running, s.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         s.num_free_blocks = self.block_manager.num_free_blocks
+        s.extra.update(self.structured.stats())  # num_constrained_steps, grammar_*, mask_ms_total
         return EngineStats(**{**s.__dict__, "extra": dict(s.extra)})
 
     def reset_prefix_cache(self) -> int:
