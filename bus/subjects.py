@@ -13,6 +13,13 @@ API_CHAT = "as.api.v1.chat"  # public NATS API: chat completions (request-reply,
 API_COMPLETIONS = "as.api.v1.completions"  # public NATS API: completions
 API_CANCEL = "as.api.v1.cancel"  # public NATS API: cancel by request id
 API_RESPONSES = "as.api.v1.responses"  # public NATS API: OpenAI Responses create (docs/responses.md)
+API_RESPONSES_GET = API_RESPONSES + ".get"  # public NATS API: retrieve a stored response {"response_id"}
+API_RESPONSES_INPUT_ITEMS = API_RESPONSES + ".input_items"  # public NATS API: a response's input items page
+API_RESPONSES_DELETE = API_RESPONSES + ".delete"  # public NATS API: delete a stored response
+API_RESPONSES_CANCEL = API_RESPONSES + ".cancel"  # public NATS API: cancel a background response
+# the stored-response operations of the NATS API: {subject: operation name of gateway.responses_api}
+API_RESPONSES_OPS = {API_RESPONSES_GET: "get", API_RESPONSES_INPUT_ITEMS: "input_items",
+                     API_RESPONSES_DELETE: "delete", API_RESPONSES_CANCEL: "cancel"}
 VALIDATE = "as.int.validate"  # validator queue group
 VALIDATORS_QUEUE = "validators"  # queue group name of the validators
 GATEWAYS_QUEUE = "gateways"  # queue group name of the NATS API front

@@ -1,5 +1,6 @@
 """Public NATS API: ``as.api.v1.chat``, ``as.api.v1.completions`` (queue group "gateways") and ``as.api.v1.cancel``;
-``as.api.v1.responses`` (the OpenAI Responses create, docs/responses.md) where the gateway has JetStream.
+``as.api.v1.responses`` (the OpenAI Responses create, docs/responses.md) and ``as.api.v1.responses.get|
+input_items|delete|cancel`` (a stored response, ``{"response_id": ...}``) where the gateway has JetStream.
 
 Request: the OpenAI JSON body, published with a reply subject (the caller's inbox). Headers:
 ``Authorization: Bearer <api key>`` (required when the gateway has a tenancy layer, i.e. always in a
@@ -73,6 +74,8 @@ class NatsApi:
             from gateway.responses_api import ResponsesApi
             self.responses = ResponsesApi(self.fe, self.tenancy, bus.js())
             self._subs.append(await bus.subscribe(subjects.API_RESPONSES, self._spawn("responses"), queue=q))
+            for subject, op in subjects.API_RESPONSES_OPS.items():
+                self._subs.append(await bus.subscribe(subject, self._spawn("responses." + op), queue=q))
 
     async def stop(self) -> None:
         """Unsubscribe; requests in flight are cancelled."""
@@ -83,7 +86,10 @@ class NatsApi:
 
     def _spawn(self, endpoint: str):
         async def handler(msg: Msg) -> None:
-            work = self._handle_responses(msg) if endpoint == "responses" else self._handle(endpoint, msg)
+            if endpoint.startswith("responses."):
+                work = self._handle_response_op(endpoint.split(".", 1)[1], msg)
+            else:
+                work = self._handle_responses(msg) if endpoint == "responses" else self._handle(endpoint, msg)
             task = asyncio.create_task(tracing.traced("request", work,
                                                       {"actorserve.endpoint": endpoint, "actorserve.front": "nats"}))
             self._tasks.add(task)
@@ -143,17 +149,35 @@ class NatsApi:
             marks["auth_done"] = time.time()
             preq, req, rec = await self.responses.prepare(tenant, orjson.loads(msg.data),
                                                           _header(msg, "x-actorserve-deadline-ms"), marks, {})
-            if req["background"]:
-                await self.responses.background(preq, rec)
-                await self._reply(msg, orjson.dumps({**rf.response_object(rec), "final": True}))
-                return
 
             async def send(ev: dict) -> None:
                 final = ev["type"] in ("response.completed", "response.incomplete", "response.failed")
                 await self._reply(msg, orjson.dumps({**ev, "final": True} if final else ev))
+            if req["background"]:  # streamed: the run's events (it goes on whatever the caller does)
+                await self.responses.background(preq, rec, send=send if req["stream"] else None)
+                if not req["stream"]:
+                    await self._reply(msg, orjson.dumps({**rf.response_object(rec), "final": True}))
+                return
             rec = await self.responses.execute(preq, req, rec, send=send if req["stream"] else None)
             if not req["stream"]:
                 await self._reply(msg, orjson.dumps(rf.response_object(rec)))
+        except orjson.JSONDecodeError as exc:
+            await self._reply(msg, error_reply(invalid_json(exc)))
+        except ApiError as err:
+            await self._reply(msg, error_reply(err))
+
+    async def _handle_response_op(self, op: str, msg: Msg) -> None:
+        """``as.api.v1.responses.<op>`` (get, input_items, delete, cancel): body ``{"response_id": ...}``
+        (input_items also ``limit`` / ``order`` / ``after``); one reply, the JSON object the HTTP route
+        answers, or an error reply (404 for another tenant's id, as over HTTP)."""
+        if not msg.reply:
+            return
+        try:
+            tenant = self._tenant(msg)
+            body = orjson.loads(msg.data)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            await self._reply(msg, orjson.dumps(await self.responses.operate(op, tenant, body)))
         except orjson.JSONDecodeError as exc:
             await self._reply(msg, error_reply(invalid_json(exc)))
         except ApiError as err:

@@ -4,7 +4,9 @@
   (gateway/responses_format.py) and run through the gateway pipeline (tenancy, quotas, priority,
   deadlines as for ``/v1/chat/completions``). ``stream: true``: SSE events ``event: <type>`` /
   ``data: {...}`` (``response.created`` ... ``response.completed``). ``background: true``: answered at
-  once with status ``queued``; the run goes on in a gateway task, independent of the client.
+  once with status ``queued`` (with ``stream``: the run's events); the run goes on in a gateway task,
+  independent of the client. The stored-response operations (:meth:`ResponsesApi.operate`) serve both
+  the HTTP routes below and the NATS subjects ``as.api.v1.responses.<op>`` (gateway/nats_api.py).
 * ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}``,
   ``POST /v1/responses/{id}/cancel`` (background responses only) — own tenant only: another tenant's
   id is a 404, indistinguishable from an unknown one.
@@ -191,8 +193,8 @@ class ResponsesApi:
 
     async def _replay(self, request: web.Request, rec: dict, stream: bool) -> web.StreamResponse:
         """Answer a repeated ``Idempotency-Key``: the stored response (waited for while a foreground run
-        is still going; 409 if that run failed meanwhile), as JSON or as the replayed event stream."""
-        while rec["status"] not in rf.TERMINAL and not rec["request"].get("background"):
+        or a streamed one is; 409 if that run failed meanwhile), as JSON or as the replayed event stream."""
+        while rec["status"] not in rf.TERMINAL and (stream or not rec["request"].get("background")):
             await asyncio.sleep(POLL_S)
             try:
                 rec = await self._read(rec["tenant"], rec["id"])
@@ -273,13 +275,15 @@ class ResponsesApi:
             pass
         return rec
 
-    async def background(self, preq: pipeline.Request, rec: dict) -> dict:
-        """Store the queued record and start its run in a gateway task; the record as answered."""
+    async def background(self, preq: pipeline.Request, rec: dict, send=None) -> asyncio.Task:
+        """Store the queued record and start its run in a gateway task (returned; it ends after the
+        record's final write). ``send``: the event callback of ``stream: true`` (as for :meth:`execute`):
+        the run's events go to it until the client leaves (ConnectionResetError), the run goes on."""
         await self._write(rec)
-        task = asyncio.create_task(self._run_background(preq, rec))
+        task = asyncio.create_task(self._run_background(preq, rec, _Detachable(send) if send else None))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return rec
+        return task
 
     async def _update(self, rec: dict, change) -> dict | None:
         """Compare-and-swap the stored record (``change(current) -> new | None``); None when it is gone."""
@@ -289,24 +293,35 @@ class ResponsesApi:
             log.warning("response %s not updated: %r", rec["id"], exc)
             return None
 
-    async def _run_background(self, preq: pipeline.Request, rec: dict) -> None:
+    async def _run_background(self, preq: pipeline.Request, rec: dict, send=None) -> None:
         def unless_ended(new: dict):
             return lambda cur: None if cur is None or cur["status"] in rf.TERMINAL else new
+        sink = EventSink(send, rec) if send is not None else None
         try:
             started = await pipeline.start(self.fe, preq, self.tenancy)
         except ApiError as err:
             err = _mapped(err)
-            await self._update(rec, unless_ended({**rec, "status": "failed", "completed_at": rf.now_s(),
-                                                  "error": {"code": err.code or err.type, "message": err.message}}))
-            return
-        try:
-            cur = await self._update(rec, unless_ended({**rec, "status": "in_progress"}))
-            if cur is None or cur["status"] != "in_progress":  # cancelled (or deleted) before it started
-                await self.fe.cancel(preq.request_id, "client", tenant=preq.tenant_id)
-            out = await pipeline.run(self.fe, started.sub, preq.body)
-        finally:
-            await started.release()
-        await self._update(rec, unless_ended(finished(rec, out)))
+            end = {**rec, "status": "failed", "completed_at": rf.now_s(),
+                   "error": {"code": err.code or err.type, "message": err.message}}
+        else:
+            try:
+                cur = await self._update(rec, unless_ended({**rec, "status": "in_progress"}))
+                if cur is None or cur["status"] != "in_progress":  # cancelled (or deleted) before it started
+                    await self.fe.cancel(preq.request_id, "client", tenant=preq.tenant_id)
+                out = await pipeline.run(self.fe, started.sub, preq.body, sink)
+            finally:
+                await started.release()
+            end = finished(rec, out, sink.tr.output if sink is not None and sink.started else None)
+        tail = _ending(sink, end) if sink is not None else []  # before the write: items get their final status
+        stored = await self._update(rec, unless_ended(end))
+        if sink is not None:  # the terminal event names the stored status (a cancel may have won the race)
+            final = stored or end  # None: deleted meanwhile, or storage unavailable
+            kind = {"incomplete": "response.incomplete", "failed": "response.failed",
+                    "cancelled": "response.failed"}.get(final["status"], "response.completed")
+            tail[-1] = {**tail[-1], "type": kind, "response": {**rf.response_object(final),
+                                                               "output": tail[-1]["response"]["output"]}}
+            for ev in tail:
+                await sink.send(ev)
 
     # -- HTTP ----------------------------------------------------------------------------------------
 
@@ -340,11 +355,12 @@ class ResponsesApi:
     async def _create(self, request: web.Request, preq: pipeline.Request, req: dict, rec: dict,
                       headers: dict) -> web.StreamResponse:
         if req["background"]:
-            if req["stream"]:
-                raise ApiError(400, "background responses cannot be streamed here; poll GET /v1/responses/{id}",
-                               param="background")
-            await self.background(preq, rec)
-            return web.json_response(rf.response_object(rec), headers=headers)
+            if not req["stream"]:
+                await self.background(preq, rec)
+                return web.json_response(rf.response_object(rec), headers=headers)
+            writer = _SseEvents(request, headers)
+            await asyncio.shield(await self.background(preq, rec, send=writer.send))  # a client leaving: run on
+            return writer.resp if writer.resp is not None else web.Response(status=499)
         if not req["stream"]:
             rec = await self.execute(preq, req, rec, gone=lambda: _gone(request))
             return web.json_response(rf.response_object(rec), headers=headers,
@@ -355,61 +371,110 @@ class ResponsesApi:
 
     async def get(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{id}``: the caller's response or 404."""
-        tenant = self.tenancy.authenticate(request)
-        rec = await self._read(tenant.id, request.match_info["id"])
-        return web.json_response(rf.response_object(rec))
+        return await self._http_op("get", request)
 
     async def input_items(self, request: web.Request) -> web.Response:
-        """``GET /v1/responses/{id}/input_items?limit=&order=asc|desc&after=``: the response's own input
-        items (not its chained history), a cursor page (default desc, limit 20)."""
-        tenant = self.tenancy.authenticate(request)
-        rec = await self._read(tenant.id, request.match_info["id"])
-        try:
-            limit = int(request.query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise ApiError(400, "limit must be an integer between 1 and 100", param="limit")
-        order = request.query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
-        items = list(rec.get("input_items", []))
-        if order == "desc":
-            items.reverse()
-        after = request.query.get("after")
-        if after:
-            idx = next((i for i, it in enumerate(items) if it.get("id") == after), None)
-            items = items[idx + 1:] if idx is not None else []
-        page = items[:limit]
-        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        """``GET /v1/responses/{id}/input_items?limit=&order=asc|desc&after=``: see :meth:`operate`."""
+        return await self._http_op("input_items", request)
 
     async def delete(self, request: web.Request) -> web.Response:
         """``DELETE /v1/responses/{id}``: remove the caller's response (404 if unknown)."""
-        tenant = self.tenancy.authenticate(request)
-        resp_id = request.match_info["id"]
-        rec = await self._read(tenant.id, resp_id)
-        if rec["status"] in ("queued", "in_progress"):
-            await self.fe.cancel(rec["request_id"], "client", tenant=tenant.id)
-        try:
-            await (await self.kv()).delete(response_key(tenant.id, resp_id))
-        except KvError:
-            raise _unavailable() from None
-        return web.json_response({"id": resp_id, "object": "response", "deleted": True})
+        return await self._http_op("delete", request)
 
     async def cancel(self, request: web.Request) -> web.Response:
-        """``POST /v1/responses/{id}/cancel``: cancel a background response (idempotent); 400 for a
-        foreground one; a finished one is returned as it is."""
+        """``POST /v1/responses/{id}/cancel``: see :meth:`operate`."""
+        return await self._http_op("cancel", request)
+
+    async def _http_op(self, op: str, request: web.Request) -> web.Response:
         tenant = self.tenancy.authenticate(request)
-        rec = await self._read(tenant.id, request.match_info["id"])
+        return web.json_response(await self.operate(op, tenant.id,
+                                                    {**request.query, "response_id": request.match_info["id"]}))
+
+    # -- stored-response operations (HTTP routes above, NATS as.api.v1.responses.<op>) ------------------
+
+    async def operate(self, op: str, tenant_id: str, args) -> dict:
+        """One operation on the tenant's stored response ``args["response_id"]``; the JSON answer.
+
+        ``op``: ``get`` (the response object), ``input_items`` (the response's own input items, not its
+        chained history, a cursor page: ``limit`` 1..100 default 20, ``order`` asc|desc default desc,
+        ``after`` an item id), ``delete`` (``{"id", "object", "deleted": true}``; a running one is
+        cancelled), ``cancel`` (background responses only, idempotent; a finished one is returned as it
+        is). ``args``: a mapping (HTTP query + path id, or the NATS JSON body). ApiError 400 (field named),
+        404 (unknown or another tenant's id, one shape), 503 (storage)."""
+        resp_id = args.get("response_id")
+        if not isinstance(resp_id, str) or not resp_id:
+            raise ApiError(400, "response_id must be a non-empty string", param="response_id")
+        rec = await self._read(tenant_id, resp_id)
+        if op == "get":
+            return rf.response_object(rec)
+        if op == "input_items":
+            return _items_page(rec, args)
+        if op == "delete":
+            if rec["status"] in ("queued", "in_progress"):
+                await self.fe.cancel(rec["request_id"], "client", tenant=tenant_id)
+            try:
+                await (await self.kv()).delete(response_key(tenant_id, resp_id))
+            except KvError:
+                raise _unavailable() from None
+            return {"id": resp_id, "object": "response", "deleted": True}
+        if op != "cancel":
+            raise ValueError(f"unknown responses operation {op!r}")
         if not rec["request"].get("background"):
             raise ApiError(400, "Only background responses can be cancelled.", param="response_id")
         if rec["status"] in ("queued", "in_progress"):
             new = await self._update(rec, lambda cur: None if cur is None or cur["status"] in rf.TERMINAL else
                                      {**cur, "status": "cancelled", "completed_at": rf.now_s()})
-            await self.fe.cancel(rec["request_id"], "client", tenant=tenant.id)
+            await self.fe.cancel(rec["request_id"], "client", tenant=tenant_id)
             rec = new or rec
-        return web.json_response(rf.response_object(rec))
+        return rf.response_object(rec)
+
+
+def _items_page(rec: dict, args) -> dict:
+    """The input-items list page of ``rec`` for ``limit`` / ``order`` / ``after`` (strings from a query or
+    JSON values); ApiError 400 naming the field."""
+    limit = args.get("limit", 20)
+    try:
+        limit = int(limit) if isinstance(limit, (int, str)) and not isinstance(limit, bool) else 0
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit must be an integer between 1 and 100", param="limit")
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
+    after = args.get("after")
+    if after is not None and not isinstance(after, str):
+        raise ApiError(400, "after must be an item id (a string)", param="after")
+    items = list(rec.get("input_items", []))
+    if order == "desc":
+        items.reverse()
+    if after:
+        idx = next((i for i, it in enumerate(items) if it.get("id") == after), None)
+        items = items[idx + 1:] if idx is not None else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def _ending(sink: EventSink, rec: dict) -> list[dict]:
+    """The closing events of a background stream (with its opening ones when no chunk came)."""
+    head = [] if sink.started else sink.tr.start(rf.response_object({**sink.rec, "status": "in_progress"}))
+    sink.started = True
+    return head + sink.closing(rec)
+
+
+class _Detachable:
+    """Event callback of a streamed background run: a client that left stops the events, not the run."""
+
+    def __init__(self, send) -> None:
+        self.send, self.gone = send, False
+
+    async def __call__(self, ev: dict) -> None:
+        if not self.gone:
+            try:
+                await self.send(ev)
+            except ConnectionError:
+                self.gone = True
 
 
 def _gone(request: web.Request) -> bool:

@@ -5,8 +5,8 @@ The internal user ``actorserve`` may do anything; its URL is in the 0600 ``endpo
 CLI tools and tests, and no actor started by the supervisor gets it (each gets its role's URL).
 
 Isolation (issue #5 item 7): a tenant's NATS user may publish only to the public API subjects
-(``as.api.v1.chat|completions|cancel|responses``) and subscribe only to its own inbox prefix ``_INBOX.<tenant>.>``
-(docs/architecture.md), so it can neither read another tenant's token streams nor reach internal subjects.
+(``as.api.v1.chat|completions|cancel|responses`` and ``as.api.v1.responses.get|input_items|delete|cancel``)
+and subscribe only to its own inbox prefix ``_INBOX.<tenant>.>`` (docs/architecture.md), so it can neither read another tenant's token streams nor reach internal subjects.
 The user name is the key id, the password the API key itself, stored as a bcrypt hash in the key's
 tenant record (``nats_hash``; control/state/tenants.py). The gateway still authenticates the API key sent in
 the request's ``Authorization`` header and checks that the reply subject lies under that tenant's inbox
@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 INTERNAL_USER = "actorserve"
 INTERNAL_PASSWORD_FILE = "nats-internal-password"
-TENANT_PUBLISH = (subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES)
+TENANT_PUBLISH = (subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
+                  *subjects.API_RESPONSES_OPS)  # the stored-response operations (get, input_items, delete, cancel)
 
 
 def tenant_permissions(tenant_id: str) -> dict[str, Any]:

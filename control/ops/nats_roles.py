@@ -106,7 +106,7 @@ def _spec() -> dict[str, dict[str, Any]]:
                                                                   RESPONSES_BUCKET),
                          objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,)),
             "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
-                          gw_replies, done, any_of(subjects.stats)],
+                          *subjects.API_RESPONSES_OPS, gw_replies, done, any_of(subjects.stats)],
             "responses": True,  # reply-subject probes from workers, NATS API request acks
         },
         "validator": {

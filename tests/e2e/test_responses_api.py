@@ -13,6 +13,7 @@ import openai
 import orjson
 import pytest
 
+from bus import subjects
 from tests.e2e.test_nats_api import dev_credentials, public_url
 from tests.e2e.test_tenants import new_tenant
 
@@ -246,3 +247,114 @@ def test_nats_responses_parity(stack):
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == http.output_text
     [err] = asyncio.run(_nats_ask(stack, {"model": MODEL, "input": 5}))
     assert err["status"] == 400 and err["error"]["param"] == "input" and err["final"] is True
+
+
+async def _tenant_nc(stack, tenant: str, key_id: str, key: str):
+    """A tenant's own NATS connection; retried while its new NATS user is not yet loaded (about 1 s)."""
+    t_end = time.monotonic() + 10
+    while True:
+        try:
+            return await nats.connect(public_url(stack.nats_url), user=key_id, password=key,
+                                      inbox_prefix=f"_INBOX.{tenant}", allow_reconnect=False, connect_timeout=2)
+        except Exception:
+            if time.monotonic() > t_end:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _call(nc, subject: str, body: dict, key: str) -> dict:
+    msg = await nc.request(subject, orjson.dumps(body), timeout=60, headers={"Authorization": f"Bearer {key}"})
+    return orjson.loads(msg.data)
+
+
+async def _nats_stored_ops(stack, tenant: str, key_id: str, key: str) -> None:
+    url, h = stack.http_url + "/v1/responses", {"Authorization": f"Bearer {stack.dev_api_key}"}
+    dev = await nats.connect(public_url(stack.nats_url), **dev_credentials(stack))
+    other = await _tenant_nc(stack, tenant, key_id, key)
+    me = stack.dev_api_key
+    try:
+        r = await _call(dev, subjects.API_RESPONSES, {"model": MODEL, "input": [
+            {"role": "user", "content": "Hi."}, {"role": "user", "content": PROMPT}], "max_output_tokens": 3}, me)
+        ref = {"response_id": r["id"]}
+        got = await _call(dev, subjects.API_RESPONSES_GET, ref, me)
+        assert got["id"] == r["id"] and got == httpx.get(f"{url}/{r['id']}", headers=h).json()  # one answer, two fronts
+        page = await _call(dev, subjects.API_RESPONSES_INPUT_ITEMS, {**ref, "limit": 1, "order": "asc"}, me)
+        assert page == httpx.get(f"{url}/{r['id']}/input_items", params={"limit": 1, "order": "asc"}, headers=h).json()
+        assert page["has_more"] is True and page["data"][0]["content"][0]["text"] == "Hi."
+        rest = await _call(dev, subjects.API_RESPONSES_INPUT_ITEMS, {**ref, "order": "asc", "after": page["last_id"]},
+                           me)
+        assert [i["content"][0]["text"] for i in rest["data"]] == [PROMPT] and rest["has_more"] is False
+        for body, param in (({**ref, "limit": 0}, "limit"), ({**ref, "order": "up"}, "order"),
+                            ({**ref, "limit": True}, "limit"), ({"response_id": 5}, "response_id"),
+                            ({}, "response_id")):
+            err = await _call(dev, subjects.API_RESPONSES_INPUT_ITEMS, body, me)
+            assert err["status"] == 400 and err["error"]["param"] == param and err["final"] is True, (body, err)
+        # another tenant: the same 404 as an unknown id, for every operation, and the response stays
+        unknown = await _call(dev, subjects.API_RESPONSES_GET, {"response_id": "resp_0123"}, me)
+        assert unknown["status"] == 404
+        for subject in subjects.API_RESPONSES_OPS:
+            err = await _call(other, subject, ref, key)
+            assert err["status"] == 404 and err["error"] == {**unknown["error"], "message": err["error"]["message"]}
+            assert err["error"]["message"] == unknown["error"]["message"].replace("resp_0123", r["id"])
+        # a key's reply subject must be its own tenant's inbox (as for create)
+        assert (await _call(dev, subjects.API_RESPONSES_GET, ref, key))["status"] == 403
+        fg = await _call(dev, subjects.API_RESPONSES_CANCEL, ref, me)
+        assert fg["status"] == 400 and fg["error"]["param"] == "response_id"  # not a background response
+        assert await _call(dev, subjects.API_RESPONSES_DELETE, ref, me) == {"id": r["id"], "object": "response",
+                                                                          "deleted": True}
+        assert (await _call(dev, subjects.API_RESPONSES_GET, ref, me))["status"] == 404
+        assert httpx.get(f"{url}/{r['id']}", headers=h).status_code == 404
+        # background: cancelled over NATS, seen cancelled over HTTP; a second cancel answers the same
+        bg = await _call(dev, subjects.API_RESPONSES, {"model": MODEL, "input": "Write a long story about the sea.",
+                                                       "max_output_tokens": 400, "background": True}, me)
+        assert bg["status"] in ("queued", "in_progress") and bg["final"] is True
+        c1 = await _call(dev, subjects.API_RESPONSES_CANCEL, {"response_id": bg["id"]}, me)
+        assert c1["status"] == "cancelled" and c1["id"] == bg["id"]
+        await asyncio.sleep(0.5)  # the run ends; its late result must not overwrite the cancel
+        assert httpx.get(f"{url}/{bg['id']}", headers=h).json()["status"] == "cancelled"
+        again = await _call(dev, subjects.API_RESPONSES_CANCEL, {"response_id": bg["id"]}, me)
+        assert again["status"] == "cancelled"
+        await _call(dev, subjects.API_RESPONSES_DELETE, {"response_id": bg["id"]}, me)
+    finally:
+        await dev.close()
+        await other.close()
+
+
+def test_nats_stored_response_ops(stack):
+    """as.api.v1.responses.get / input_items / delete / cancel: the HTTP answers, tenant-scoped."""
+    tenant, key_id, key = new_tenant(stack, models=(MODEL,))
+    asyncio.run(_nats_stored_ops(stack, tenant, key_id, key))
+
+
+def test_background_stream_survives_disconnect(stack):
+    """background + stream: the run's events; a client that leaves does not end the run (HTTP and NATS)."""
+    c = client(stack)
+    kw = dict(model=MODEL, input=PROMPT, max_output_tokens=6, temperature=0)
+    events = list(c.responses.create(background=True, stream=True, **kw))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1].response
+    assert last.background is True and last.output_text == c.responses.create(**kw).output_text
+    kept = c.responses.retrieve(last.id)
+    assert kept.status == last.status and kept.output_text == last.output_text
+    assert kept.output[0].status != "in_progress"
+    # leave after the first event: the response still completes and is stored
+    url, h = stack.http_url + "/v1/responses", {"Authorization": f"Bearer {stack.dev_api_key}"}
+    body = {**kw, "max_output_tokens": 40, "background": True, "stream": True}
+    with httpx.stream("POST", url, json=body, headers=h, timeout=60) as r:
+        first = next(orjson.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: "))
+    done = _wait_terminal(c, first["response"]["id"])
+    assert done.status in ("completed", "incomplete") and done.output_text and done.usage.output_tokens >= 1
+    # NATS: the same events, the terminal one final; a cancelled one ends with response.failed (status cancelled)
+    nats_events = asyncio.run(_nats_ask(stack, {**kw, "background": True, "stream": True}))
+    assert [e["type"] for e in nats_events] == [e.type for e in events] and nats_events[-1]["final"] is True
+    long = {**kw, "input": "Write a long story about the sea.", "max_output_tokens": 400}
+    seen = []
+    with c.responses.create(background=True, stream=True, **long) as s:
+        for ev in s:
+            seen.append(ev)
+            if ev.type == "response.output_text.delta" and seen[-2].type != ev.type:  # the first delta
+                assert c.responses.cancel(seen[0].response.id).status == "cancelled"
+    assert seen[-1].type == "response.failed" and seen[-1].response.status == "cancelled"
+    assert seen[-1].response.output[0].content[0].text  # what was generated before the cancel
+    assert c.responses.retrieve(seen[0].response.id).status == "cancelled"
