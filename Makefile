@@ -18,6 +18,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 # CHAOS_REPORT: optional path for the chaos JSON report (also written under pytest's temp dir)
 CHAOS_REPORT ?=
+# CLUSTER_REPORT: optional path for the cluster test's JSON report (also under pytest's temp dir)
+CLUSTER_REPORT ?=
 
 # Exit 0 when every requirement of pyproject.toml (plus the extras named as arguments),
 # its console scripts (pointing where pyproject.toml says),
@@ -48,7 +50,7 @@ sys.exit(1 if missing else 0)
 endef
 export CHECK_DEPS
 
-.PHONY: venv install install-test run test chaos clean-stamps
+.PHONY: venv install install-test run test chaos cluster-test clean-stamps nats-conf
 
 venv: $(VENV)/bin/python
 
@@ -82,7 +84,7 @@ run: install
 	$(VENV)/bin/actorserve up $(ARGS)
 
 test: install-test
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # Fault injection under steady load (tests/chaos, collected only with ACTORSERVE_CHAOS=1): kill -9 a worker,
 # the validator, the active scheduler, a gateway; restart nats-server and etcd. Prints a table per fault.
@@ -90,5 +92,17 @@ chaos: install-test
 	ACTORSERVE_CHAOS=1 $(if $(CHAOS_REPORT),ACTORSERVE_CHAOS_REPORT=$(abspath $(CHAOS_REPORT))) \
 		$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/chaos $(PYTEST_ARGS)
 
+# Three hosts as network namespaces (root only): a 3-node NATS cluster (R3 JetStream), a 3-member etcd
+# cluster and the actors spread over them; faults under load from a 4th namespace (tests/cluster,
+# collected only with ACTORSERVE_CLUSTER=1; docs/cluster.md). Prints a table per fault.
+cluster-test: install-test
+	ACTORSERVE_CLUSTER=1 $(if $(CLUSTER_REPORT),ACTORSERVE_CLUSTER_REPORT=$(abspath $(CLUSTER_REPORT))) \
+		$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/cluster $(PYTEST_ARGS)
+
 clean-stamps:
 	rm -f $(STAMP) $(TEST_STAMP)
+
+# Regenerate the NATS configs of docker-compose and Kubernetes from control/ops/nats_roles.py (checked by
+# tests/unit/test_compose.py and test_k8s_manifests.py).
+nats-conf: install
+	$(VENV)/bin/python deploy/gen_nats_conf.py

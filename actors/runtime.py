@@ -14,7 +14,9 @@ the actor's parts, closers in reverse order, bounded and shielded). The CLI
   ``CancelledError`` and drains (bounded, shielded cleanup). A second signal while draining
   exits at once with status 130 (SIGINT) / 143 (SIGTERM);
 * exits 0 after a clean drain (``main`` returned, or ended with the CancelledError the signal
-  caused), 1 if ``main`` raised.
+  caused), 1 if ``main`` raised;
+* drains the same way when its parent dies (``ACTORSERVE_PARENT_PID``, set by ``actorserve up``,
+  checked every second; ``up`` also sets ``PR_SET_PDEATHSIG``, control/ops/lifeline.py).
 
 This module imports neither torch nor nats, so it is cheap to import from the CLI.
 """
@@ -44,6 +46,31 @@ ENV_LOG_LEVEL = "ACTORSERVE_LOG_LEVEL"
 ENV_STATE_DIR = "ACTORSERVE_STATE_DIR"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENDPOINTS_FILE = "endpoints.json"
+#: pid of the process that started this actor (set by ``actorserve up``): when it dies the actor drains
+ENV_PARENT_PID = "ACTORSERVE_PARENT_PID"
+PARENT_POLL_S = 1.0  # seconds between two checks of the parent
+#: exit status of every CLI verb (and actor) that finds no stack or whose stack does not answer
+EXIT_UNREACHABLE = 3
+
+
+class StackUnreachable(SystemExit):
+    """SystemExit carrying a one-line message: no endpoint of the stack was found, or it did not answer.
+    control/ops/cli.py ``main`` prints the message and exits :data:`EXIT_UNREACHABLE` (3); raised
+    outside it, Python prints the message and exits 1."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def parent_gone() -> bool:
+    """True when ``ACTORSERVE_PARENT_PID`` names a parent this process no longer has (it died and we were
+    re-parented). False when the variable is unset or not a pid."""
+    try:
+        expected = int(os.environ.get(ENV_PARENT_PID, ""))
+    except ValueError:
+        return False
+    return expected > 1 and os.getppid() != expected
 
 
 def log_level_type(value: str) -> str:
@@ -68,7 +95,8 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nats", metavar="URL", default=None,
                    help=f"NATS server URL (default: ${ENV_NATS}, else <state-dir>/{ENDPOINTS_FILE})")
     g.add_argument("--etcd", metavar="URL", default=None,
-                   help=f"etcd client URL (default: ${ENV_ETCD}, else <state-dir>/{ENDPOINTS_FILE})")
+                   help=f"etcd client URL, or the members of a cluster comma-separated (http://a:2379,http://b:2379)"
+                        f" (default: ${ENV_ETCD}, else <state-dir>/{ENDPOINTS_FILE})")
     g.add_argument("--state-dir", metavar="DIR", default=None,
                    help=f"state directory written by `actorserve up` (default: ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})")
     g.add_argument("--log-level", type=log_level_type, default=None, metavar="LEVEL",
@@ -99,7 +127,8 @@ def resolve_endpoints(args: argparse.Namespace, *, need_nats: bool = True, need_
 
     Each URL comes from its option (``--nats`` / ``--etcd``), else from the environment
     (``ACTORSERVE_NATS`` / ``ACTORSERVE_ETCD``), else from ``<state-dir>/endpoints.json``.
-    Raises SystemExit with a message naming all three sources if a needed URL is found nowhere;
+    Raises :class:`StackUnreachable` (a SystemExit; the CLI exits 3) with a message naming all three
+    sources if a needed URL is found nowhere;
     a URL that is not needed (``need_nats=False`` / ``need_etcd=False``) may come back None.
     """
     nats_url = getattr(args, "nats", None) or os.environ.get(ENV_NATS) or None
@@ -109,6 +138,9 @@ def resolve_endpoints(args: argparse.Namespace, *, need_nats: bool = True, need_
         data = _read_endpoints_file(state_dir) or {}
         nats_url = nats_url or data.get("nats_url") or None
         etcd_url = etcd_url or data.get("etcd_url") or None
+        if data.get("tls"):  # a TLS stack (`up --tls`): act as its root user unless TLS files are set already
+            from control.ops.tls_stack import apply_endpoints_tls
+            apply_endpoints_tls(data["tls"])
     missing = [
         (opt, env)
         for opt, env, val, needed in (
@@ -119,7 +151,7 @@ def resolve_endpoints(args: argparse.Namespace, *, need_nats: bool = True, need_
     ]
     if missing:
         what = " and ".join(f"{opt} (or ${env})" for opt, env in missing)
-        raise SystemExit(
+        raise StackUnreachable(
             f"actorserve: no {'/'.join(o.lstrip('-') for o, _ in missing)} endpoint: pass {what}, "
             f"or start the stack with `actorserve up` so that {state_dir_of(args) / ENDPOINTS_FILE} exists"
         )
@@ -193,6 +225,16 @@ async def _run_main(main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]]
             installed.append(signum)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread / platform
             pass
+
+    async def watch_parent() -> None:  # the supervisor died (even by SIGKILL): drain as after SIGTERM
+        while not received:
+            await asyncio.sleep(PARENT_POLL_S)
+            if parent_gone() and not received:
+                received.append(signal.SIGTERM)
+                log.warning("parent process (pid %s) is gone: draining", os.environ.get(ENV_PARENT_PID))
+                task.cancel()
+
+    watcher = asyncio.ensure_future(watch_parent()) if os.environ.get(ENV_PARENT_PID) else None
     try:
         await task
     except asyncio.CancelledError:
@@ -201,6 +243,8 @@ async def _run_main(main_coro_fn: Callable[[argparse.Namespace], Awaitable[Any]]
             return 0
         raise
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for signum in installed:
             loop.remove_signal_handler(signum)
     if received:

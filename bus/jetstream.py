@@ -10,8 +10,11 @@ changed), a missing one is created; two processes opening at once both succeed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
+import time
 from typing import AsyncIterator
 
 import nats
@@ -26,6 +29,11 @@ from bus.kv import Entry, KeyValue, KvConflict, KvError, check_pattern, decode
 log = logging.getLogger(__name__)
 
 _WRONG_LAST = (10071, 10164)  # JSStreamWrongLastSequenceErr(Constant): a conditional write lost
+# JetStream that is there but cannot answer yet: no meta / stream leader (a clustered server lost, a
+# partition, a fresh cluster still placing streams), the API request unanswered, the client reconnecting.
+_NOT_YET = (nats_errors.TimeoutError, nats_errors.NoRespondersError, nats_errors.ConnectionReconnectingError,
+            js_errors.ServiceUnavailableError)
+OPEN_RETRY_S = 30.0  # how long opening a stream / bucket / store / consumer retries _NOT_YET (s)
 
 
 def _storage(file: bool) -> api.StorageType:
@@ -192,34 +200,70 @@ async def _watched(watcher) -> AsyncIterator[Entry | None]:
             yield entry
 
 
+async def _opening(what: str, fn, deadline_s: float):
+    """``await fn()``, again every 0.5 s while JetStream cannot answer yet (:data:`_NOT_YET`), for at most
+    ``deadline_s`` seconds; then the last error is raised (mapped by the caller's ``_mapped``)."""
+    t_end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return await fn()
+        except _NOT_YET as exc:
+            if time.monotonic() >= t_end:
+                raise
+            log.warning("%s: JetStream not available yet (%r); retrying", what, exc)
+            await asyncio.sleep(0.5)
+
+
+def replicas_from_env() -> int:
+    """Replicas for new streams, buckets and object stores: ``$ACTORSERVE_JS_REPLICAS`` (1..5), else 1.
+    ValueError naming the variable when it is set to anything else."""
+    value = os.environ.get(streams.REPLICAS_ENV, "").strip()
+    return streams.check_replicas(value) if value else streams.DEFAULT_REPLICAS
+
+
 class JetStream:
     """JetStream of one NATS connection. ``JetStream(nc)`` on a nats-py client, or ``bus.js()`` on a
-    connected ``bus.nats_bus.NatsBus``. ``timeout``: seconds per JetStream API request."""
+    connected ``bus.nats_bus.NatsBus``. ``timeout``: seconds per JetStream API request. ``replicas``:
+    how many copies a stream / bucket / store this object creates gets (None: :func:`replicas_from_env`;
+    3 on a 3-node NATS cluster); one that exists already is bound as it is. ValueError for a bad count.
+    Opening (bucket, ensure_stream, pull, objects) retries for up to ``open_retry_s`` seconds while
+    JetStream has no leader yet (a clustered server lost, a partition, a fresh cluster)."""
 
-    def __init__(self, nc: nats.NATS, timeout: float = 5.0) -> None:
+    def __init__(self, nc: nats.NATS, timeout: float = 5.0, replicas: int | None = None,
+                 open_retry_s: float = OPEN_RETRY_S) -> None:
         self._js = nc.jetstream(timeout=timeout)
+        self.replicas = replicas_from_env() if replicas is None else streams.check_replicas(replicas, "replicas")
+        self.open_retry_s = float(open_retry_s)
 
     async def bucket(self, config: streams.BucketConfig, timeout: float = 5.0) -> JetStreamKV:
         """The KV bucket of ``config`` (created if missing); its calls are bounded by ``timeout`` s."""
-        with _mapped(f"open bucket {config.name}", KvError):
+        async def open_():
             try:
-                kv = await self._js.key_value(config.name)
+                return await self._js.key_value(config.name)
             except js_errors.NotFoundError:
-                kv = await self._js.create_key_value(api.KeyValueConfig(
+                return await self._js.create_key_value(api.KeyValueConfig(
                     bucket=config.name, history=config.history, ttl=config.ttl_s, max_bytes=config.max_bytes,
-                    storage=_storage(config.file)))
+                    storage=_storage(config.file), replicas=self.replicas))
+        with _mapped(f"open bucket {config.name}", KvError):
+            kv = await _opening(f"open bucket {config.name}", open_, self.open_retry_s)
         return JetStreamKV(kv, config, timeout, self._js)
 
     async def ensure_stream(self, config: streams.StreamConfig) -> None:
         """Create the stream of ``config`` unless it exists."""
-        with _mapped(f"open stream {config.name}"):
+        async def open_():
             try:
                 await self._js.stream_info(config.name)
             except js_errors.NotFoundError:
-                await self._js.add_stream(api.StreamConfig(
-                    name=config.name, subjects=list(config.subjects), storage=_storage(config.file),
-                    retention=api.RetentionPolicy.WORK_QUEUE if config.work_queue else api.RetentionPolicy.LIMITS,
-                    max_bytes=config.max_bytes, max_age=config.max_age_s, duplicate_window=config.duplicate_window_s))
+                try:
+                    await self._js.add_stream(api.StreamConfig(
+                        name=config.name, subjects=list(config.subjects), storage=_storage(config.file),
+                        retention=api.RetentionPolicy.WORK_QUEUE if config.work_queue else api.RetentionPolicy.LIMITS,
+                        max_bytes=config.max_bytes, max_age=config.max_age_s,
+                        duplicate_window=config.duplicate_window_s, num_replicas=self.replicas))
+                except js_errors.BadRequestError:  # created meanwhile (a retry after a lost reply, a peer)
+                    await self._js.stream_info(config.name)
+        with _mapped(f"open stream {config.name}"):
+            await _opening(f"open stream {config.name}", open_, self.open_retry_s)
 
     async def publish(self, subject: str, data: bytes, *, msg_id: str | None = None, timeout: float = 5.0) -> int:
         """Publish into a stream and wait for its ack; returns the stream sequence. ``msg_id``: the
@@ -234,18 +278,21 @@ class JetStream:
         cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, ack_wait=consumer.ack_wait_s,
                                  max_ack_pending=consumer.max_ack_pending, max_deliver=consumer.max_deliver or -1)
         with _mapped(f"consumer {consumer.durable} of {stream.name}"):
-            sub = await self._js.pull_subscribe(stream.subjects[0], durable=consumer.durable, stream=stream.name,
-                                                config=cfg)
+            sub = await _opening(f"consumer {consumer.durable} of {stream.name}", lambda: self._js.pull_subscribe(
+                stream.subjects[0], durable=consumer.durable, stream=stream.name, config=cfg), self.open_retry_s)
         return PullConsumer(sub, consumer.durable)
 
     async def objects(self, config: streams.ObjectStoreConfig) -> ObjectStore:
         """The object store of ``config`` (created if missing)."""
-        with _mapped(f"open object store {config.name}"):
+        async def open_():
             try:
-                store = await self._js.object_store(config.name)
+                return await self._js.object_store(config.name)
             except js_errors.NotFoundError:
-                store = await self._js.create_object_store(config.name, api.ObjectStoreConfig(
-                    bucket=config.name, ttl=config.ttl_s, max_bytes=config.max_bytes, storage=_storage(config.file)))
+                return await self._js.create_object_store(config.name, api.ObjectStoreConfig(
+                    bucket=config.name, ttl=config.ttl_s, max_bytes=config.max_bytes, storage=_storage(config.file),
+                    replicas=self.replicas))
+        with _mapped(f"open object store {config.name}"):
+            store = await _opening(f"open object store {config.name}", open_, self.open_retry_s)
         return ObjectStore(store, config.name)
 
     async def next_msg(self, stream: str, subject: str, seq: int) -> tuple[int, bytes] | None:

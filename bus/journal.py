@@ -12,6 +12,7 @@ dispatched, when its predecessor died.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Protocol
 
@@ -21,6 +22,7 @@ from bus.messages import GenerateRequest
 log = logging.getLogger(__name__)
 
 MAX_JOURNAL_BYTES = streams.JOURNAL_MAX_BYTES  # per model version: queued requests only, so small
+REMOVE_WAIT_S = 0.25  # the most JetStreamJournal.remove holds its caller (the dispatch loop) (s)
 
 
 class Journal(Protocol):
@@ -64,6 +66,7 @@ class JetStreamJournal:
         self.js, self.config = js, streams.journal(name, version)
         self.stream, self.subject = self.config.name, subjects.sched_journal(name, version)
         self._seq: dict[str, int] = {}  # request id -> stream sequence
+        self._pending: set[asyncio.Future] = set()  # deletes still waiting for the server (see remove)
 
     @classmethod
     async def open(cls, bus, name: str, version: str) -> "JetStreamJournal":
@@ -78,10 +81,21 @@ class JetStreamJournal:
                                                           timeout=2.0)
 
     async def remove(self, request_id: str) -> None:
-        """Delete the request's entry (best effort: a leftover entry is skipped at replay if stale)."""
+        """Delete the request's entry (best effort: a leftover entry is skipped at replay if stale).
+
+        Waits at most REMOVE_WAIT_S for the server: the scheduler's dispatch loop calls this after every
+        dispatch, and a JetStream request lost in a nats-server restart would otherwise hold that loop
+        for the whole JetStream timeout (5 s per dispatched request: the post-restart stall of issue 21).
+        A delete still pending then completes (or fails, logged) in the background."""
         seq = self._seq.pop(request_id, None)
         if seq is None:
             return
+        task = asyncio.ensure_future(self._delete(request_id, seq))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        await asyncio.wait([task], timeout=REMOVE_WAIT_S)
+
+    async def _delete(self, request_id: str, seq: int) -> None:
         try:
             await self.js.delete_msg(self.stream, seq)
         except Exception as exc:  # already gone, or the server is away: replay checks deadlines

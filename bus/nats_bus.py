@@ -2,7 +2,9 @@
 
 Connection policy: reconnect forever (``max_reconnect_attempts=-1``) so actors survive a NATS
 restart, while publishes during a disconnect fail fast with BusDisconnected and registered
-``on_disconnect`` callbacks let streams in flight end at once with a retryable error.
+``on_disconnect`` callbacks let streams in flight end at once with a retryable error. A server that
+stops answering (its host partitioned away) is given up after 2 unanswered PINGs 2 s apart (4 to 6 s),
+then the next server of the URL list is used (tests/cluster, docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -44,6 +46,52 @@ def redact(url: str) -> str:
     return ",".join(out)
 
 
+def _tls_options(url: str) -> dict:
+    """``{"tls": ssl.SSLContext}`` for nats.connect when TLS files are configured (``ACTORSERVE_TLS_*``,
+    bus/tls.py) or a URL says ``tls://``, else ``{}``. nats-py upgrades to TLS when the server requires it."""
+    from bus.tls import TlsFiles
+    files = TlsFiles.from_env()
+    if files is None and "tls://" not in url:
+        return {}
+    import ssl
+    # nats-py's reader protocol returns True from eof_received, which asyncio's TLS transport ignores with a
+    # WARNING at every disconnect ("NATS disconnected" already says it): drop that one line.
+    logging.getLogger("asyncio").addFilter(_quiet_ssl_eof)
+    return {"tls": files.client_context() if files is not None else ssl.create_default_context()}
+
+
+def _quiet_ssl_eof(record: logging.LogRecord) -> bool:
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+TRANSPORT_CLOSE_S = 1.0  # how long a reconnect waits for the old connection to close (s)
+
+
+def _bound_transport_close() -> None:
+    """Bound nats-py's wait for the old connection to close before it reconnects (idempotent).
+
+    nats-py awaits ``wait_closed()`` of the old transport with no deadline; over TLS to a server that
+    went silent (its host partitioned away) that is asyncio's TLS shutdown timeout, 30 s, during which
+    the client is connected to nothing (seen in the cluster test, tests/cluster: a scheduler cut off
+    for 25 s). After :data:`TRANSPORT_CLOSE_S` the old transport is aborted and the reconnect goes on."""
+    from nats.aio import transport as nats_transport
+
+    cls = nats_transport.TcpTransport
+    if getattr(cls.wait_closed, "_actorserve_bounded", False):
+        return
+    original = cls.wait_closed
+
+    async def wait_closed(self):
+        try:
+            return await asyncio.wait_for(original(self), TRANSPORT_CLOSE_S)
+        except (TimeoutError, OSError):
+            writer = getattr(self, "_io_writer", None)
+            if writer is not None and writer.transport is not None:
+                writer.transport.abort()
+    wait_closed._actorserve_bounded = True
+    cls.wait_closed = wait_closed
+
+
 class _Sub:
     """A nats-py subscription wrapped to the Subscription protocol."""
 
@@ -76,11 +124,13 @@ class NatsBus:
             inbox_prefix = default_inbox_prefix(url)
         bus = cls.__new__(cls)
         bus._disconnect_cbs = []
+        tls_opts = _tls_options(url)  # TLS when the server requires it (docs/security.md)
+        _bound_transport_close()  # a silent server must not hold the reconnect for 30 s
         try:
             bus._nc = await nats.connect(
-                url.split(","), name=name, inbox_prefix=inbox_prefix, connect_timeout=connect_timeout,
+                url.split(","), name=name, inbox_prefix=inbox_prefix, connect_timeout=connect_timeout, **tls_opts,
                 max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
-                disconnected_cb=bus._on_disconnected, error_cb=bus._on_error, ping_interval=5,
+                disconnected_cb=bus._on_disconnected, error_cb=bus._on_error, ping_interval=2,
                 max_outstanding_pings=2, pending_size=64 * 1024 * 1024)
         except (OSError, nats_errors.Error, asyncio.TimeoutError) as exc:
             raise BusDisconnected(f"cannot connect to NATS at {redact(url)}: {exc}") from exc

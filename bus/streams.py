@@ -116,6 +116,27 @@ class ObjectStoreConfig:
         _check_limit(self.max_bytes, "max_bytes")
 
 
+# -- replication -----------------------------------------------------------------------------------
+
+#: environment variable naming how many JetStream replicas every stream, KV bucket and object store is
+#: created with (1 on a single nats-server; 3 on a 3-node cluster: survives the loss of one server).
+#: Read by ``bus/jetstream.py`` when it creates one; an existing one keeps its replica count.
+REPLICAS_ENV = "ACTORSERVE_JS_REPLICAS"
+DEFAULT_REPLICAS = 1
+MAX_REPLICAS = 5  # JetStream's own limit
+
+
+def check_replicas(value: object, what: str = REPLICAS_ENV) -> int:
+    """``value`` (an int or a decimal string) as a replica count 1..5; ValueError naming ``what``."""
+    try:
+        n = int(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= MAX_REPLICAS:
+        raise ValueError(f"{what} must be an integer 1..{MAX_REPLICAS} (JetStream replicas), got {value!r}")
+    return n
+
+
 # -- names -----------------------------------------------------------------------------------------
 
 USAGE_STREAM = "AS_DONE"
@@ -137,6 +158,12 @@ def kv_stream(bucket: str) -> str:
     """``KV_<bucket>``: the stream behind a JetStream KV bucket (NATS ADR-8)."""
     _check_name(bucket, "bucket")
     return f"KV_{bucket}"
+
+
+def object_stream(bucket: str) -> str:
+    """``OBJ_<bucket>``: the stream behind a JetStream object store (NATS ADR-20)."""
+    _check_name(bucket, "object store")
+    return f"OBJ_{bucket}"
 
 
 def journal_stream(name: str, version: str) -> str:

@@ -63,6 +63,17 @@ def cancel_all() -> str:
     return "as.int.cancel.*"
 
 
+def gateway_cancel(request_id: str) -> str:
+    """``as.int.gwcancel.<request_id>``: a gateway that received a public NATS cancel asks every gateway
+    (request-reply, no queue group) which one holds the request; only the holder answers."""
+    return f"as.int.gwcancel.{_token(request_id, 'request id')}"
+
+
+def gateway_cancel_all() -> str:
+    """Wildcard over every gateway cancel look-up (each gateway subscribes, no queue group)."""
+    return "as.int.gwcancel.*"
+
+
 def credits(name: str, version: str, worker_id: str) -> str:
     """``as.int.credits.<name>.<version>.<worker_id>``: worker heartbeat with free KV blocks / slots."""
     return f"as.int.credits.{_token(name, 'model')}.{_token(version, 'version')}.{_token(worker_id, 'worker id')}"
@@ -173,6 +184,31 @@ def role_inbox_prefix(role: str) -> str:
 def js_api_all() -> str:
     """``$JS.API.>``: every JetStream API request (stream / consumer / KV / object-store management)."""
     return "$JS.API.>"
+
+
+JS_API = "$JS.API"  # prefix of every JetStream API request subject
+ANY_STREAM = "*"  # the stream token of js_stream_api() for "every stream" (scheduler journals: SCHED_<m>_<v>)
+
+
+def js_stream_api(stream: str) -> list[str]:
+    """The JetStream API subjects a client of one stream (a KV bucket's ``KV_<b>``, an object store's
+    ``OBJ_<b>``) sends, as nats-py 2.x builds them (nats/js/manager.py, client.py, kv.py, object_store.py):
+    stream info / create / update / purge, message get / delete (``STREAM.MSG.*``: KV get, journal), direct
+    get (KV get on servers with direct access), and consumers: create (named, durable, ephemeral,
+    with a filter subject), info, delete, fetch (``CONSUMER.MSG.NEXT``: pull consumers). ``stream``: a
+    stream name, or :data:`ANY_STREAM`; ValueError otherwise."""
+    s = stream if stream == ANY_STREAM else _token(stream, "stream")
+    return [f"{JS_API}.STREAM.{op}.{s}" for op in ("INFO", "CREATE", "UPDATE", "PURGE", "MSG.GET", "MSG.DELETE")] + [
+        f"{JS_API}.DIRECT.GET.{s}", f"{JS_API}.DIRECT.GET.{s}.>",
+        f"{JS_API}.CONSUMER.CREATE.{s}", f"{JS_API}.CONSUMER.CREATE.{s}.>",
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{s}.>", f"{JS_API}.CONSUMER.INFO.{s}.>",
+        f"{JS_API}.CONSUMER.DELETE.{s}.>", f"{JS_API}.CONSUMER.MSG.NEXT.{s}.>"]
+
+
+def js_stream_names() -> str:
+    """``$JS.API.STREAM.NAMES``: stream names by subject (nats-py looks up an object store's stream so
+    when it reads an object)."""
+    return f"{JS_API}.STREAM.NAMES"
 
 
 def js_flow_control_all() -> str:

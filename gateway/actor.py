@@ -10,10 +10,13 @@ import asyncio
 import functools
 import logging
 import os
+import time
 
 from typing import TYPE_CHECKING
 
 from actors.serve import ActorContext, serve
+
+DRAIN_BUDGET_S = 10.0  # seconds, from the start of a stop, for listeners and requests in flight together
 
 if TYPE_CHECKING:
     from gateway.frontend import Frontend, FrontendConfig
@@ -28,6 +31,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-id", default=None, help="unique id (default gw-<pid>)")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="request body limit (413 above)")
     parser.add_argument("--default-deadline-ms", type=int, default=120_000, help="deadline of requests without one")
+    parser.add_argument("--tls-cert", metavar="PEM", default=None,
+                        help=f"serve HTTPS with this certificate (default: ${ENV_HTTPS_CERT}; none: plain HTTP)")
+    parser.add_argument("--tls-key", metavar="PEM", default=None,
+                        help=f"private key of --tls-cert (default: ${ENV_HTTPS_KEY})")
+
+
+ENV_HTTPS_CERT = "ACTORSERVE_HTTPS_CERT"  # set by `actorserve up --tls` (control/ops/tls_stack.py)
+ENV_HTTPS_KEY = "ACTORSERVE_HTTPS_KEY"
+
+
+def https_context(args: argparse.Namespace):
+    """The server ``ssl.SSLContext`` of the gateway's HTTPS port: ``--tls-cert``/``--tls-key``, else
+    ``ACTORSERVE_HTTPS_CERT``/``_KEY``; None (plain HTTP) when neither names a certificate. Raises
+    SystemExit naming the option when only one of the pair is given or a file does not load."""
+    import ssl
+
+    from bus.tls import TlsFiles
+    cert = getattr(args, "tls_cert", None) or os.environ.get(ENV_HTTPS_CERT) or None
+    key = getattr(args, "tls_key", None) or os.environ.get(ENV_HTTPS_KEY) or None
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise SystemExit("actorserve gateway: --tls-cert and --tls-key come together")
+    try:
+        return TlsFiles(cert=cert, key=key).server_context()
+    except (OSError, ssl.SSLError, ValueError) as e:
+        raise SystemExit(f"actorserve gateway: cannot load --tls-cert/--tls-key: {e}") from None
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -38,8 +68,9 @@ async def main(args: argparse.Namespace) -> None:
 
 async def build(ctx: ActorContext, gid: str) -> None:
     """Start the front end, the tenancy (keys, quotas, usage, idempotency), the NATS API and the HTTP
-    server. On stop: stop listening (NATS API, then HTTP: its handlers get <= 10 s), wait <= 10 s for
-    requests still in flight, then stop the parts in reverse order."""
+    server. On stop: stop listening (NATS API, then HTTP), and wait for requests still in flight, both within
+    one DRAIN_BUDGET_S budget counted from the start of the stop (so a gateway drains within the
+    supervisor's stop deadline, docs/cli.md), then stop the parts in reverse order."""
     from aiohttp import web
 
     from gateway.frontend import FrontendConfig
@@ -48,19 +79,26 @@ async def build(ctx: ActorContext, gid: str) -> None:
     from gateway.tenancy import Tenancy
 
     args, reg = ctx.args, ctx.registry
+    ssl_ctx = https_context(args)
     fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms), metrics=True)
     bus = ctx.bus
     tenancy = Tenancy(reg, bus.js(), gateway_id=gid)
     await tenancy.start()
     ctx.on_stop(tenancy.stop, what="tenancy")
-    ctx.on_stop(lambda: wait_idle(fe, 10.0), timeout_s=11.0, what="requests in flight")
+    drain_end: list[float] = []  # monotonic deadline of the drain, set when the stop begins
+    ctx.on_stop(lambda: wait_idle(fe, max(0.0, drain_end[0] - time.monotonic()) if drain_end else DRAIN_BUDGET_S),
+                timeout_s=DRAIN_BUDGET_S + 1.0, what="requests in flight")
     api = NatsApi(fe, tenancy)
-    runner = web.AppRunner(HttpFront(fe, tenancy).app(args.max_body_bytes), shutdown_timeout=10.0)
-    ctx.on_stop(lambda: _stop_listening(api, runner), timeout_s=15.0, what="listeners")
+    runner = web.AppRunner(HttpFront(fe, tenancy).app(args.max_body_bytes), shutdown_timeout=DRAIN_BUDGET_S)
+
+    async def stop_listening() -> None:
+        drain_end.append(time.monotonic() + DRAIN_BUDGET_S)
+        await _stop_listening(api, runner)
+    ctx.on_stop(stop_listening, timeout_s=DRAIN_BUDGET_S + 1.0, what="listeners")
     await api.start()
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    log.info("gateway %s listening on http://%s:%d", gid, args.host, args.port)
+    await web.TCPSite(runner, args.host, args.port, ssl_context=ssl_ctx).start()
+    log.info("gateway %s listening on %s://%s:%d", gid, "https" if ssl_ctx else "http", args.host, args.port)
 
 
 async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: bool = False) -> Frontend:
@@ -95,6 +133,7 @@ async def wait_idle(fe: Frontend, timeout_s: float) -> None:
 
 
 async def _stop_listening(api, runner) -> None:
-    """No new requests: unsubscribe the NATS API, then close the HTTP server (its handlers get <= 10 s)."""
+    """No new requests: unsubscribe the NATS API, then close the HTTP server (its handlers get at most
+    DRAIN_BUDGET_S seconds)."""
     await api.stop()
     await runner.cleanup()

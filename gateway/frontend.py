@@ -129,6 +129,7 @@ class Frontend:
         k = choice_count(endpoint, body)
         annotate_trace(request_id=request_id, tenant=tenant, name=name, version=version, endpoint=endpoint, marks=marks)
         entry = self.table.open(request_id, deadline, self.cfg.inactivity_s, children=k)
+        entry.tenant = tenant  # checked by a public NATS cancel (gateway/nats_api.py)
         marks["gateway_out"] = time.time()
         if self.observer is not None:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))

@@ -1,7 +1,8 @@
 """aiohttp HTTP front: OpenAI-compatible endpoints, health and readiness.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /healthz, GET /readyz,
-GET /metrics (Prometheus text, no key); with a tenancy layer on JetStream also /v1/usage, /v1/jobs and
+GET /metrics (Prometheus text: ``Authorization: Bearer <operator token>`` when the gateway has one, else
+only series without a tenant label; no API key); with a tenancy layer on JetStream also /v1/usage, /v1/jobs and
 /v1/responses (gateway/responses_api.py).
 Errors use the OpenAI error shape. A streamed request waits for its first chunk before sending any
 byte, so errors found by the validator (e.g. context length) are real HTTP statuses. aiohttp does not
@@ -11,7 +12,9 @@ cancel on ``as.int.cancel.<id>``.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import re
 import time
 
@@ -20,6 +23,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.base import BusError
+from control.ops.nats_auth import OPERATOR_TOKEN_ENV
 from gateway import pipeline, sse
 from gateway import tracing as gw_tracing
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms
@@ -63,12 +67,32 @@ def client_gone(request: web.Request) -> bool:
     return tr is None or tr.is_closing()
 
 
-class HttpFront:
-    """Handlers bound to one Frontend."""
+_FROM_ENV = object()
 
-    def __init__(self, frontend: Frontend, tenancy=None) -> None:
+
+def operator_unauthorized() -> ApiError:
+    """The 401 of ``GET /metrics`` without the operator's bearer token."""
+    return ApiError(401, "GET /metrics needs the operator token: send Authorization: Bearer <token> with the "
+                    "token of <state-dir>/operator-token (API keys are not accepted here)",
+                    type="invalid_request_error", code="invalid_operator_token")
+
+
+def operator_authorized(authorization: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <token>`` (constant-time comparison)."""
+    scheme, _, value = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+
+class HttpFront:
+    """Handlers bound to one Frontend. ``operator_token``: the bearer token ``GET /metrics`` requires
+    (default: ``$ACTORSERVE_OPERATOR_TOKEN``; None or "": no token, /metrics without per-tenant labels)."""
+
+    def __init__(self, frontend: Frontend, tenancy=None, operator_token=_FROM_ENV) -> None:
         self.fe = frontend
         self.tenancy = tenancy  # gateway.tenancy.Tenancy; None = single tenant "dev" without keys
+        if operator_token is _FROM_ENV:
+            operator_token = os.environ.get(OPERATOR_TOKEN_ENV)
+        self.operator_token = (operator_token or "").strip() or None
 
     def app(self, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
         """The aiohttp application (``client_max_size`` = body limit, 413 above it)."""
@@ -89,12 +113,21 @@ class HttpFront:
         return app
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """``GET /metrics`` (public, no key): this process's Prometheus metrics (docs/observability.md)."""
+        """``GET /metrics``: this process's Prometheus metrics (docs/observability.md). With an operator
+        token configured it needs ``Authorization: Bearer <token>`` (401 otherwise) and serves everything;
+        without one it serves the series with the ``tenant`` label summed away (no per-tenant traffic)."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
         from actors.metrics import render_latest
+        from gateway.metrics import render_without_tenants
 
-        return web.Response(body=render_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        if self.operator_token is None:
+            body = render_without_tenants()
+        elif operator_authorized(request.headers.get("Authorization"), self.operator_token):
+            body = render_latest()
+        else:
+            return error_response(operator_unauthorized(), {"WWW-Authenticate": "Bearer"})
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
         """Liveness: the process answers."""

@@ -44,6 +44,7 @@ TTL_S = streams.IDEMPOTENCY.ttl_s
 HEARTBEAT_S = 3.0
 STALE_S = 10.0
 POLL_S = 0.1
+FINISH_S = 60.0  # how long a finished run retries storing its result through a store outage (s)
 MAX_KEY_LEN = 255
 
 
@@ -124,6 +125,8 @@ def _result(out: pipeline.Outcome, live: LiveRun) -> tuple[dict, dict | None]:
     (a streamed run that produced output: an error then ends it as one more event)."""
     headers = {"x-actorserve-model-version": out.merger.model}
     err = out.error
+    if err is not None:  # Retry-After of a 429 / 503, as on a request without Idempotency-Key
+        headers.update(err.http_headers())
     if not live.stream:
         if err is None:
             headers["x-actorserve-timing"] = orjson.dumps(out.merger.final_timing()).decode()
@@ -174,6 +177,14 @@ class IdempotencyStore:
         ``req`` the authenticated request (``req.headers``: the response headers, X-Request-Id included).
 
         Raises ApiError (400 bad key, 409 conflict, 404/429 from admission, 503 store trouble)."""
+        try:
+            return await self._handle(front, request, req, idem_key)
+        except (KvError, TimeoutError) as exc:  # JetStream without a leader, the bus away: never a 500
+            log.warning("idempotency store unavailable: %r", exc)
+            raise ApiError(503, "the idempotency store is unavailable; retry later", type="unavailable",
+                           code="idempotency_unavailable", retry_after=1.0) from exc
+
+    async def _handle(self, front, request: web.Request, req: pipeline.Request, idem_key: str) -> web.StreamResponse:
         if not idem_key or len(idem_key) > MAX_KEY_LEN:
             raise ApiError(400, f"Idempotency-Key must be 1 to {MAX_KEY_LEN} characters", param="Idempotency-Key")
         key, bh = record_key(req.tenant_id, idem_key), body_hash(req.endpoint, req.body)
@@ -213,7 +224,8 @@ class IdempotencyStore:
         try:
             started = await pipeline.start(front.fe, req, front.tenancy)
         except ApiError as err:
-            await self._finish(key, bh, rev, err.status, {**req.headers, **err.http_headers()}, err.body(), None)
+            await self._finish(key, bh, rev, err.status, {**req.headers, **err.http_headers()}, err.body(), None,
+                               within_s=2.0)  # not cleared: the claim goes stale and is taken over
             raise
         live = LiveRun(stream)
         self._live[key] = live
@@ -226,17 +238,17 @@ class IdempotencyStore:
         """Consume the request to its end regardless of clients (the quota slot is held until then); store
         the result."""
         hb = asyncio.create_task(self._heartbeat(key, bh, rev))
-        try:
-            out = await pipeline.run(front.fe, started.sub, body, live if live.stream else None)
-        finally:
-            hb.cancel()
-            await started.release()
-        headers, result_json = _result(out, live)
-        live.status, live.headers, live.json = out.status, headers, result_json
-        try:
+        try:  # heartbeats go on until the result is stored: a store outage must not let a waiter re-run it
+            try:
+                out = await pipeline.run(front.fe, started.sub, body, live if live.stream else None)
+            finally:
+                await started.release()
+            headers, result_json = _result(out, live)
+            live.status, live.headers, live.json = out.status, headers, result_json
             await self._finish(key, bh, rev, out.status, live.headers, live.json,
                                live.events if live.json is None else None)
         finally:
+            hb.cancel()
             live.done = True
             live.changed.set()
             self._live.pop(key, None)
@@ -250,21 +262,26 @@ class IdempotencyStore:
             except (KvError, TimeoutError) as exc:  # the next beat tries again; a long outage lets a waiter take over
                 log.warning("heartbeat of idempotent request %s failed: %r", key, exc)
 
-    async def _finish(self, key, bh, rev, status, headers, json_body, events) -> None:
-        """Store the done record (or delete the claim for a non-sticky result)."""
-        for _ in range(20):
-            rec, cur = await self._get(key)
-            action = finish_action(rec, bh, status)
+    async def _finish(self, key, bh, rev, status, headers, json_body, events, within_s: float = FINISH_S) -> None:
+        """Store the done record (or delete the claim for a non-sticky result), retrying lost races and
+        store outages (JetStream without a leader for a while) for up to ``within_s`` seconds. A record
+        another run already finished is left as it is."""
+        t_end = time.monotonic() + within_s
+        while True:
             try:
+                rec, cur = await self._get(key)
+                action = finish_action(rec, bh, status) if (rec or {}).get("state") != "done" else None
                 if action == "delete":
                     await self.kv.delete(key, last=cur)
                 elif action == "store":
                     await self.kv.swap(key, done_record(bh, self.gateway_id, status, headers, json_body, events,
                                                         time.time()), cur)
                 return
-            except KvError:  # lost a race (KvConflict) or store trouble: look again
-                continue
-        log.warning("could not store the result of idempotent request %s", key)
+            except (KvError, TimeoutError) as exc:  # lost a race (KvConflict) or store trouble: look again
+                if time.monotonic() >= t_end:
+                    log.warning("could not store the result of idempotent request %s: %r", key, exc)
+                    return
+                await asyncio.sleep(0.02 if isinstance(exc, KvConflict) else 0.5)
 
     # -- answering ------------------------------------------------------------------------------
 

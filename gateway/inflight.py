@@ -36,6 +36,7 @@ class Inflight:
     children: int = 1  # choices fanned out as "<request_id>-<index>" (1 = no fan-out)
     child_seq: dict = field(default_factory=dict)  # child id -> next expected seq
     child_worker: dict = field(default_factory=dict)  # child id -> worker streaming it
+    tenant: str = ""  # tenant of the request (a public NATS cancel must come from it)
 
 
 class InflightTable:

@@ -10,10 +10,16 @@
   gateways, ``sum()`` over them is the deployment's total; with one, it is all of it.
 * Worker gauges (KV cache usage, running/waiting, batch size, tokens/s) come from every worker's
   statistics (``as.int.stats.*``), one series per worker.
+* ``actorserve_nats_api_dropped_total{reason, endpoint}`` counts NATS API requests answered with nothing
+  at all, because their reply subject is one the caller may not subscribe to (gateway/nats_api.py).
+
+``GET /metrics`` needs the operator token when the gateway has one; without one it serves
+:func:`render_without_tenants` (docs/observability.md).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import time
@@ -27,6 +33,7 @@ from bus.messages import Chunk, CompletionRecord, WorkerStats
 log = logging.getLogger(__name__)
 
 METRICS_QUEUE = "gateway-metrics"
+TENANT_LABEL = "tenant"  # the per-tenant label that the public, token-less /metrics sums away
 _CHILD = re.compile(r"^(.+)-(\d+)$")
 MAX_PENDING = 10_000  # requests awaiting their first chunk that we remember (oldest dropped first)
 
@@ -137,3 +144,53 @@ class GatewayMetrics:
             self.workers.update(WorkerStats.decode(msg.data))
         except (ValueError, TypeError) as exc:
             log.debug("undecodable worker stats: %s", exc)
+
+
+_dropped_counter = None
+
+
+def count_dropped(reason: str, endpoint: str) -> None:
+    """Count one NATS API request dropped without any reply (``actorserve_nats_api_dropped_total``):
+    ``reason`` ``reply_outside_inbox`` (a valid key, a reply subject outside its tenant's inbox) or
+    ``unauthenticated`` (no valid key, a reply subject inside some tenant's or role's inbox); ``endpoint``
+    the API operation (``chat``, ``cancel``, ``responses.get``, ...). No tenant label: the caller
+    chooses it."""
+    global _dropped_counter
+    if _dropped_counter is None:
+        _dropped_counter = m.meter().create_counter(
+            "actorserve_nats_api_dropped_total",
+            description="NATS API requests dropped without a reply: their reply subject lies outside what "
+                        "the caller may subscribe to.")
+    _dropped_counter.add(1, {"reason": reason, "endpoint": endpoint})
+
+
+class _WithoutTenants:
+    """A prometheus_client collector view of the default registry with the ``tenant`` label summed
+    away: each series that differed only by tenant becomes one (counters and histogram buckets, sums
+    and counts add up exactly; a gauge with a tenant label becomes the sum over tenants)."""
+
+    def collect(self):
+        from prometheus_client import REGISTRY
+
+        for fam in REGISTRY.collect():
+            if not any(TENANT_LABEL in s.labels for s in fam.samples):
+                yield fam
+                continue
+            sums: dict = {}  # (sample name, labels) -> (first sample, value), first-seen order
+            for s in fam.samples:
+                labels = {k: v for k, v in s.labels.items() if k != TENANT_LABEL}
+                key = (s.name, tuple(labels.items()))
+                first, total = sums.get(key, (s._replace(labels=labels, exemplar=None), 0.0))
+                sums[key] = (first, total + s.value)
+            out = copy.copy(fam)
+            out.samples = [first._replace(value=total) for first, total in sums.values()]
+            yield out
+
+
+def render_without_tenants() -> bytes:
+    """This process's Prometheus text with no per-tenant label (:class:`_WithoutTenants`): what the
+    gateway's ``GET /metrics`` serves when no operator token is configured."""
+    from prometheus_client import generate_latest
+
+    m.setup_metrics()
+    return generate_latest(_WithoutTenants())

@@ -20,7 +20,9 @@ Usage is metered from the workers' completion records (gateway/usage.py), never 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
@@ -35,6 +37,9 @@ from gateway.openai_format import ApiError
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # client-disconnect check period while waiting for chunks (s)
+CANCEL_RESEND_S = 30.0  # a cancel the bus could not carry is sent again once it is back, for this long (s)
+CANCEL_RESEND_POLL_S = 0.25  # ... checking the connection this often (s)
+_RESENDS: set[asyncio.Task] = set()  # cancels waiting for the bus (kept referenced until done)
 
 
 @dataclass
@@ -173,7 +178,7 @@ async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None
         return await _fail(fe, sub, out, exc.error, "stream_error")
     except ConnectionResetError:
         out.disconnected = True
-        await fe.cancel(sub.request_id, "disconnect", num_choices=sub.num_choices)
+        await _cancel(fe, sub, "disconnect")
     except Exception as exc:  # a bug must still end the request, its generation and the client's wait
         log.exception("request %s failed in the gateway", sub.request_id)
         return await _fail(fe, sub, out, error_dict(500, f"internal error: {exc}", type_="server_error"),
@@ -204,5 +209,35 @@ async def _add(merger: ChoiceMerger, chunk: Chunk, sink: Sink | None) -> None:
 async def _fail(fe: Frontend, sub: Submitted, out: Outcome, detail: dict, reason: str) -> Outcome:
     """Record the failure and cancel the generation (every fanned-out choice) with ``reason``."""
     out.detail = detail
-    await fe.cancel(sub.request_id, reason, num_choices=sub.num_choices)
+    await _cancel(fe, sub, reason)
     return out
+
+
+def _connected(fe: Frontend) -> bool:
+    state = getattr(fe.bus, "is_connected", True)  # a method on NatsBus, a property on MemoryBus
+    return bool(state() if callable(state) else state)
+
+
+async def _cancel(fe: Frontend, sub: Submitted, reason: str) -> None:
+    """Cancel ``sub``'s generation; when the bus is down (a nats-server restart: the streams failed with
+    ``bus_disconnected`` and the cancel could not be sent) send it again once the bus is back, in the
+    background, for up to CANCEL_RESEND_S s: a worker that kept generating for nobody frees its slots
+    at once instead of running to ``max_tokens``."""
+    await fe.cancel(sub.request_id, reason, num_choices=sub.num_choices)
+    if not _connected(fe):
+        task = asyncio.create_task(_resend_cancel(fe, sub.request_id, reason, sub.num_choices),
+                                   name=f"cancel-resend-{sub.request_id}")
+        _RESENDS.add(task)
+        task.add_done_callback(_RESENDS.discard)
+
+
+async def _resend_cancel(fe: Frontend, request_id: str, reason: str, num_choices: int) -> None:
+    t_end = time.monotonic() + CANCEL_RESEND_S
+    while time.monotonic() < t_end:
+        await asyncio.sleep(CANCEL_RESEND_POLL_S)
+        if _connected(fe):
+            await fe.cancel(request_id, reason, num_choices=num_choices)
+            if _connected(fe):
+                log.info("cancel of %s sent after the bus came back", request_id)
+                return
+    log.warning("cancel of %s never sent: the bus stayed down %.0f s", request_id, CANCEL_RESEND_S)

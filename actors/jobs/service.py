@@ -19,6 +19,7 @@ import orjson
 
 from actors.jobs import store
 from bus import streams
+from bus.base import BusError
 from gateway import pipeline
 from gateway.frontend import new_request_id
 from gateway.openai_format import ApiError
@@ -27,6 +28,8 @@ log = logging.getLogger("actorserve.jobs")
 
 CANCEL_CHECK_S = 0.5
 RETRY_STATUSES = (429, 503)  # queue full, no capacity: retried after Retry-After until the job's deadline
+BUS_RETRY_S = 1.0  # a job whose store calls failed with the bus (timeout, disconnect) runs again after this (s)
+BUS_RETRIES = 5  # ... this many times in this process; then it is left to the redelivery (ack wait)
 
 
 async def _backoff(job_id: str, request_id: str, err: ApiError) -> None:
@@ -58,6 +61,8 @@ class JobsService:
         if self._loop_task:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._sub is not None:  # else the bus close waits (5 s) for a fetch reply nobody will read
+            await self._sub.stop()
         if self._running:
             _, pending = await asyncio.wait(list(self._running), timeout=timeout)
             for t in pending:
@@ -96,7 +101,18 @@ class JobsService:
         ticker = asyncio.create_task(progress())
         try:
             job = orjson.loads(msg.data)
-            await self.run(job)
+            for attempt in range(1, BUS_RETRIES + 2):
+                try:
+                    await self.run(job)
+                    break
+                except (TimeoutError, BusError) as exc:
+                    # The bus went away mid-job (nats-server restart): run it again here once the bus is
+                    # back (run() is idempotent by job id) rather than wait out the redelivery (ack wait).
+                    if attempt > BUS_RETRIES:
+                        raise
+                    log.warning("job %s: %r; running it again in %.1f s (%d/%d)", job.get("id"), exc,
+                                BUS_RETRY_S, attempt, BUS_RETRIES)
+                    await asyncio.sleep(BUS_RETRY_S)
         except asyncio.CancelledError:
             raise  # not acked: redelivered
         except Exception:
@@ -211,6 +227,11 @@ class JobsService:
     async def _watch_cancel(self, tenant: str, job_id: str, rid: str, num_choices: int) -> bool:
         while True:
             await asyncio.sleep(CANCEL_CHECK_S)
-            if await self._cancel_requested(tenant, job_id):
+            try:
+                requested = await self._cancel_requested(tenant, job_id)
+            except (TimeoutError, BusError) as exc:  # the bus is away (restart): keep watching
+                log.debug("job %s: cancel check failed: %r", job_id, exc)
+                continue
+            if requested:
                 await self.fe.cancel(rid, "job_cancelled", tenant, num_choices)
                 return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -113,10 +114,38 @@ async def main(args: argparse.Namespace) -> None:
 
 async def run_terms(ctx: ActorContext, ref, sid: str) -> None:
     """The scheduler's loop on the context's bus and registry: each turn wins the election and serves one
-    term (:func:`serve_term`, which stops its own service) until the lease is lost; never returns."""
+    term (:func:`serve_term`, which stops its own service) until the lease is lost; never returns. A term
+    that could not start because JetStream kept failing (:data:`JOURNAL_RETRY_S`) has resigned; the
+    replica campaigns again after a second."""
+    from bus.base import BusError
+
     bus = await ctx.connect_bus()
     while True:
-        await serve_term(ctx.registry, bus, ref, sid, ctx.args)
+        try:
+            await serve_term(ctx.registry, bus, ref, sid, ctx.args)
+        except (BusError, TimeoutError) as exc:
+            log.error("scheduler %s: term ended, JetStream unavailable (%r); campaigning again", sid, exc)
+            await asyncio.sleep(1.0)
+
+
+JOURNAL_RETRY_S = 30.0  # how long a new term retries JetStream (journal open, replay) before it resigns
+
+
+async def _retrying(what: str, fn, deadline_s: float = JOURNAL_RETRY_S):
+    """``await fn()``, again every 0.5 s while it raises BusError or TimeoutError -- JetStream without a
+    leader for a while after a server loss or a partition (the stream or meta leader being elected) --
+    for at most ``deadline_s`` seconds; then the last error is raised."""
+    from bus.base import BusError
+
+    t_end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return await fn()
+        except (BusError, TimeoutError) as exc:
+            if time.monotonic() >= t_end:
+                raise
+            log.warning("%s failed (%r); retrying", what, exc)
+            await asyncio.sleep(0.5)
 
 
 async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
@@ -131,13 +160,22 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
 
     key, info = scheduler_key(ref.name, ref.version), {"scheduler_id": sid, "pid": os.getpid()}
     held = [await campaign(reg, key, info, ttl=args.lease_ttl)]
+    try:
+        journal = await _retrying("journal open", lambda: JetStreamJournal.open(bus, ref.name, ref.version))
+    except BaseException:
+        with contextlib.suppress(Exception):  # resign: a standby may do better
+            await asyncio.shield(asyncio.wait_for(held[0].revoke(), 3.0))
+        raise
     svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
                                                 args.max_queue_per_tenant, args.fcfs, routing=args.routing,
-                                                preemption=args.preemption),
-                           await JetStreamJournal.open(bus, ref.name, ref.version))
+                                                preemption=args.preemption), journal)
     await svc.start()
     _export_queue(svc)
-    recovered = await svc.recover()
+    try:
+        recovered = await _retrying("journal replay", svc.recover)
+    except BaseException:
+        await asyncio.shield(_shutdown(svc, held[0]))
+        raise
     await bus.publish(subjects.sched_leader(ref.name, ref.version),
                       orjson.dumps({"scheduler_id": sid, "ts": time.time(), "recovered": recovered}))
     log.info("scheduler %s active for %s@%s (recovered %d queued requests)", sid, ref.name, ref.version, recovered)

@@ -10,6 +10,10 @@ Verbs::
     actorserve rollout {start,set-weight,promote,rollback,status} NAME ...   (control/ops/rollout_cli.py)
     actorserve diagnose [--state-dir DIR | --etcd URL] [--json] [--window-s S]   (control/ops/diagnose_cli.py)
 
+Exit statuses (control/ops/cli_errors.py): 0 done, 1 error, 2 usage or a refused edit, 3 stack
+unreachable (no endpoint, or etcd / NATS / the metrics endpoints did not answer: one line on stderr, no
+traceback), 130 interrupted.
+
 Building the parser imports no actor module (``actorserve --help`` stays fast and torch-free); the
 actor verbs load their module only when that verb is parsed (or its help is shown): the module's
 ``add_arguments(parser)`` adds its own options and ``main(args)`` runs under
@@ -31,6 +35,8 @@ from typing import Any
 from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, log_level_type,
                             metrics_arguments, resolve_endpoints, run_actor_main, state_dir_of)
 from control.ops.argtypes import non_negative_int as _non_negative_int
+from control.ops.cli_errors import (EXIT_UNREACHABLE, StackUnreachable, is_unreachable, report_unreachable,
+                                    unreachable_line)
 from control.ops.nats_auth import redact_url
 from control.ops.argtypes import positive_int as _positive_int
 
@@ -153,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_tenant_commands(sub)
     add_rollout_commands(sub)
     add_diagnose_command(sub)
+    from control.ops.certs_cli import add_certs_command  # h3: `actorserve certs`, `etcd-auth` (docs/security.md)
+    add_certs_command(sub)
     _add_status_command(sub)
     _add_bench_commands(sub)
     return parser
@@ -185,6 +193,9 @@ def _add_up_command(sub: Any) -> None:
     for kind in ACTOR_MODULES:
         up.add_argument(f"--{kind}-args", metavar="ARGS", default=None,
                         help=f"extra options for every {kind} process, one shell-quoted string")
+    up.add_argument("--tls", action="store_true",  # h3: docs/security.md
+                    help="TLS everywhere: certificates in <state-dir>/tls/ (made if missing), NATS and etcd over "
+                         "TLS, etcd users per role, the gateways on HTTPS")
     up.add_argument("--log-level", default=None, metavar="LEVEL",
                     type=log_level_type,
                     help="log level of the supervisor and the actors (default: $ACTORSERVE_LOG_LEVEL or INFO)")
@@ -342,28 +353,39 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "endpoints": {"nats_url": redact_url(nats_url) if nats_url else nats_url, "etcd_url": etcd_url,
                       "http_url": http_url},  # the operator password stays in the 0600 endpoints.json
         "processes": {k: {"pid": v, "alive": pid_alive(v)} for k, v in pids.items() if isinstance(v, int)},
+        "stopped": pids.get("stopped") if isinstance(pids.get("stopped"), dict) else {},
         "ready": (http_status(f"{http_url}/readyz") == 200) if http_url else None,
     }
     try:
         report.update(asyncio.run(go()))
     except Exception as e:  # etcd down: still show what we know
-        report["error"] = f"etcd at {etcd_url} unreachable: {e or type(e).__name__}"
+        if not is_unreachable(e):
+            raise
+        report["error"] = unreachable_line("etcd", etcd_url, e)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
-        return 0 if "error" not in report else 1
+        if "error" in report:
+            print(report["error"], file=sys.stderr)
+            return EXIT_UNREACHABLE
+        return 0
     ep = report["endpoints"]
     print(f"state dir: {report['state_dir']}")
     print(f"nats:      {redact_url(ep['nats_url']) if ep['nats_url'] else '-'}")
     print(f"etcd:      {ep['etcd_url']}")
     ready = {True: "ready", False: "NOT ready", None: "-"}[report["ready"]]
     print(f"http:      {ep['http_url'] or '-'} ({ready})")
-    if report["processes"]:
+    if report["processes"] or report["stopped"]:
         print("processes:")
         for name, p in report["processes"].items():
             print(f"  {name:<14} pid {p['pid']:<8} {'running' if p['alive'] else 'GONE'}")
+    for name, info in sorted(report["stopped"].items()):
+        by = info.get("by", "?") if isinstance(info, dict) else "?"
+        rc = info.get("status") if isinstance(info, dict) else None
+        print(f"  {name:<14} {'stopped by ' + str(by):<12} (exit status {rc}; not restarted, `kill -HUP "
+              f"{pids.get('supervisor', '<up pid>')}` starts it again)")
     if "error" in report:
         print(report["error"], file=sys.stderr)
-        return 1
+        return EXIT_UNREACHABLE
     print("models:")
     if not report["models"]:
         print("  (none registered)")
@@ -388,6 +410,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         status = args.func(args)
     except KeyboardInterrupt:
         status = 130
+    except StackUnreachable as e:  # no endpoint found: one line, exit 3
+        print(e.message, file=sys.stderr)
+        status = EXIT_UNREACHABLE
+    except Exception as e:  # a verb let a connection failure escape: one line, exit 3, no traceback
+        if not is_unreachable(e):
+            raise
+        status = report_unreachable("the stack", None, e)
     sys.exit(status or 0)
 
 

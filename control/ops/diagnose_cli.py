@@ -19,6 +19,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlparse
 
+from control.ops.cli_errors import is_unreachable, report_unreachable
 from control.policy import diagnose as policy
 
 SCRAPE_TIMEOUT_S = 3.0
@@ -232,18 +233,19 @@ def print_report(snap: policy.Snapshot, dx: policy.Diagnosis) -> None:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    """Run ``actorserve diagnose``: 0 on a report, 1 when etcd or every endpoint is unreachable."""
+    """Run ``actorserve diagnose``: 0 on a report, 3 (control/ops/cli_errors.py) when etcd or every
+    metrics endpoint is unreachable."""
     from actors.runtime import resolve_endpoints
 
     _, etcd_url = resolve_endpoints(args, need_nats=False)
     try:
         snap = asyncio.run(collect(etcd_url, args.window_s))
     except Exception as e:  # etcd down
-        print(f"actorserve diagnose: etcd at {etcd_url} unreachable: {e or type(e).__name__}", file=sys.stderr)
-        return 1
+        if not is_unreachable(e):
+            raise
+        return report_unreachable("etcd", etcd_url, e)
     if not snap.actors:
-        print("actorserve diagnose: no actor metrics endpoint answered (is the stack running?)", file=sys.stderr)
-        return 1
+        return report_unreachable("every actor metrics endpoint registered in etcd", None)
     dx = policy.diagnose(snap)
     if args.json:
         print(json.dumps(report_dict(snap, dx), indent=2, sort_keys=True))

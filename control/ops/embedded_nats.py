@@ -7,6 +7,7 @@ tenant key) are control/ops/nats_auth.py's and control/ops/nats_roles.py's.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -40,8 +41,10 @@ class EmbeddedNats(ServerProcess):
         max_file_store: str = DEFAULT_JS_MAX_FILE_STORE,
         max_memory_store: str = DEFAULT_JS_MAX_MEMORY_STORE,
         auth: bool = False,
+        tls_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(state_dir, startup_timeout=startup_timeout)
+        self.tls_dir = None if tls_dir is None else Path(tls_dir)  # `actorserve certs` output: TLS on
         self.max_file_store = max_file_store
         self.max_memory_store = max_memory_store
         self.auth = auth  # users: internal (operator), one per role (actors), one per tenant key (control/ops/nats_auth.py)
@@ -50,8 +53,8 @@ class EmbeddedNats(ServerProcess):
 
     @property
     def url(self) -> str:
-        """Client URL, ``nats://127.0.0.1:PORT``."""
-        return f"nats://{LOOPBACK}:{self.port}"
+        """Client URL, ``nats://127.0.0.1:PORT`` (``tls://`` with ``tls_dir``)."""
+        return f"{'tls' if self.tls_dir is not None else 'nats'}://{LOOPBACK}:{self.port}"
 
     @property
     def client_url(self) -> str:
@@ -120,6 +123,7 @@ class EmbeddedNats(ServerProcess):
             f"  max_memory_store: {self.max_memory_store}\n"
             "}\n"
             + self._auth_section()
+            + nats_tls_block(self.tls_dir)
         )
 
     def _auth_section(self) -> str:
@@ -140,3 +144,23 @@ class EmbeddedNats(ServerProcess):
         # /healthz answers 200 {"status":"ok"} once the server, JetStream included, is up.
         body = http_get_json(f"{self.monitor_url}/healthz")
         return isinstance(body, dict) and body.get("status") == "ok"
+
+
+def nats_tls_block(tls_dir: str | os.PathLike[str] | None) -> str:
+    """The nats-server ``tls { ... }`` config block for the files of ``actorserve certs`` in ``tls_dir``
+    (empty string for None): every client connection is TLS (``nats-server`` certificate), clients check
+    it against ``ca.pem`` and still log in with their user and password (tenants have no client
+    certificates, so the server does not ask for one: ``verify: false``); docs/security.md."""
+    if tls_dir is None:
+        return ""
+    d = Path(tls_dir)
+
+    def q(p: Path) -> str:
+        return json.dumps(str(p))
+    return ("tls {\n"
+            f"  cert_file: {q(d / 'nats-server.pem')}\n"
+            f"  key_file: {q(d / 'nats-server-key.pem')}\n"
+            f"  ca_file: {q(d / 'ca.pem')}\n"
+            "  verify: false\n"
+            "  timeout: 5\n"
+            "}\n")

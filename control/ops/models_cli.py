@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from actors.runtime import common_arguments, resolve_endpoints
+from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable  # noqa: F401
 from control.ops.argtypes import non_negative_int as _non_negative_int
 from control.ops.argtypes import positive_int as _positive_int
 
@@ -279,11 +280,9 @@ def _with_registry(args: argparse.Namespace, func) -> int:
         return _fail(str(e), e.status)
     except ValueError as e:
         return _fail(str(e), 2)
-    except (TimeoutError, OSError) as e:
-        return _fail(f"etcd at {etcd_url} unreachable: {e or type(e).__name__}", 1)
-    except Exception as e:  # aetcd ClientError and friends
-        if type(e).__module__.startswith("aetcd"):
-            return _fail(f"etcd at {etcd_url} unreachable: {e or type(e).__name__}", 1)
+    except Exception as e:  # etcd unreachable (TimeoutError, OSError, aetcd ClientError): exit 3, one line
+        if is_unreachable(e):
+            return report_unreachable("etcd", etcd_url, e)
         raise
 
 
@@ -464,6 +463,10 @@ def _cmd_models_register_default(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if is_unreachable(e):
+            return report_unreachable("etcd", etcd_url, e)
+        raise
     print(f"registered {stored['name']}@{stored['version']}: {stored['artifact']}")
     return 0
 

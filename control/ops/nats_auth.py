@@ -77,6 +77,29 @@ def internal_password(state_dir: str | Path) -> str:
     return pw
 
 
+OPERATOR_TOKEN_FILE = "operator-token"  # <state-dir>/operator-token (mode 0600): the operator's bearer token
+OPERATOR_TOKEN_ENV = "ACTORSERVE_OPERATOR_TOKEN"  # how a gateway receives it (environment, never argv)
+
+
+def operator_token(state_dir: str | Path) -> str:
+    """The stack's operator token (``GET /metrics`` on the gateways needs ``Authorization: Bearer`` it):
+    read from ``<state-dir>/operator-token``, created there (random, 32 bytes URL-safe, mode 0600) on
+    first use and kept across restarts so scrapers keep working. Raises OSError if the state dir is not
+    writable."""
+    path = Path(state_dir) / OPERATOR_TOKEN_FILE
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    token = secrets.token_urlsafe(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+    return token
+
+
 def redact_url(url: str) -> str:
     """``url`` (or a comma-separated list) with any password replaced by ``***``
     (``nats://user:***@host:port``), for printing."""

@@ -24,9 +24,15 @@ Roles and what they do on NATS (read from actors/*, gateway/*, bus/*, control/*)
 
 Each role may subscribe to its own inbox ``_INBOX_<role>.>`` (replies to its requests, JetStream API
 replies, consumer deliveries) and, where it serves requests, answer them (``allow_responses``: one
-reply to the reply subject of each request it received, whoever sent it). JetStream API subjects
-(``$JS.API.>``, ``$JS.ACK.<stream>.>``, ``$JS.FC.>``, ``$KV.<bucket>.>``, ``$O.<bucket>.>``) only for
-``gateway``, ``scheduler`` and ``jobs``. Tenant users are unchanged (control/ops/nats_auth.py).
+reply to the reply subject of each request it received, whoever sent it). JetStream only for ``gateway``,
+``scheduler`` and ``jobs``, and only the API subjects of the streams each uses (bus.subjects.js_stream_api:
+``$JS.API.STREAM.INFO.<stream>``, ``$JS.API.CONSUMER.*.<stream>...``, ``$JS.API.DIRECT.GET.KV_<bucket>.>``,
+...; no ``$JS.API.INFO``, which nats-py does not need here), plus ``$JS.ACK.<stream>.>``, ``$JS.FC.>``,
+``$KV.<bucket>.>``, ``$O.<bucket>.>``: the gateway AS_DONE, AS_JOBS, its five KV buckets and the job
+object store; jobs AS_JOBS, ``as_jobs`` and the object store; the scheduler its journals
+``SCHED_<name>_<version>`` — any stream name, since a name prefix is no NATS wildcard, but every platform
+stream of :func:`platform_streams` denied (what remains: a scheduler could create and read streams of
+other names). Tenant users are unchanged (control/ops/nats_auth.py).
 
 Passwords: one random password per role, kept (mode 0600) in ``<state-dir>/nats-role-passwords.json``
 and in the 0600 server config; the supervisor hands each actor its role's URL in the environment
@@ -85,13 +91,26 @@ def inbox(role: str) -> str:
 
 
 def _jetstream(stream_subjects: tuple[str, ...] = (), buckets: tuple[str, ...] = (), objects: tuple[str, ...] = (),
-               acks: tuple[str, ...] = ()) -> list[str]:
-    """Publish permissions of a JetStream client: the API, flow-control replies, the KV buckets'
-    (``$KV.<b>.>``) and object stores' (``$O.<b>.>``) subjects, acks of the named consumers' streams,
-    and the stream subjects in ``stream_subjects`` (published to with an ack)."""
-    return ([subjects.js_api_all(), subjects.js_flow_control_all()] + [subjects.js_acks(s) for s in acks]
-            + [subjects.kv_subjects(b) for b in buckets] + [subjects.object_subjects(o) for o in objects]
-            + list(stream_subjects))
+               acks: tuple[str, ...] = (), streams_used: tuple[str, ...] = ()) -> list[str]:
+    """Publish permissions of a JetStream client: the JetStream API of exactly the streams it uses
+    (``streams_used``, the streams behind ``buckets`` ``KV_<b>`` and ``objects`` ``OBJ_<b>``, and those of
+    ``acks``: bus.subjects.js_stream_api), flow-control replies, the KV buckets' (``$KV.<b>.>``) and object
+    stores' (``$O.<b>.>``) subjects, acks of the named consumers' streams, and the stream subjects in
+    ``stream_subjects`` (published to with an ack). With an object store also ``STREAM.NAMES`` (nats-py
+    looks the store's stream up by subject when it reads an object)."""
+    used = [*streams_used, *acks, *(streams.kv_stream(b) for b in buckets), *(streams.object_stream(o) for o in objects)]
+    api = [p for st in dict.fromkeys(used) for p in subjects.js_stream_api(st)]
+    return (api + ([subjects.js_stream_names()] if objects else []) + [subjects.js_flow_control_all()]
+            + [subjects.js_acks(s) for s in acks] + [subjects.kv_subjects(b) for b in buckets]
+            + [subjects.object_subjects(o) for o in objects] + list(stream_subjects))
+
+
+def platform_streams() -> tuple[str, ...]:
+    """Every stream of bus/streams.py with a fixed name: AS_DONE, AS_JOBS and the streams behind the
+    KV buckets and the object store (what a scheduler, allowed any stream for its per-version journals
+    ``SCHED_<name>_<version>``, is denied)."""
+    kv = (USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET, RESPONSES_BUCKET)
+    return (USAGE_STREAM, JOBS_STREAM, *map(streams.kv_stream, kv), streams.object_stream(JOBS_OBJECTS))
 
 
 def _spec() -> dict[str, dict[str, Any]]:
@@ -101,12 +120,13 @@ def _spec() -> dict[str, dict[str, Any]]:
     done = any_of(subjects.done)
     return {
         "gateway": {
-            "publish": [subjects.VALIDATE, cancel, _below(subjects.tenant_inbox_prefix)]
+            "publish": [subjects.VALIDATE, cancel, any_of(subjects.gateway_cancel), _below(subjects.tenant_inbox_prefix)]
             + _jetstream(stream_subjects=(JOBS_SUBMIT,), buckets=(USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET,
                                                                   RESPONSES_BUCKET),
-                         objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,)),
+                         objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,), streams_used=(JOBS_STREAM,)),
             "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
-                          *subjects.API_RESPONSES_OPS, gw_replies, done, any_of(subjects.stats)],
+                          *subjects.API_RESPONSES_OPS, gw_replies, done, any_of(subjects.stats),
+                          any_of(subjects.gateway_cancel)],  # cancel look-ups between gateways
             "responses": True,  # reply-subject probes from workers, NATS API request acks
         },
         "validator": {
@@ -116,7 +136,9 @@ def _spec() -> dict[str, dict[str, Any]]:
         },
         "scheduler": {
             "publish": [any_of(subjects.work), gw_replies, done, any_of(subjects.sched_leader)]
-            + _jetstream(stream_subjects=(any_of(subjects.sched_journal),)),
+            + _jetstream(stream_subjects=(any_of(subjects.sched_journal),), streams_used=(subjects.ANY_STREAM,)),
+            # a stream-name prefix (SCHED_) cannot be a NATS wildcard: any stream, but not the platform's others
+            "publish_deny": [p for st in platform_streams() for p in subjects.js_stream_api(st)],
             "subscribe": [any_of(subjects.sched_submit), any_of(subjects.credits), any_of(subjects.sched_events),
                           done, cancel],
             "responses": True,  # acks of submits
@@ -150,9 +172,11 @@ def role_permissions(role: str) -> dict[str, Any]:
     if spec is None:
         raise ValueError(f"unknown NATS role {role!r} (one of {', '.join(ROLES)})")
     perms: dict[str, Any] = {
-        "publish": {"allow": list(spec["publish"])} if spec["publish"] else {"deny": [subjects.EVERYTHING]},
+        "publish": ({"allow": list(spec["publish"])} if spec["publish"] else {"deny": [subjects.EVERYTHING]}),
         "subscribe": {"allow": [*spec["subscribe"], inbox(role)]},
     }
+    if spec.get("publish_deny"):
+        perms["publish"]["deny"] = list(spec["publish_deny"])
     if spec["responses"]:
         perms["allow_responses"] = True
     return perms

@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable
 
 from actors.runtime import common_arguments, resolve_endpoints
+from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable  # noqa: F401
 
 CAS_ATTEMPTS = 5
 
@@ -134,13 +135,12 @@ def run(func, args: argparse.Namespace) -> int:
     except (RolloutError, ValueError) as e:
         print(f"actorserve: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # etcd unreachable (TimeoutError, aetcd ClientError, OSError)
-        import aetcd.exceptions
-
-        if not isinstance(e, (TimeoutError, OSError, aetcd.exceptions.ClientError)):
+    except StackUnreachable:
+        raise
+    except Exception as e:  # etcd unreachable (TimeoutError, aetcd ClientError, OSError): one line, exit 3
+        if not is_unreachable(e):
             raise
-        print(f"actorserve: etcd at {etcd_url} unreachable: {e or type(e).__name__}", file=sys.stderr)
-        return 1  # as `models` and `tenants`: 1 = etcd unreachable, 2 = refused
+        return report_unreachable("etcd", etcd_url, e)  # as every verb: 3 = stack unreachable, 2 = refused
 
 
 async def _active_versions(reg, name: str) -> dict[str, dict[str, Any]]:

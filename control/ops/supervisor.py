@@ -10,7 +10,7 @@ signal handling and terminal output; control/ops/deploy.py has the model registr
         sup.wait_ready(120)    # every gateway's GET /readyz answers 200
         ...                    # sup.http_url, sup.nats_url, sup.etcd_url, sup.pids
     finally:
-        sup.stop()             # actors in order (SIGTERM their groups, then SIGKILL), nats, etcd
+        sup.stop()             # actors in parallel waves (SIGTERM their groups, then SIGKILL), nats, etcd
 
 Layout under the state directory: ``endpoints.json``, ``pids.json``, ``logs/<actor>-<n>.log``
 (plus ``logs/nats.log``, ``logs/etcd.log``), ``nats/`` (JetStream store) and ``etcd/`` (data).
@@ -31,6 +31,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -43,7 +44,7 @@ from control.ops.embedded_server import tail_file  # noqa: F401 (re-exported)
 from control.ops.supervisor_health import HealthMixin
 from control.ops.supervisor_processes import (PIDS_FILE, ActorProcess, SupervisorError,  # noqa: F401 (re-exported)
                                               http_status, pid_alive, probe_host, url_host)
-from control.ops.supervisor_versions import STOP_ORDER, VersionsMixin
+from control.ops.supervisor_versions import STOP_ORDER, STOP_WAVES, VersionsMixin, stop_rank  # noqa: F401
 
 log = logging.getLogger("actorserve.supervisor")
 
@@ -104,6 +105,7 @@ class Supervisor(HealthMixin, VersionsMixin):
         python: str | None = None,
         watch_registry: bool = True,
         registry_poll_s: float = 0.5,
+        tls: bool = False,
     ) -> None:
         from control.state.names import validate_name
 
@@ -133,6 +135,8 @@ class Supervisor(HealthMixin, VersionsMixin):
         self.stop_timeout_s = float(stop_timeout_s)
         self.python = python or sys.executable
         self.watch_registry = bool(watch_registry)
+        self.tls = bool(tls)  # `up --tls`: certificates in <state-dir>/tls/, TLS everywhere (control/ops/tls_stack.py)
+        self.tls_dir: Path | None = None
         self.registry_poll_s = float(registry_poll_s)
 
         self.stack: Any = None  # control.ops.embedded.EmbeddedStack once started
@@ -177,7 +181,7 @@ class Supervisor(HealthMixin, VersionsMixin):
 
     def gateway_url(self, n: int) -> str:
         """Base URL of gateway ``n`` (0-based)."""
-        return f"http://{url_host(self.host)}:{self.gateway_ports[n]}"
+        return f"{'https' if self.tls else 'http'}://{url_host(self.host)}:{self.gateway_ports[n]}"
 
     @property
     def model_ref(self) -> str:
@@ -224,6 +228,11 @@ class Supervisor(HealthMixin, VersionsMixin):
                 f"another `actorserve up` (pid {pid}) seems to be running with state dir {self.state_dir}; "
                 f"stop it first or pass a different --state-dir"
             )
+        from control.ops.lifeline import live_stack
+
+        left = live_stack(self.state_dir)  # an orphaned stack: its supervisor died, its processes did not
+        if left is not None:
+            raise SupervisorError(left)
 
     def _choose_ports(self) -> None:
         from control.ops.ports import free_ports, port_open
@@ -261,10 +270,14 @@ class Supervisor(HealthMixin, VersionsMixin):
                 self.model_name, self.model_version, self.model_file, context_length=self.context_length
             )
             self._check_abort()
-            self.stack = EmbeddedStack(self.state_dir, nats_auth=True)
+            if self.tls:
+                from control.ops.tls_stack import prepare_tls
+                self.tls_dir = prepare_tls(self.state_dir, self.host)
+            self.stack = EmbeddedStack(self.state_dir, nats_auth=True, tls_dir=self.tls_dir)
             self.stack.start()
             self._check_abort()
-            write_endpoints(self.state_dir, self.stack.nats_url, self.stack.etcd_url, self.http_url)
+            write_endpoints(self.state_dir, self.stack.nats_url, self.stack.etcd_url, self.http_url,
+                            tls_dir=self.tls_dir)
             self.manifest = _run_coro(register_model(self.stack.etcd_url, self.manifest))
             log.info("registered %s (%s)", self.model_ref, self.manifest.get("artifact"))
             self.dev_api_key = _run_coro(ensure_dev_tenant(self.stack.etcd_url, self.state_dir))
@@ -352,6 +365,13 @@ class Supervisor(HealthMixin, VersionsMixin):
             from control.ops.nats_roles import KIND_ROLES
             role = KIND_ROLES.get(kind or "")
             env["ACTORSERVE_NATS"] = self.stack.nats.role_url(role) if role else self.stack.nats_url
+        from control.ops.nats_auth import OPERATOR_TOKEN_ENV, operator_token
+        env.pop(OPERATOR_TOKEN_ENV, None)  # only gateways get the operator token (their /metrics checks it)
+        if kind == "gateway":
+            env[OPERATOR_TOKEN_ENV] = operator_token(self.state_dir)
+        if self.tls_dir is not None:  # the CA and the role's client certificate (gateways: + HTTPS certificate)
+            from control.ops.tls_stack import child_tls_env
+            env.update(child_tls_env(self.tls_dir, kind))
         # `python -m control.ops.cli` must import this checkout even when it is not installed.
         pp = env.get("PYTHONPATH", "")
         parts = [p for p in pp.split(os.pathsep) if p]
@@ -363,7 +383,36 @@ class Supervisor(HealthMixin, VersionsMixin):
         processes.spawn(a, self.state_dir, self._child_env(a.kind))
 
     def _write_pids(self) -> None:
-        processes.write_pids(self.state_dir, self.pids)
+        with self._lock:
+            stopped = {a.name: {"by": a.stopped_by, "status": a.proc.returncode if a.proc is not None else None}
+                       for a in self.actors if a.stopped_by and not a.running}
+        processes.write_pids(self.state_dir, self.pids, stopped)
+
+    @property
+    def stopped_by_operator(self) -> list[str]:
+        """Names of the actors that exited after a stop they were asked for (e.g. ``kill -TERM`` of a
+        worker) and that the supervisor therefore does not restart; see :meth:`start_stopped`."""
+        with self._lock:
+            return [a.name for a in self.actors if a.stopped_by == "operator" and not a.running]
+
+    def start_stopped(self, names: Sequence[str] | None = None) -> list[str]:
+        """Start again the actors stopped by the operator (all of them, or those in ``names``); returns the
+        names started. ``actorserve up`` calls this on SIGHUP. Raises OSError when a spawn fails."""
+        started: list[str] = []
+        with self._lock:
+            if self._stopping:
+                return started
+            for a in self.actors:
+                if a.stopped_by and not a.running and (names is None or a.name in names):
+                    a.restarts.clear()
+                    a.given_up = False
+                    a.stopped_by = None
+                    self._spawn(a)
+                    started.append(a.name)
+                    self._event(f"{a.name} started again on request (was stopped by the operator)")
+            if started:
+                self._write_pids()
+        return started
 
     def request_stop(self) -> None:
         """Ask a waiting :meth:`wait_ready` / :meth:`wait` to return; safe from signal handlers."""
@@ -376,27 +425,39 @@ class Supervisor(HealthMixin, VersionsMixin):
     # -- stop ------------------------------------------------------------------------------
 
     def _terminate(self, group: list[ActorProcess]) -> None:
-        processes.terminate(group, self.stop_timeout_s)
+        """Stop ``group`` in the waves of STOP_WAVES (every wave concurrent, one ``stop_timeout_s`` deadline)."""
+        processes.terminate(group, self.stop_timeout_s, STOP_WAVES)
 
     def stop(self) -> None:
-        """Stop the actors (gateways, validator, scheduler, workers — each kind SIGTERMed as a
-        process group, SIGKILLed after ``stop_timeout_s``), then NATS and etcd. Idempotent."""
+        """Stop the actors in waves (STOP_WAVES: rollout, gateways and jobs first so that no new work
+        enters, then validator and schedulers, then workers; every process of a wave SIGTERMed at once,
+        the next wave when the earlier ones exited or 1 s later), all within one ``stop_timeout_s``
+        deadline before SIGKILL; then NATS and etcd. Idempotent."""
         self._stop_requested.set()
         with self._lock:
             self._stopping = True
+        t0 = time.monotonic()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=5)
+        with self._lock:  # the registry watch starts nothing once _stopping is set
+            group = sorted(self.actors, key=stop_rank)
+        self._terminate(group)  # without waiting for the watch first: its poll must not delay the drain
         if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=self.stop_timeout_s + 15)
+            self._watcher.join(timeout=self.stop_timeout_s + 15)  # it finishes a version drain it began
         with self._lock:
-            group = self.actors + self._draining
-            for kind in STOP_ORDER:
-                self._terminate([a for a in group if a.kind == kind])
+            left = [a for a in self._draining if a.running]
+        if left:
+            self._terminate(sorted(left, key=stop_rank))
+        t_actors = time.monotonic()
         if getattr(self, "_user_sync", None) is not None:
             self._user_sync.stop()
         if self.stack is not None:
             self.stack.stop()
         processes.remove_own_pids(self.state_dir)
+        if any(a.proc is not None for a in group) and not getattr(self, "_stop_logged", False):
+            self._stop_logged = True
+            log.info("stopped the actors in %.1f s, then nats and etcd in %.1f s", t_actors - t0,
+                     time.monotonic() - t_actors)
 
     def __enter__(self) -> "Supervisor":
         return self.start()

@@ -1,6 +1,13 @@
 """Health of the stack ``actorserve up`` runs: readiness (every gateway's ``GET /readyz``) before, and
 after it the monitor that restarts dead actors and embedded servers within their restart budget.
 
+The restart rule: an actor that exits with a status of :data:`control.ops.supervisor_processes.REQUESTED_STOP_STATUSES`
+(0 after the drain a SIGTERM / SIGINT asked for, 143 / 130 after a second signal, -15 / -2 when the
+signal came before its handler) was stopped on purpose — by the operator, since the supervisor
+removes the processes it stops itself first — and is not restarted ("stopped by operator" in
+``actorserve status`` and ``pids.json``); any other exit (1, SIGKILL, SIGSEGV, ...) is a crash and is
+restarted within the budget. Embedded servers are always restarted.
+
 :class:`HealthMixin` is part of :class:`control.ops.supervisor.Supervisor`.
 """
 
@@ -8,13 +15,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable
 
 from control.ops.embedded_server import tail_file
 from control.ops.supervisor_processes import (ActorProcess, SupervisorError, http_status, log_follower,
-                                              probe_host, restart_allowed, url_host)
+                                              probe_host, restart_allowed, stopped_on_request, url_host)
 
 log = logging.getLogger("actorserve.supervisor")
 
@@ -76,7 +84,7 @@ class HealthMixin:
         return SupervisorError(f"{names} not ready within {timeout:.0f} s; actor logs:\n{tails}")
 
     def _probe_url(self, n: int) -> str:
-        return f"http://{url_host(probe_host(self.host))}:{self.gateway_ports[n]}"
+        return f"{'https' if getattr(self, 'tls', False) else 'http'}://{url_host(probe_host(self.host))}:{self.gateway_ports[n]}"
 
     def _echo_source(self) -> Callable[..., None] | None:
         """A function copying new bytes of worker-0's log to the echo stream (the progress bar)."""
@@ -93,17 +101,28 @@ class HealthMixin:
                 continue  # before readiness a death is fatal (wait_ready reports it)
             # Embedded servers first (etcd, then NATS): actors need them. Outside the lock: a start
             # blocks up to the server's startup timeout.
-            servers_changed = self._restart_servers()
-            with self._lock:
-                if self._stopping:
-                    return
-                changed = servers_changed
-                for a in self.actors:
-                    if a.given_up or a.proc is None or a.proc.poll() is None:
-                        continue
-                    changed |= self._restart(a)
-                if changed:
-                    self._write_pids()
+            if not self._supervise_once():
+                return
+
+    def _supervise_once(self) -> bool:
+        """One round of the monitor: restart dead embedded servers, then dead actors (or keep them
+        stopped, see the module's restart rule); rewrite ``pids.json`` on a change. False once
+        :meth:`stop` began."""
+        servers_changed = self._restart_servers()
+        with self._lock:
+            if self._stopping:
+                return False
+            changed = servers_changed
+            for a in self.actors:
+                if a.given_up or a.stopped_by or a.proc is None or a.proc.poll() is None:
+                    continue
+                if stopped_on_request(a.proc.returncode):
+                    changed |= self._keep_stopped(a)
+                    continue
+                changed |= self._restart(a)
+            if changed:
+                self._write_pids()
+        return True
 
     def _within_budget(self, name: str, rc: Any, history: collections.deque[float], log_path: Any) -> bool:
         """Spend one restart of ``name`` from its budget; False (logged, kept in events) once spent."""
@@ -136,6 +155,16 @@ class HealthMixin:
             except (RuntimeError, OSError) as e:  # retried on the next round, within the window's budget
                 log.error("could not restart %s: %s", srv.name, str(e).splitlines()[0])
         return changed
+
+    def _keep_stopped(self, a: ActorProcess) -> bool:
+        """The restart rule's other half: ``a`` exited because it was asked to (SIGTERM / SIGINT from
+        outside the supervisor, e.g. ``kill -TERM <pid>`` by the operator; a clean drain exits 0): it
+        stays stopped, shown as "stopped by operator" by ``actorserve status``, until
+        :meth:`start_stopped` (``kill -HUP`` of ``actorserve up``)."""
+        a.stopped_by = "operator"
+        self._event(f"{a.name} exited with status {a.proc.returncode} after a stop it was asked for: not "
+                    f"restarting it (stopped by operator; `kill -HUP {os.getpid()}` starts it again)")
+        return True
 
     def _restart(self, a: ActorProcess) -> bool:
         rc = a.proc.returncode if a.proc is not None else None

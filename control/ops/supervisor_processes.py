@@ -17,10 +17,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
+
+from control.ops import lifeline
 
 log = logging.getLogger("actorserve.supervisor")
 
@@ -34,7 +36,8 @@ class SupervisorError(RuntimeError):
 def http_status(url: str, timeout: float = 1.0) -> int | None:
     """HTTP status of ``GET url`` (loopback), or None if the server does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (local URL)
+        from control.ops.tls_stack import probe_context  # https (`up --tls`): verified against the stack's CA
+        with urllib.request.urlopen(url, timeout=timeout, context=probe_context(url)) as resp:  # noqa: S310
             return int(resp.status)
     except urllib.error.HTTPError as e:
         return int(e.code)
@@ -87,6 +90,7 @@ class ActorProcess:
     given_up: bool = False
     model: str | None = None  # "name@version" for schedulers and workers
     dynamic: bool = False  # started by the registry watch (its death is not fatal during wait_ready)
+    stopped_by: str | None = None  # "operator": exited after a stop it was asked for; not restarted
 
     @property
     def pid(self) -> int | None:
@@ -105,8 +109,12 @@ def spawn(a: ActorProcess, cwd: Path, env: Mapping[str, str]) -> None:
     with open(a.log_path, "ab") as logf:
         logf.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {shlex.join(a.argv)}\n".encode())
         logf.flush()
-        a.proc = subprocess.Popen(a.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                  cwd=str(cwd), env=dict(env), start_new_session=True, close_fds=True)
+        # SIGTERM (drain) when this process dies, even by SIGKILL (control/ops/lifeline.py); the actor also
+        # watches ACTORSERVE_PARENT_PID.
+        a.proc = lifeline.popen(a.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                cwd=str(cwd), env={**env, lifeline.ENV_PARENT_PID: str(os.getpid())},
+                                start_new_session=True, close_fds=True)
+    a.stopped_by = None
     log.info("started %s (pid %s)", a.name, a.proc.pid)
 
 
@@ -117,18 +125,41 @@ def _killpg(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def terminate(group: list[ActorProcess], timeout_s: float) -> None:
-    """SIGTERM the process groups of ``group``'s live processes, wait up to ``timeout_s`` seconds in all,
-    SIGKILL those still running; then SIGKILL whatever is left in each group."""
-    live = [a for a in group if a.proc is not None and a.proc.poll() is None]
-    for a in live:
-        _killpg(a.proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for a in live:
+# Seconds between two stop waves when the earlier one has not exited yet (its processes keep draining).
+WAVE_GAP_S = 1.0
+
+
+def terminate(group: list[ActorProcess], timeout_s: float, waves: Sequence[Sequence[str]] = (),
+              gap_s: float = WAVE_GAP_S) -> None:
+    """Stop ``group``'s live processes in waves sharing one deadline, so that stopping takes at most
+    ``timeout_s`` seconds however many processes run.
+
+    ``waves`` lists actor kinds per wave (a kind in none of them joins the last wave; no waves: one
+    wave). Every process of a wave gets SIGTERM (its process group) at once; the next wave follows
+    when the earlier ones have exited or ``gap_s`` seconds later, whichever comes first (earlier waves
+    keep draining meanwhile). Whatever still runs ``timeout_s`` seconds after the first SIGTERM gets
+    SIGKILL; then whatever is left in each process group is SIGKILLed."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    buckets: list[list[ActorProcess]] = [[] for _ in range(max(1, len(waves)))]
+    for a in group:
+        idx = next((i for i, kinds in enumerate(waves) if a.kind in kinds), len(buckets) - 1)
+        buckets[idx].append(a)
+    signalled: list[ActorProcess] = []
+    for i, wave in enumerate(buckets):
+        live = [a for a in wave if a.proc is not None and a.proc.poll() is None]
+        for a in live:
+            _killpg(a.proc.pid, signal.SIGTERM)
+        signalled += live
+        if i < len(buckets) - 1 and live:
+            next_at = min(deadline, time.monotonic() + gap_s)
+            while time.monotonic() < next_at and any(a.proc.poll() is None for a in signalled):
+                time.sleep(0.05)
+    for a in signalled:
         try:
             a.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("%s (pid %s) did not exit within %.0f s of SIGTERM; sending SIGKILL",
+            log.warning("%s (pid %s) did not exit within %.0f s of the stop; sending SIGKILL",
                         a.name, a.proc.pid, timeout_s)
             _killpg(a.proc.pid, signal.SIGKILL)
             try:
@@ -138,6 +169,21 @@ def terminate(group: list[ActorProcess], timeout_s: float) -> None:
     for a in group:
         if a.proc is not None:  # reap anything left in the actor's own group (it should be empty)
             _killpg(a.proc.pid, signal.SIGKILL)
+    if signalled:
+        log.info("stopped %d process(es) in %.1f s", len(signalled), time.monotonic() - t0)
+
+
+# Exit statuses of an actor that stopped because it was asked to (SIGTERM / SIGINT: a clean drain
+# exits 0; a second signal during the drain 143 / 130; killed by the signal before its handler was
+# installed -15 / -2). The supervisor does not restart such an actor (supervisor_health.py).
+REQUESTED_STOP_STATUSES = frozenset({0, 128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT})
+
+
+def stopped_on_request(returncode: int | None) -> bool:
+    """True when ``returncode`` (``Popen.returncode``) is that of an actor that stopped because it was
+    asked to (:data:`REQUESTED_STOP_STATUSES`); False for a crash (1, a fatal signal such as SIGKILL or
+    SIGSEGV) or a process still running (None)."""
+    return returncode is not None and returncode in REQUESTED_STOP_STATUSES
 
 
 # -- pids.json ------------------------------------------------------------------------------------
@@ -152,12 +198,16 @@ def read_pids(state_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def write_pids(state_dir: Path, pids: Mapping[str, int]) -> None:
-    """Atomically write ``pids.json``: ``{"supervisor": <this pid>, **pids}`` (a failure is logged)."""
+def write_pids(state_dir: Path, pids: Mapping[str, int], stopped: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Atomically write ``pids.json``: ``{"supervisor": <this pid>, **pids}`` plus, when any, ``"stopped":
+    {name: {"by": "operator", "status": exit status}}`` of actors that stay stopped (a failure is logged)."""
     path = state_dir / PIDS_FILE
     tmp = path.with_name(f".{PIDS_FILE}.{os.getpid()}.tmp")
+    data: dict[str, Any] = {"supervisor": os.getpid(), **pids}
+    if stopped:
+        data["stopped"] = {k: dict(v) for k, v in stopped.items()}
     try:
-        tmp.write_text(json.dumps({"supervisor": os.getpid(), **pids}, indent=2) + "\n")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, path)
     except OSError as e:  # pragma: no cover - state dir removed under us
         log.warning("could not write %s: %s", path, e)

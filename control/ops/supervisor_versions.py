@@ -21,6 +21,17 @@ log = logging.getLogger("actorserve.supervisor")
 # Stop order: the rollout controller first (no decisions while the stack goes away), then the edges
 # (no new traffic), then the pipeline front to back.
 STOP_ORDER = ("rollout", "gateway", "jobs", "validator", "scheduler", "worker")
+# The same order as waves: every process of a wave is SIGTERMed at once, the next wave follows when the
+# earlier ones exited or a short gap later (control/ops/supervisor_processes.py ``terminate``), all
+# within one deadline. Edges first (no new work enters; gateways keep waiting for their streams), then
+# the validator and the schedulers (the queue is still dispatched to running workers for a moment),
+# then the workers (they finish what they run within their drain timeout).
+STOP_WAVES = (("rollout", "gateway", "jobs"), ("validator", "scheduler"), ("worker",))
+
+
+def stop_rank(a: ActorProcess) -> int:
+    """Position of ``a``'s kind in STOP_ORDER (unknown kinds last): sort key of a group to stop."""
+    return STOP_ORDER.index(a.kind) if a.kind in STOP_ORDER else len(STOP_ORDER)
 
 Models = Mapping[str, Mapping[str, Mapping[str, Any]]]  # {name: {version: manifest}}
 
@@ -128,8 +139,7 @@ class VersionsMixin:
                 return [], []
             stop_refs, draining = self._forget_versions(desired)
         if draining:
-            for kind in STOP_ORDER:
-                self._terminate([a for a in draining if a.kind == kind])
+            self._terminate(sorted(draining, key=stop_rank))
             with self._lock:
                 gone = {id(a) for a in draining}
                 self._draining = [a for a in self._draining if id(a) not in gone]

@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from actors.runtime import common_arguments, resolve_endpoints
+from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable  # noqa: F401
 
 
 def _quota_value(value: str) -> int:
@@ -106,14 +107,10 @@ def _run(func, args: argparse.Namespace) -> int:
     except (TenantError, ValueError) as e:
         print(f"actorserve: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # etcd unreachable (TimeoutError, OSError, aetcd ClientError): one line, no traceback
-        import aetcd.exceptions
-
-        if not isinstance(e, (TimeoutError, OSError, aetcd.exceptions.ClientError)):
+    except Exception as e:  # etcd unreachable (TimeoutError, OSError, aetcd ClientError): one line, exit 3
+        if not is_unreachable(e):
             raise
-        print(f"actorserve: etcd at {etcd_url} unreachable (is the stack running?): {e or type(e).__name__}",
-              file=sys.stderr)
-        return 1
+        return report_unreachable("etcd", etcd_url, e)
 
 
 _HASH_FIELDS = ("hash", "nats_hash")  # never printed: the API-key hash and the NATS user's bcrypt hash

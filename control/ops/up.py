@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,23 @@ def _read(path: Path) -> str:
         return "?"
 
 
+def _start_stopped(sup: Supervisor) -> None:
+    try:
+        names = sup.start_stopped()
+    except OSError as e:
+        print(f"actorserve: could not start the stopped actors: {e}", file=sys.stderr)
+        return
+    print(f"actorserve: started again: {', '.join(names) or 'nothing was stopped'}", file=sys.stderr, flush=True)
+
+
 def main_up(args: argparse.Namespace) -> int:
     """Run ``actorserve up`` with parsed ``args``; return the exit status.
 
     Starts the :class:`Supervisor`, waits for readiness (printing the worker's loading progress),
-    prints the URL and a curl example, then supervises until SIGINT/SIGTERM and stops everything.
+    prints the URL and a curl example, then supervises until SIGINT/SIGTERM and stops everything
+    (in parallel waves, within the supervisor's ``stop_timeout_s``). SIGHUP starts again the actors
+    the operator stopped (``kill -TERM <actor pid>``: drained, not restarted). Refuses to start (status 1,
+    one line naming the pids and how to stop them) over a stack still running on the state directory.
     """
     from actors.runtime import log_level_of, setup_logging
 
@@ -48,12 +61,18 @@ def main_up(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         actor_args=actor_args,
         echo_worker_log=True,
+        tls=bool(getattr(args, "tls", False)),
     )
 
     def on_signal(signum: int, _frame: Any) -> None:
         sup.request_stop()
 
+    def on_hup(_signum: int, _frame: Any) -> None:  # start again the actors the operator stopped
+        threading.Thread(target=_start_stopped, args=(sup,), name="actorserve-sighup", daemon=True).start()
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if hasattr(signal, "SIGHUP"):
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
     status = 0
     try:
         try:
@@ -78,10 +97,11 @@ def main_up(args: argparse.Namespace) -> int:
             f"{sup.workers} worker(s))\n"
             f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n"
             f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n"
-            f"  NATS API: nats://127.0.0.1:{sup.stack.nats.port}  user {_read(sup.state_dir / 'dev-nats-user')}, "
+            f"  NATS API: {sup.stack.nats.url}  user {_read(sup.state_dir / 'dev-nats-user')}, "
             f"password = the dev API key, inbox prefix _INBOX.dev (docs/nats-api.md)\n\n"
             f"  export OPENAI_API_KEY=$(cat {sup.state_dir / 'dev-api-key'})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            + (f"    --cacert {sup.tls_dir / 'ca.pem'} \\\n" if sup.tls_dir else "") +
             f"    -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n"
             f"    -d '{{\"model\":\"{sup.model_name}\",\"messages\":[{{\"role\":\"user\","
             f"\"content\":\"What is the capital of France?\"}}],\"temperature\":0}}'\n\n"

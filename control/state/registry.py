@@ -23,18 +23,20 @@ import asyncio
 import contextlib
 import logging
 from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
-from urllib.parse import urlsplit
 
 import aetcd
 import orjson
 
+from bus.tls import TlsFiles
 from control.state import names
+from control.state.etcd_client import GRPC_RECONNECT_OPTIONS, EtcdClient, parse_etcd_urls
 from control.state.leases import OutageLog, WorkerLease
 from control.state.manifest import MANIFEST_STATUSES, SUPPORTED_FORMATS, SUPPORTED_TOKENIZERS, ModelManifest
 from control.state.watch import watch_prefix
 
-__all__ = ["Registry", "ModelManifest", "WorkerLease", "OutageLog", "parse_etcd_url", "DEFAULT_TIMEOUT",
-           "SUPPORTED_FORMATS", "SUPPORTED_TOKENIZERS", "MANIFEST_STATUSES", "GRPC_RECONNECT_OPTIONS"]
+__all__ = ["Registry", "ModelManifest", "WorkerLease", "OutageLog", "parse_etcd_url", "parse_etcd_urls",
+           "DEFAULT_TIMEOUT", "SUPPORTED_FORMATS", "SUPPORTED_TOKENIZERS", "MANIFEST_STATUSES",
+           "GRPC_RECONNECT_OPTIONS"]
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +49,9 @@ DEFAULT_TIMEOUT = 5.0
 
 
 def parse_etcd_url(url: str) -> tuple[str, int]:
-    """Split an etcd client URL (``http://host:port``, ``host:port``; a comma list uses the first)
-    into ``(host, port)``. Raises ValueError if no port can be found."""
-    first = url.split(",")[0].strip()
-    if "://" not in first:
-        first = "http://" + first
-    parts = urlsplit(first)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"etcd url {url!r}: scheme must be http or https")
-    if not parts.hostname or parts.port is None:
-        raise ValueError(f"etcd url {url!r} must be host:port")
-    return parts.hostname, parts.port
+    """Split an etcd client URL (``http://host:port``, ``host:port``; a comma list gives its first member)
+    into ``(host, port)``. Raises ValueError for a malformed URL (see parse_etcd_urls for the list)."""
+    return parse_etcd_urls(url).members[0]
 
 
 def _dumps(value: Any) -> bytes:
@@ -70,17 +64,6 @@ def _loads(raw: bytes) -> Any:
 
 def _key(k: str) -> bytes:
     return k.encode("utf-8")
-
-
-# gRPC channel reconnect backoff (gRPC's doc/connection-backoff.md: 1 s initial, x1.6, up to 120 s by
-# default). After a few seconds of etcd being away the default delay grows past a lease's TTL, so a
-# keepalive reached a restarted etcd 3.9 s after it came back and the 2 s lease had expired (CI of
-# stop 12). Leases here live 2-5 s: reconnect within half a second.
-GRPC_RECONNECT_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 500,
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,15 +86,19 @@ class Registry:
     # -- connection ------------------------------------------------------------------------
 
     @classmethod
-    async def open(cls, etcd_url: str, *, timeout: float = DEFAULT_TIMEOUT) -> "Registry":
-        """Connect to etcd at ``etcd_url`` (``http://host:port``) and check it answers.
+    async def open(cls, etcd_url: str, *, timeout: float = DEFAULT_TIMEOUT,
+                   tls: TlsFiles | None = None) -> "Registry":
+        """Connect to etcd at ``etcd_url`` (``http://host:port``, or a comma-separated list of cluster
+        members, ``https://a:2379,https://b:2379``; control.state.etcd_client) and check it answers.
 
-        Raises ValueError for a malformed URL, TimeoutError / aetcd ClientError if etcd does not
-        answer within ``timeout`` seconds.
+        ``tls`` (https URLs): CA, client certificate and key; default from ``ACTORSERVE_TLS_CA`` /
+        ``_CERT`` / ``_KEY`` (bus.tls). Raises ValueError for a malformed URL or https without a CA,
+        TimeoutError / aetcd ClientError if no member answers within ``timeout`` seconds.
         """
-        host, port = parse_etcd_url(etcd_url)
-        client = aetcd.Client(host=host, port=port, timeout=timeout, connect_wait_timeout=int(max(1, timeout)),
-                              options=GRPC_RECONNECT_OPTIONS)
+        endpoints = parse_etcd_urls(etcd_url)
+        if endpoints.tls and tls is None:
+            tls = TlsFiles.from_env()
+        client = EtcdClient(endpoints, tls=tls, timeout=timeout, connect_wait_timeout=int(max(1, timeout)))
         reg = cls(client, timeout=timeout, url=etcd_url)
         try:
             await reg._call(client.connect())
@@ -124,9 +111,10 @@ class Registry:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def connect(cls, etcd_url: str, *, timeout: float = DEFAULT_TIMEOUT) -> AsyncIterator["Registry"]:
+    async def connect(cls, etcd_url: str, *, timeout: float = DEFAULT_TIMEOUT,
+                      tls: TlsFiles | None = None) -> AsyncIterator["Registry"]:
         """Async context manager yielding a connected Registry; closes it on exit (see open)."""
-        reg = await cls.open(etcd_url, timeout=timeout)
+        reg = await cls.open(etcd_url, timeout=timeout, tls=tls)
         try:
             yield reg
         finally:

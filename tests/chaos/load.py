@@ -122,13 +122,14 @@ class ChaosClient:
     ``killed`` is the set of gateway indexes the current fault took down: a transport error on one of
     them counts as a retryable failure (and the client then prefers the other gateways for a while);
     on any other gateway it is a non-retryable failure. ``transport``: an httpx transport (unit tests).
-    A request waits at most its deadline + ``grace_s``.
+    A request waits at most its deadline + ``grace_s``. ``allow_remote``: accept non-loopback gateway
+    URLs (the cluster test's network-namespace hosts, tests/cluster/).
     """
 
     def __init__(self, gateway_urls: list[str], key: str, model: str, *, deadline_ms: int = 10_000,
                  max_tokens: int = 8, grace_s: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        for u in gateway_urls:
+                 transport: httpx.AsyncBaseTransport | None = None, allow_remote: bool = False) -> None:
+        for u in gateway_urls if not allow_remote else ():
             _check_loopback(u)
         self.urls, self.model = list(gateway_urls), model
         self.headers = {"Authorization": f"Bearer {key}"}

@@ -96,9 +96,14 @@ async def test_gateway_ttft_histogram_matches_client(metrics_stack):
                 return await streamed(client, sup.http_url + "/v1/chat/completions", headers, i, rng)
         client_ttfts = await asyncio.gather(*(one(i) for i in range(N_REQUESTS)))
 
+        # the public /metrics needs the operator token (<state-dir>/operator-token), not an API key
+        operator = {"Authorization": "Bearer " + (sup.state_dir / "operator-token").read_text().strip()}
+        for refused in ({}, headers):
+            r = await client.get(sup.http_url + "/metrics", headers=refused)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_operator_token", r.text
         # completion records reach the gateway just after the last chunk: wait for all of them
         for _ in range(50):
-            fams = families((await client.get(sup.http_url + "/metrics")).text)
+            fams = families((await client.get(sup.http_url + "/metrics", headers=operator)).text)
             _, n_e2e, _ = histogram(fams, "actorserve_e2e_request_latency_seconds") \
                 if "actorserve_e2e_request_latency_seconds" in fams else ([], 0, 0)
             if n_e2e >= N_REQUESTS:

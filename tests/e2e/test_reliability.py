@@ -202,6 +202,10 @@ def test_sigterm_worker_drains_without_errors(rel_stack):
     assert key_gone is not None and key_gone <= 1.0
     assert exited is not None and exited <= 8 + 3  # drain timeout + lease revoke and bus close
     assert all(r.kind == "ok" for r in results), summary(results)
+    # An actor the operator SIGTERMed stays stopped (issue 21); start it again for the tests after this one.
+    time.sleep(1.5)
+    assert not sup.actor("worker-1").running and sup.stopped_by_operator == ["worker-1"]
+    assert sup.start_stopped() == ["worker-1"]
 
 
 def test_etcd_outage_under_load(rel_stack):

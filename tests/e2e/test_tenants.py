@@ -479,13 +479,14 @@ def test_nats_users_isolate_tenants(gw3):
         while sum("permissions violation" in e.lower() for e in b_errors) < 4:
             assert time.monotonic() < t_end, b_errors
             await asyncio.sleep(0.05)
-        [no_key] = await _nats_ask(na, {**body, "stream": False}, None)
-        assert no_key["status"] == 401
-        [wrong_key] = await _nats_ask(na, {**body, "stream": False}, b_key)  # b's key, a's inbox
-        assert wrong_key["status"] == 403 and wrong_key["error"]["code"] == "reply_subject_not_allowed"
-        await _nats_ask(na, {**body, "stream": False}, a_key, reply=f"_INBOX.{b}.stolen")  # into b's inbox
-        got = await own_b.next_msg(timeout=10)  # b receives a refusal that tells it nothing about a
-        assert json.loads(got.data)["status"] == 403 and a not in got.data.decode() and "secret" not in got.data.decode()
+        # no key (a's inbox), b's key (a's inbox), a's key into b's inbox: no reply anywhere, since the gateway
+        # never publishes where the caller may not subscribe (issue 21; counted, docs/nats-api.md)
+        probe = await na.subscribe(f"_INBOX.{a}.probe")
+        for key, reply in ((None, f"_INBOX.{a}.probe"), (b_key, f"_INBOX.{a}.probe"), (a_key, f"_INBOX.{b}.stolen")):
+            await _nats_ask(na, {**body, "stream": False}, key, reply=reply)
+        for sub in (probe, own_b):
+            with pytest.raises(Exception):
+                await sub.next_msg(timeout=0.5)
         await na.publish(subjects.cancel("x" * 8), b"{}")  # internal subjects: refused by nats-server
         await na.flush()
         t_end = time.monotonic() + 5  # the server's -ERR reaches the error callback asynchronously

@@ -1,4 +1,5 @@
-"""``actorserve up`` as a user runs it: ready, README curl example answers, SIGTERM leaves no process."""
+"""``actorserve up`` as a user runs it: ready, README curl example answers, SIGTERM leaves no process; an
+actor the operator SIGTERMs stays stopped (``status`` says so); stopping is bounded (parallel drain)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,26 @@ def test_up_then_sigterm_leaves_nothing(tmp_path, tiny_gguf):
         pids = json.loads((state / "pids.json").read_text())
         assert {"nats", "etcd"} <= set(pids) and any(k.startswith("worker") for k in pids)
         assert json.loads((state / "endpoints.json").read_text())["http_url"] == f"http://127.0.0.1:{port}"
+        # The operator SIGTERMs the worker: it drains, exits 0 and is not restarted (issue 21, item 4).
+        worker = pids["worker-0"]
+        os.kill(worker, signal.SIGTERM)
+        t_end = time.time() + 20
+        while "worker-0" not in (json.loads((state / "pids.json").read_text()).get("stopped") or {}):
+            assert time.time() < t_end, "worker-0 not recorded as stopped by the operator within 20 s"
+            time.sleep(0.2)
+        time.sleep(1.5)  # three monitor rounds: still not restarted
+        now = json.loads((state / "pids.json").read_text())
+        assert "worker-0" not in now and now["stopped"]["worker-0"] == {"by": "operator", "status": 0}
+        st = subprocess.run([sys.executable, "-m", "control.ops.cli", "status", "--state-dir", str(state)], cwd=REPO,
+                            capture_output=True, text=True, timeout=30)
+        assert "worker-0" in st.stdout and "stopped by operator" in st.stdout, st.stdout
+        # Stopping drains every actor in parallel waves: at most stop_timeout_s (15 s) + the servers.
+        t0 = time.monotonic()
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
+        took = time.monotonic() - t0
+        print(f"up stopped in {took:.1f} s")
+        assert took <= 15 + 5, f"stopping took {took:.1f} s"
         time.sleep(0.5)
         assert [n for n, pid in pids.items() if _alive(pid)] == []
         assert _procs_mentioning(str(state)) == []

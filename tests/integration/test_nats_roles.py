@@ -24,11 +24,15 @@ from control.ops.nats_roles import ROLES, role_passwords, role_permissions
 SAMPLES = [
     subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.VALIDATE,
     subjects.sched_submit("m", "v1"), subjects.sched_events("m", "v1"), subjects.sched_leader("m", "v1"),
-    subjects.work("w1"), subjects.cancel("r1"), subjects.credits("m", "v1", "w1"), subjects.stats("w1"),
+    subjects.work("w1"), subjects.cancel("r1"), subjects.gateway_cancel("r1"), subjects.credits("m", "v1", "w1"),
+    subjects.stats("w1"),
     subjects.done("m", "v1"), subjects.gateway_reply("acme", "gw-0", "r1"), "_INBOX.acme.x",
     "_INBOX.acme.a.b", "as.jobs.submit.acme", "as.other", "_INBOX_worker.x", "_INBOX_gateway.x",
     "_INBOX_scheduler.x",
 ]
+
+
+DENIED_S = 0.4  # JetStream API timeout of the refused requests (a denied request is never answered)
 
 
 def _allowed(role: str, op: str, subject: str) -> bool:
@@ -227,10 +231,67 @@ async def test_jetstream_only_for_its_roles(server):
         await kv.put("k", b"v")
         assert (await kv.get("k")).value == b"v"
         with pytest.raises(Exception):
-            await worker.nc.jetstream(timeout=1.0).key_value("as_idem")
-        with pytest.raises(Exception):  # writes to a bucket that is not the gateway's (the API itself is open)
-            await gateway.nc.jetstream(timeout=1.0).create_key_value(KeyValueConfig(bucket="other"))
-            await (await gateway.nc.jetstream(timeout=1.0).key_value("other")).put("k", b"v")
+            await worker.nc.jetstream(timeout=DENIED_S).key_value("as_idem")
+        with pytest.raises(Exception):  # a bucket that is not the gateway's: its stream's API is denied too
+            await gateway.nc.jetstream(timeout=DENIED_S).create_key_value(KeyValueConfig(bucket="other"))
+        with pytest.raises(Exception):
+            await (await gateway.nc.jetstream(timeout=DENIED_S).key_value("other")).put("k", b"v")
     finally:
         await gateway.nc.close()
         await worker.nc.close()
+
+
+async def _denied(coro_fn, what: str) -> None:
+    """``coro_fn()`` must fail (a denied JetStream API request gets no answer: it times out)."""
+    try:
+        await coro_fn()
+    except Exception:
+        return
+    raise AssertionError(f"{what} was allowed")
+
+
+async def test_roles_use_their_own_streams_and_cannot_touch_the_others(server):
+    """The JetStream API is narrowed per stream (bus.subjects.js_stream_api): each role runs its own stream
+    operations through bus/jetstream.py, and reading another role's stream (the jobs queue, stored
+    responses, a scheduler journal) is refused. About 5 s (each refusal is a 0.4 s API timeout)."""
+    from bus.jetstream import JetStream
+    from bus import streams
+
+    conns = {r: await _role(server, r) for r in ("gateway", "jobs", "scheduler", "validator")}
+    try:
+        gw, jobs, sched = (JetStream(conns[r].nc) for r in ("gateway", "jobs", "scheduler"))
+        # what each role does in the stack: the gateway submits a job and stores a response ...
+        await gw.ensure_stream(streams.JOB_QUEUE)
+        await gw.publish(subjects.jobs_submit("acme"), b'{"id": "j1"}', msg_id="j1")
+        responses = await gw.bucket(streams.RESPONSES)
+        await responses.put("r.acme.resp_1", {"secret": "of acme"})
+        assert (await responses.get("r.acme.resp_1")).value == {"secret": "of acme"}
+        await (await gw.objects(streams.JOB_DATA)).put("in/j1", b"x" * 300_000)  # chunked (3 chunks)
+        # ... the jobs actor pulls it and reads the job data; a scheduler keeps its journal
+        pulled = await (await jobs.pull(streams.JOB_QUEUE, streams.JOB_RUNNERS)).fetch(1, 5.0)
+        assert [m.data for m in pulled] == [b'{"id": "j1"}']
+        assert len(await (await jobs.objects(streams.JOB_DATA)).get("in/j1")) == 300_000
+        await (await jobs.bucket(streams.JOBS)).put("j.acme.j1", {"status": "queued"})
+        journal = streams.journal("m", "v1")
+        await sched.ensure_stream(journal)
+        seq = await sched.publish(journal.subjects[0], b"queued", msg_id="q1")
+        assert await sched.next_msg(journal.name, journal.subjects[0], seq) == (seq, b"queued")
+        await sched.delete_msg(journal.name, seq)
+        # nobody else reads them
+        for role in ("validator", "scheduler"):
+            js = conns[role].nc.jetstream(timeout=DENIED_S)
+            await _denied(lambda: js.stream_info(streams.JOBS_STREAM), f"{role} STREAM.INFO of AS_JOBS")
+            await _denied(lambda: js.get_msg(streams.JOBS_STREAM, seq=1), f"{role} reading AS_JOBS")
+        for role in ("jobs", "scheduler"):
+            js = conns[role].nc.jetstream(timeout=DENIED_S)
+            await _denied(lambda: js.key_value(streams.RESPONSES_BUCKET), f"{role} opening as_responses")
+            await _denied(lambda: js.get_msg(streams.kv_stream(streams.RESPONSES_BUCKET), seq=1,
+                                             direct=True), f"{role} direct get of as_responses")
+        sjs = conns["scheduler"].nc.jetstream(timeout=DENIED_S)
+        await _denied(lambda: sjs.pull_subscribe(subjects.jobs_submit_all(), durable="spy", stream=streams.JOBS_STREAM),
+                      "scheduler consumer on AS_JOBS")
+        gjs = conns["gateway"].nc.jetstream(timeout=DENIED_S)
+        await _denied(lambda: gjs.get_msg(journal.name, seq=1), "gateway reading a scheduler journal")
+    finally:
+        for c in conns.values():
+            await c.nc.close()

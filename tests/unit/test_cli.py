@@ -316,3 +316,68 @@ def test_run_actor_main_does_not_wait_for_busy_threads():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
+
+
+# -- exit status 3: stack unreachable (control/ops/cli_errors.py) ------------------------------------
+
+_UNREACHABLE_VERBS = [
+    ["status"], ["status", "--json"], ["models", "list"], ["models", "show", "x"], ["models", "retire", "x", "1"],
+    ["models", "register-default"], ["tenants", "list"], ["tenants", "create", "t1"], ["tenants", "show", "t1"],
+    ["rollout", "status", "x"], ["rollout", "promote", "x"], ["diagnose"], ["diagnose", "--json"],
+]
+
+
+def _closed_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]  # bound, never listening: connections are refused
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.parametrize("argv", _UNREACHABLE_VERBS, ids=" ".join)
+def test_every_verb_exits_3_in_one_line_when_the_stack_is_unreachable(argv, tmp_path, capsys, monkeypatch):
+    """endpoints.json points at closed ports: exit 3, one line on stderr naming the cause, no traceback
+    (about 0.1 s per verb: the connections are refused at once)."""
+    from control.ops import cli
+
+    for env in ("ACTORSERVE_NATS", "ACTORSERVE_ETCD"):
+        monkeypatch.delenv(env, raising=False)
+    nats, etcd, http = _closed_ports(3)
+    (tmp_path / "endpoints.json").write_text(json.dumps({"nats_url": f"nats://127.0.0.1:{nats}",
+                                                         "etcd_url": f"http://127.0.0.1:{etcd}",
+                                                         "http_url": f"http://127.0.0.1:{http}"}))
+    with pytest.raises(SystemExit) as ei:
+        cli.main([*argv, "--state-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert ei.value.code == 3, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "stack unreachable" in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["status"], ["models", "list"], ["tenants", "list"], ["rollout", "status", "x"],
+                                  ["diagnose"]], ids=" ".join)
+def test_every_verb_exits_3_when_no_endpoint_is_known(argv, tmp_path, capsys, monkeypatch):
+    from control.ops import cli
+
+    for env in ("ACTORSERVE_NATS", "ACTORSERVE_ETCD"):
+        monkeypatch.delenv(env, raising=False)
+    with pytest.raises(SystemExit) as ei:
+        cli.main([*argv, "--state-dir", str(tmp_path)])  # no endpoints.json
+    err = capsys.readouterr().err
+    assert ei.value.code == 3 and len(err.strip().splitlines()) == 1 and "endpoint" in err, err
+
+
+def test_unreachable_classification():
+    import errno
+
+    from control.ops.cli_errors import is_unreachable
+
+    assert is_unreachable(ConnectionRefusedError()) and is_unreachable(TimeoutError())
+    assert is_unreachable(OSError(errno.EHOSTUNREACH, "no route"))
+    assert not is_unreachable(FileNotFoundError(errno.ENOENT, "x")) and not is_unreachable(ValueError("x"))

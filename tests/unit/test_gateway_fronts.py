@@ -140,8 +140,9 @@ def outcome(stream: bool, detail: dict | None = None, streamed: int = 0) -> tupl
     return pipeline.Outcome(ChoiceMerger("completions", "r", "tiny@1", {}, {}, 1), detail), live
 
 
-async def test_nats_cancel_answers_false_for_a_malformed_id():
-    """A request id that is not a string (5, null) is malformed, as docs/nats-api.md says: no cancel sent."""
+async def test_nats_cancel_refuses_a_malformed_id_and_finds_no_unknown_one():
+    """A request id that is not a string (5, null) is a 400 naming the field (docs/nats-api.md); a string
+    nobody holds is ``found: false`` and no cancel is sent (tests/unit/test_hardening_gateway.py has more)."""
     bus, fe = await stack()
     api = NatsApi(fe)
     await api.start()
@@ -153,11 +154,11 @@ async def test_nats_cancel_answers_false_for_a_malformed_id():
     answers = []
     for rid in (5, None, "a.b", "chatcmpl-abc123"):
         reply = await bus.request(subjects.API_CANCEL, orjson.dumps({"request_id": rid}), 2.0)
-        answers.append(orjson.loads(reply.data)["cancelled"])
+        answers.append(orjson.loads(reply.data))
     await api.stop()
-    assert answers == [False, False, False, True]
-    # only the well-formed id is cancelled (with its possible fanned-out choices: this gateway holds none)
-    assert sent[0] == subjects.cancel("abc123") and all(s.startswith(subjects.cancel("abc123")) for s in sent)
+    assert [(a.get("status"), (a.get("error") or {}).get("param")) for a in answers[:2]] == [(400, "request_id")] * 2
+    assert [(a["found"], a["cancelled"]) for a in answers[2:]] == [(False, False)] * 2
+    assert sent == []
 
 
 def test_idempotent_result_shapes():

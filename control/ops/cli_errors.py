@@ -1,0 +1,66 @@
+"""Exit statuses shared by every ``actorserve`` verb, and the one-line report of a stack that does not answer.
+
+=====  ==========================================================================================
+code   meaning
+=====  ==========================================================================================
+0      done
+1      error (bad input to a verb that reads files, a failed start, a refused ``up``, ...)
+2      usage (argparse), or an edit the registry refused (``models retire`` of the stable version,
+       ``rollout`` conflicts)
+3      stack unreachable: no endpoint found (no ``endpoints.json``, no ``--etcd``), or etcd / NATS /
+       every metrics endpoint did not answer. One line on stderr, never a traceback.
+130    interrupted (Ctrl-C)
+=====  ==========================================================================================
+
+:func:`is_unreachable` tells a connection failure from any other error (it looks at the exception's
+class and module only: this module imports neither aetcd nor nats); :func:`report_unreachable` prints
+the line and returns :data:`EXIT_UNREACHABLE`. control/ops/cli.py ``main`` applies both to whatever a
+verb lets escape, so a verb that forgets still exits 3.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+
+from actors.runtime import EXIT_UNREACHABLE, StackUnreachable  # noqa: F401 (re-exported)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+_UNREACHABLE_MODULES = ("aetcd", "grpc", "nats")
+_NET_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                         errno.ETIMEDOUT, errno.ECONNABORTED, errno.EADDRNOTAVAIL})
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True when ``exc`` means the stack did not answer: TimeoutError, ConnectionError, an OSError of a
+    network errno (refused, reset, no route, ...), a name that does not resolve, or an error raised by the etcd / gRPC / NATS clients (aetcd ``ClientError`` and its
+    subclasses such as ``ConnectionFailedError``, grpc ``AioRpcError``, nats ``NoServersError``, ...)."""
+    if isinstance(exc, StackUnreachable):
+        return True
+    if isinstance(exc, (TimeoutError, ConnectionError, socket.gaierror)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _NET_ERRNOS:
+        return True
+    return any(type(exc).__module__.split(".")[0] == m for m in _UNREACHABLE_MODULES) or any(
+        c.__module__.split(".")[0] in _UNREACHABLE_MODULES for c in type(exc).__mro__[1:])
+
+
+def unreachable_line(what: str, url: str | None, exc: BaseException | None = None) -> str:
+    """``actorserve: stack unreachable: <what> at <url> did not answer (<detail>); is `actorserve up`
+    running?`` on one line (the detail's first line only)."""
+    detail = ""
+    if exc is not None:
+        text = (str(exc) or type(exc).__name__).strip().splitlines()
+        detail = f" ({text[0][:200] if text else type(exc).__name__})"
+    where = f" at {url}" if url else ""
+    return f"actorserve: stack unreachable: {what}{where} did not answer{detail}; is `actorserve up` running?"
+
+
+def report_unreachable(what: str, url: str | None, exc: BaseException | None = None) -> int:
+    """Print :func:`unreachable_line` on stderr and return :data:`EXIT_UNREACHABLE` (3)."""
+    print(unreachable_line(what, url, exc), file=sys.stderr)
+    return EXIT_UNREACHABLE
