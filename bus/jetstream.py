@@ -34,6 +34,28 @@ _WRONG_LAST = (10071, 10164)  # JSStreamWrongLastSequenceErr(Constant): a condit
 _NOT_YET = (nats_errors.TimeoutError, nats_errors.NoRespondersError, nats_errors.ConnectionReconnectingError,
             js_errors.ServiceUnavailableError)
 OPEN_RETRY_S = 30.0  # how long opening a stream / bucket / store / consumer retries _NOT_YET (s)
+# JetStream that answered at once that no leader serves the stream now: a leader election, e.g. right after a
+# partition heals (the rejoining server's higher Raft term deposes the leaders: Raft without pre-vote, Ongaro's
+# dissertation section 9.6; nats-server re-elects in 4-9 s). Worth waiting out briefly, unlike a timeout
+# (which already spent the wait). KV calls and publishes retry these every RIDE_OUT_STEP_S for at most
+# RIDE_OUT_S (and 0.8 of the call's own timeout), so a request arriving during an election waits rather than
+# failing with a retryable 503.
+_LEADERLESS = (nats_errors.NoRespondersError, js_errors.ServiceUnavailableError)
+RIDE_OUT_S = 4.0
+RIDE_OUT_STEP_S = 0.25
+
+
+async def riding_out(fn, budget_s: float):
+    """``await fn()``, again every RIDE_OUT_STEP_S s while JetStream answers that it has no leader
+    (:data:`_LEADERLESS`), for at most ``budget_s`` seconds; then that error is raised. Other errors at once."""
+    t_end = time.monotonic() + budget_s
+    while True:
+        try:
+            return await fn()
+        except _LEADERLESS:
+            if time.monotonic() + RIDE_OUT_STEP_S >= t_end:
+                raise
+            await asyncio.sleep(RIDE_OUT_STEP_S)
 
 
 def _storage(file: bool) -> api.StorageType:
@@ -125,6 +147,7 @@ class JetStreamKV(KeyValue):
     def __init__(self, kv, config: streams.BucketConfig, timeout: float = 5.0, manager=None) -> None:
         super().__init__(config, timeout)
         self._kv, self._manager = kv, manager
+        self._ride_s = min(RIDE_OUT_S, 0.8 * timeout)  # leader elections waited out per call (s)
 
     async def values(self, pattern: str = ">") -> list[Entry]:
         """Current entries matching ``pattern``, in revision order, read as the stream's subject list
@@ -143,7 +166,7 @@ class JetStreamKV(KeyValue):
     async def _entry(self, key: str) -> Entry | None:
         try:
             with _mapped(f"get {key} from {self.name}", KvError):
-                e = await self._kv.get(key)
+                e = await riding_out(lambda: self._kv.get(key), self._ride_s)
         except KvError as exc:
             if not isinstance(exc.__cause__, js_errors.KeyNotFoundError):
                 raise
@@ -153,19 +176,19 @@ class JetStreamKV(KeyValue):
 
     async def _put(self, key: str, data: bytes) -> int:
         with _mapped(f"put {key} into {self.name}", KvError):
-            return await self._kv.put(key, data)
+            return await riding_out(lambda: self._kv.put(key, data), self._ride_s)
 
     async def _create(self, key: str, data: bytes) -> int:
         with _mapped(f"create {key} in {self.name}", KvError):
-            return await self._kv.create(key, data)
+            return await riding_out(lambda: self._kv.create(key, data), self._ride_s)
 
     async def _swap(self, key: str, data: bytes, last: int) -> int:
         with _mapped(f"update {key} of {self.name}", KvError):
-            return await self._kv.update(key, data, last=last)
+            return await riding_out(lambda: self._kv.update(key, data, last=last), self._ride_s)
 
     async def _delete(self, key: str, last: int | None) -> None:
         with _mapped(f"delete {key} from {self.name}", KvError):
-            await self._kv.delete(key, last=last)
+            await riding_out(lambda: self._kv.delete(key, last=last), self._ride_s)
 
     async def _history(self, key: str) -> list[Entry]:
         try:
@@ -265,12 +288,17 @@ class JetStream:
         with _mapped(f"open stream {config.name}"):
             await _opening(f"open stream {config.name}", open_, self.open_retry_s)
 
-    async def publish(self, subject: str, data: bytes, *, msg_id: str | None = None, timeout: float = 5.0) -> int:
+    async def publish(self, subject: str, data: bytes, *, msg_id: str | None = None, timeout: float = 5.0,
+                      ride_out_s: float | None = None) -> int:
         """Publish into a stream and wait for its ack; returns the stream sequence. ``msg_id``: the
-        ``Nats-Msg-Id`` de-duplication id (a repeat within the stream's window is stored once)."""
+        ``Nats-Msg-Id`` de-duplication id (a repeat within the stream's window is stored once).
+        ``ride_out_s``: how long a "no leader" answer is retried (:func:`riding_out`; default
+        min(RIDE_OUT_S, 0.8 * ``timeout``) seconds; 0: not at all). BusError / TimeoutError on failure."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id is not None else None
+        ride = min(RIDE_OUT_S, 0.8 * timeout) if ride_out_s is None else ride_out_s
         with _mapped(f"publish to {subject}"):
-            return (await self._js.publish(subject, data, timeout=timeout, headers=headers)).seq
+            ack = await riding_out(lambda: self._js.publish(subject, data, timeout=timeout, headers=headers), ride)
+            return ack.seq
 
     async def pull(self, stream: streams.StreamConfig, consumer: streams.ConsumerConfig) -> PullConsumer:
         """Bind (creating if needed) the durable pull consumer ``consumer`` of ``stream`` (filtered on the

@@ -76,9 +76,11 @@ class JetStreamJournal:
         return j
 
     async def append(self, req: GenerateRequest) -> None:
-        """Persist ``req`` (acknowledged by the server before returning)."""
+        """Persist ``req`` (acknowledged by the server before returning). A "no leader" answer is not waited
+        out here (``ride_out_s=0``): the scheduler takes submits one at a time, and one wait would hold every
+        submit behind it; the refusal (journal_unavailable) is retried by the validator, per request."""
         self._seq[req.request_id] = await self.js.publish(self.subject, req.encode(), msg_id=req.request_id,
-                                                          timeout=2.0)
+                                                          timeout=2.0, ride_out_s=0.0)
 
     async def remove(self, request_id: str) -> None:
         """Delete the request's entry (best effort: a leftover entry is skipped at replay if stale).

@@ -29,6 +29,15 @@ from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, SamplingPar
 log = logging.getLogger(__name__)
 
 
+RETRIED_REFUSALS = frozenset({"journal_unavailable"})  # scheduler refusals the validator retries (see _submit)
+
+
+def _refusal_code(ack: dict) -> str | None:
+    """The ``error.code`` of a scheduler's refusal ack (None if there is none)."""
+    err = ack.get("error")
+    return err.get("code") if isinstance(err, dict) else None
+
+
 @dataclass
 class ModelAssets:
     """What validation needs of one model version (loaded once per version)."""
@@ -248,19 +257,24 @@ class ValidatorService:
 
         No responders (no active scheduler: a failover in progress) is retried every 0.2 s for up to
         ``failover_wait_s``, within the request's deadline: nobody received it, so a retry cannot
-        duplicate it. A timeout is not retried (the scheduler may have taken the request)."""
+        duplicate it. A timeout is not retried (the scheduler may have taken the request). A refusal with
+        a code of RETRIED_REFUSALS (the scheduler could not journal it: a JetStream leader election, e.g.
+        after a partition heals) is retried the same way: the scheduler said it did not take the request."""
         give_up = min(time.time() + self.cfg.failover_wait_s, gen.deadline or float("inf"))
         try:
             while True:
                 try:
                     reply = await self.bus.request(subjects.sched_submit(gen.name, gen.version), gen.encode(),
                                                    self.cfg.scheduler_ack_s)
-                    break
+                    ack = orjson.loads(reply.data)
                 except NoResponders:
+                    ack = None
                     if time.time() + 0.2 >= give_up:
                         raise
-                    await asyncio.sleep(0.2)
-            ack = orjson.loads(reply.data)
+                if ack is not None and (ack.get("accepted") or _refusal_code(ack) not in RETRIED_REFUSALS
+                                        or time.time() + 0.2 >= give_up):
+                    break
+                await asyncio.sleep(0.2)
         except (NoResponders, BusTimeout, BusDisconnected, BusError, ValueError) as exc:
             raise RequestError(503, f"no scheduler is available for {gen.model_ref}; retry later",
                                code="scheduler_unavailable", type="unavailable") from exc

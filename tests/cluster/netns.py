@@ -22,6 +22,8 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 
+from control.ops.supervisor_processes import pid_alive as _pid_alive
+
 PREFIX = "ascl"  # namespaces: ascl<pid>h<i>
 BRIDGE_PREFIX = "ascb"
 VETH_PREFIX = "ascv"
@@ -36,16 +38,6 @@ def sh(*argv: str, check: bool = True, timeout: float = 10.0) -> subprocess.Comp
     if check and r.returncode != 0:
         raise subprocess.CalledProcessError(r.returncode, argv, r.stdout, r.stderr)
     return r
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def netns_list() -> list[str]:

@@ -112,27 +112,56 @@ def _sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.monotonic()))
 
 
-def _wait_service(cl: Cluster, since: float, steady_s: float = 5.0, timeout_s: float = 60.0) -> tuple[float, dict]:
+def _wait_service(cl: Cluster, since: float, steady_s: float = 5.0, timeout_s: float = 60.0,
+                  every_s: float = 0.5) -> tuple[float, dict]:
     """Probe every gateway (tests/cluster/servers.py ``probe``: chat with an Idempotency-Key and a job) in
-    rounds until every round has passed for ``steady_s`` seconds running. Returns (when that streak
-    began, {gateway: when it first passed after ``since``}); AssertionError after ``timeout_s``."""
-    first: dict[int, float] = {}
-    streak: float | None = None
+    rounds started every ``every_s`` seconds, the probes of a round concurrent and a round not waiting for
+    the one before (so a slow answer does not delay the next probe: what is measured is when a request
+    *sent* then is served), until the rounds started over ``steady_s`` seconds all passed. Returns (the
+    start of the first round of that streak, {gateway: start of its first passing probe after ``since``});
+    AssertionError after ``timeout_s``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rounds: list[tuple[float, list]] = []
     t_end = since + timeout_s
-    while True:
-        t_round = time.monotonic()
-        ok = True
-        for i, url in enumerate(cl.gateway_urls()):
-            if servers.probe(url, cl.key, MODEL, timeout=4.0, verify=cl.client_ssl()) is None:
-                first.setdefault(i, time.monotonic())
-            else:
-                ok = False
-        streak = (streak or t_round) if ok else None
-        if streak is not None and time.monotonic() - streak >= steady_s:
-            return streak, first
-        assert time.monotonic() < t_end, f"gateways not all serving {timeout_s:.0f} s after the fault ended " \
-                                         f"(never passed: {set(range(len(GATEWAYS))) - set(first)})"
-        time.sleep(0.2)
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        try:
+            while True:
+                t = time.monotonic()
+                rounds.append((t, [pool.submit(servers.probe, url, cl.key, MODEL, timeout=4.0,
+                                               verify=cl.client_ssl()) for url in cl.gateway_urls()]))
+                streak, last = _streak(rounds)
+                if streak is not None and last - streak >= steady_s:
+                    return streak, _first_passes(rounds)
+                assert t < t_end, f"gateways not all serving {timeout_s:.0f} s after the fault ended " \
+                                  f"(never passed: {set(range(len(GATEWAYS))) - set(_first_passes(rounds))})"
+                time.sleep(max(0.0, t + every_s - time.monotonic()))
+        finally:
+            for _, futs in rounds:
+                for f in futs:
+                    f.cancel()
+
+
+def _streak(rounds: list[tuple[float, list]]) -> tuple[float | None, float]:
+    """(start of the run of passed rounds that ends the finished prefix of ``rounds``, or None; start of
+    the last finished round)."""
+    streak, last = None, 0.0
+    for t, futs in rounds:
+        if not all(f.done() for f in futs):
+            break
+        ok = all(f.result() is None for f in futs)
+        streak, last = (streak if streak is not None else t) if ok else None, t
+    return streak, last
+
+
+def _first_passes(rounds: list[tuple[float, list]]) -> dict[int, float]:
+    """{gateway index: start of the first round in which its probe passed}."""
+    first: dict[int, float] = {}
+    for t, futs in rounds:
+        for i, f in enumerate(futs):
+            if f.done() and f.result() is None:
+                first.setdefault(i, t)
+    return first
 
 
 async def _replays(cl: Cluster, res: report.ClusterPhase, plan: dict) -> None:

@@ -1,0 +1,70 @@
+"""The validator retries a scheduler's explicit journal_unavailable refusal (a JetStream leader election:
+the scheduler did not take the request), within failover_wait_s, and no other refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from actors.validator.service import ValidatorConfig, ValidatorService
+from bus import subjects
+from bus.memory import MemoryBus
+from bus.messages import ApiRequest, Chunk
+from tests.actor.test_validator_service import Registry, manifest
+from tests.engine_fixtures import write_tiny_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_llama_gguf(str(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+
+
+def refusal(code: str, status: int = 503) -> bytes:
+    return orjson.dumps({"accepted": False, "error": {"status": status, "message": code, "code": code,
+                                                      "type": "unavailable"}})
+
+
+async def run(tiny_path: str, refusals: list[bytes], wait_s: float = 4.0) -> tuple[int, list[Chunk]]:
+    """One chat request through a validator whose scheduler answers ``refusals`` first, then accepts.
+    Returns (submit attempts the scheduler saw, reply chunks)."""
+    bus = MemoryBus()
+    svc = ValidatorService(bus, Registry(manifest(tiny_path)), ValidatorConfig(failover_wait_s=wait_s))
+    await svc.start()
+    attempts, chunks, left = [0], [], list(refusals)
+
+    async def scheduler(msg):
+        attempts[0] += 1
+        await msg.respond(left.pop(0) if left else b'{"accepted":true}')
+
+    async def reply(msg):
+        chunks.append(Chunk.decode(msg.data))
+    await bus.subscribe(subjects.sched_submit("m", "1"), scheduler)
+    await bus.subscribe("_INBOX.t.r", reply)
+    req = ApiRequest("r", "t", "m", "m", "1", "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                     "_INBOX.t.r", deadline=time.time() + 30)
+    await bus.request(subjects.VALIDATE, req.encode(), 2.0)
+    for _ in range(150):
+        if chunks or (attempts[0] > len(refusals) and not left):
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    await svc.stop()
+    return attempts[0], chunks
+
+
+async def test_journal_unavailable_is_retried_until_the_scheduler_takes_it(tiny_path):
+    attempts, chunks = await run(tiny_path, [refusal("journal_unavailable")] * 3)
+    assert attempts == 4 and chunks == []  # taken on the 4th try: no error reached the client
+
+
+async def test_other_refusals_are_not_retried(tiny_path):
+    attempts, chunks = await run(tiny_path, [refusal("queue_full", 429)])
+    assert attempts == 1 and chunks and chunks[0].error["code"] == "queue_full"
+
+
+async def test_journal_unavailable_past_the_wait_reaches_the_client(tiny_path):
+    attempts, chunks = await run(tiny_path, [refusal("journal_unavailable")] * 50, wait_s=0.5)
+    assert 2 <= attempts <= 4 and chunks and chunks[0].error["code"] == "journal_unavailable"
