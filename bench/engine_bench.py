@@ -32,13 +32,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import copy
-import json
 import os
 import platform
 import random
 import sys
 import time
 from dataclasses import dataclass
+
+from bench.cli_common import standalone, write_json
 
 FULL = dict(levels=(1, 8, 32, 64), prompt=128, gen=128, prefill=(128, 512, 2048), matmul=4096, matmul_reps=5,
             prefix=1024, suffix=64, roofline_level=64, roofline_prefill=512)
@@ -374,17 +375,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main_bench_engine(args: argparse.Namespace) -> int:
     result = run(model=args.model, quick=args.quick, dtype=args.dtype, quantization=args.quantization,
                  threads=args.threads, baseline=not args.no_baseline)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
-        print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="actorserve bench engine", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return main_bench_engine(p.parse_args(argv))
+    """``python -m bench.engine_bench``."""
+    return standalone("actorserve bench engine", __doc__, add_arguments, main_bench_engine, argv)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import statistics
 import sys
 import time
 
+from bench.cli_common import standalone, write_json
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -216,18 +218,13 @@ def main_bench_structured(args: argparse.Namespace) -> int:
     """Entry of ``actorserve bench structured``: run, print, optionally write ``--json``; returns 0."""
     result = run(model=args.model, quick=args.quick, seqs=args.seqs, max_tokens=args.max_tokens, dtype=args.dtype,
                  quantization=args.quantization, threads=args.threads, repeats=args.repeats, schema=args.schema)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
-        print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
 
 
 def main(argv=None) -> int:
     """``python -m bench.structured_bench``."""
-    p = argparse.ArgumentParser(prog="actorserve bench structured", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return main_bench_structured(p.parse_args(argv))
+    return standalone("actorserve bench structured", __doc__, add_arguments, main_bench_structured, argv)
 
 
 if __name__ == "__main__":
