@@ -100,7 +100,7 @@ def test_sigkill_of_up_leaves_no_process(tmp_path, tiny):
         while "worker-0" not in (_pids(state).get("stopped") or {}):
             assert time.time() < t_end, "worker-0 not recorded as stopped by the operator"
             time.sleep(0.2)
-        time.sleep(1.5)
+        time.sleep(1.5)  # a negative check: several supervisor monitor rounds pass and none restarts it
         assert "worker-0" not in _pids(state)
         up.send_signal(signal.SIGHUP)
         t_end = time.time() + 20
