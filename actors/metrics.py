@@ -83,16 +83,29 @@ def observable_gauge(name: str, description: str, unit: str,
     """Register a gauge whose values ``fn()`` returns as ``(value, labels)`` pairs at each scrape.
 
     ``fn`` runs in the scraping thread: it should only read plain attributes (no awaiting, no locks)."""
+    return meter().create_observable_gauge(name, callbacks=[_observe(name, fn)], unit=unit, description=description)
+
+
+def observable_counter(name: str, description: str, unit: str,
+                       fn: Callable[[], Iterable[tuple[float, Mapping[str, str]]]]) -> Any:
+    """Register a monotonic counter whose cumulative values ``fn()`` returns as ``(value, labels)`` pairs at
+    each scrape (exported with the ``_total`` suffix). Same rules for ``fn`` as :func:`observable_gauge`."""
+    return meter().create_observable_counter(name, callbacks=[_observe(name, fn)], unit=unit,
+                                             description=description)
+
+
+def _observe(name: str, fn: Callable[[], Iterable[tuple[float, Mapping[str, str]]]]) -> Callable[[Any], list]:
+    """An OTel observable callback returning ``fn()``'s pairs as Observations; a failing ``fn`` yields none
+    (a broken reader must not break the scrape)."""
     from opentelemetry.metrics import Observation
 
     def callback(_options: Any) -> list:
         try:
             return [Observation(v, dict(a)) for v, a in fn()]
-        except Exception as exc:  # a broken reader must not break the scrape
-            log.debug("gauge %s callback failed: %r", name, exc)
+        except Exception as exc:
+            log.debug("metric %s callback failed: %r", name, exc)
             return []
-
-    return meter().create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
+    return callback
 
 
 # ---------------------------------------------------------------------------------------------

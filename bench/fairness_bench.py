@@ -1,272 +1,420 @@
-"""``actorserve bench fairness``: tenant B's TTFT alone, under fair share and under FCFS, and a 3:1 split.
+"""``actorserve bench fairness``: latency isolation, fair share on served tokens and goodput under overload.
 
-One run, one machine, loopback only, every load loop bounded in count and time:
-1. start a stack (``control.ops.supervisor.Supervisor``, default model) and two tenants A and B;
-2. capacity: completed requests/s with a closed loop of ``--concurrency`` streams;
-3. B alone at rate r = 2 x capacity / 11 (open loop): B's TTFT p50/p99 ("solo");
-4. A at 10 r plus B at r (about 2x capacity) under the fair scheduler: B's TTFT ("fair");
-5. the scheduler replaced by one started with ``--fcfs``; phase 4 again ("fcfs");
-6. the fair scheduler back, weights A=3, B=1, both saturating (2 x slots closed-loop clients each):
-   completion-token split A/B of requests completed from the first quarter of the phase to its end.
-JSON keys: capacity_req_s, b_solo_ttft_p50_ms, b_solo_ttft_p99_ms, b_fair_ttft_p50_ms,
-b_fair_ttft_p99_ms, b_fcfs_ttft_p50_ms, b_fcfs_ttft_p99_ms, weighted_split_ratio (+ raw counts).
-TTFT = time from sending the request to the first streamed content chunk, measured by the client.
+One run, one machine, loopback only, every load loop bounded in count and time. It starts a stack
+(``control.ops.supervisor.Supervisor``, default model, ``--slots`` worker sequences) and tenants
+``bench-a``/``bench-b``/``bench-c`` (reused with fresh keys when an earlier run left them), then runs the
+phases named by ``--phases`` (default all, in this order; ``capacity`` always runs first):
+
+- ``capacity``: after ``--warmup-s`` of warm-up, completed req/s of a closed loop of ``--slots`` clients
+  of A for ``--capacity-s`` (requests done from 20 % of the phase on);
+- ``solo``: B alone, open loop at r = 2 x capacity / 11, ``--b-requests`` requests (phase = N / r, at
+  most ``--max-phase-s``);
+- ``fair``: A at 10 r plus B at r (about 2x capacity), fair scheduler;
+- ``flood``: the same, but every request of A is ``"priority": "batch"`` (B stays interactive): B's p99
+  TTFT against its solo p99 (``interactive_under_batch_flood_ratio``);
+- ``split``: weights A=3, B=1, both saturating (2 x slots closed-loop clients each) for ``--split-s``:
+  the split of weighted service tokens (``fair_queue.service_tokens``: prompt x 1 + completion x 2,
+  from each response's usage) of requests done from the first quarter of the phase to its end;
+- ``three``: weights A=1, B=2, C=3, all saturating: each tenant's service-token share against
+  w_i / sum w; ``three_tenant_max_share_error`` = max_i |share_i - w_i/sum w| / (w_i/sum w);
+- ``overload``: weights back to 1; A and B together offer ``--overload-factor`` (10) x capacity for
+  ``--overload-s`` (60) s, each request with a deadline of ``--deadline-factor`` (2) x its service time:
+  the larger of its solo latency and its latency at capacity (least-squares fits of end-to-end latency on
+  prompt words and max_tokens, over B's solo requests and over the capacity phase; ``--deadline-basis
+  solo`` uses the solo fit alone, which on a CPU whose step time grows with the batch can be shorter than
+  a request takes at full batch, so that nothing can meet it at capacity); goodput (ok
+  requests finished by their deadline, per s, over capacity), answered/refused/expired/failed/hung
+  counts, lateness, and VmRSS growth of every stack process (``/proc/<pid>/status``) over the phase;
+- ``fcfs``: the scheduler replaced by one started with ``--fcfs``; the ``fair`` load again.
+
+Requests follow the seeded distribution of bench/fairness_workload.py (unique prefix per request,
+prompt words ~ U{4..24}, max_tokens ~ U{2..12} with ignore_eos, by default). TTFT = time from sending
+the request to the first streamed content chunk, measured by the client. ``bench_wall_s``: the run's
+wall time. Keys: see docs/bench.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
-MODEL = "smollm2-135m-instruct"
+from bench import fairness_workload as wl
+from bench.fairness_report import PHASES, b_phase_keys, print_table, targets, timing_pct
+from bench.fairness_workload import HUNG_MARGIN_S, Result, Spec, Workload
+
+from bench.fairness_stack import (MODEL, TENANTS, replace_scheduler, set_weights, setup_tenants,  # noqa: F401
+                                  stack_rss_kib)
+DEFAULT_DEADLINE_MS = 30_000  # every phase but overload
+
+
+async def _stream(client, url: str, key: str, sp: Spec, priority: str, res: Result) -> None:
+    """Send one streamed chat request and fill ``res`` (status, TTFT, usage); see ``Result``."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": sp.prompt}], "max_tokens": sp.max_tokens,
+            "ignore_eos": True, "stream": True, "deadline_ms": res.deadline_ms, "priority": priority,
+            "stream_options": {"include_usage": True}}
+    got_usage = False
+    async with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        res.http_status = r.status_code
+        if r.status_code != 200:
+            res.error = (await r.aread())[:200].decode(errors="replace")
+            res.status = wl.refusal_status(r.status_code, res.error)
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = orjson.loads(line[6:])
+            if "error" in obj:
+                res.error = orjson.dumps(obj["error"]).decode()[:200]
+                res.status = "expired" if "deadline" in res.error.lower() else "failed"
+                return
+            if res.ttft_ms is None and any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
+                res.ttft_ms = (time.monotonic() - res.sent) * 1e3
+            if obj.get("usage"):
+                u, got_usage = obj["usage"], True
+                res.prompt_tokens, res.completion_tokens = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+                res.timing = u.get("actorserve_timing") or {}
+    if got_usage:  # text that decodes to nothing (e.g. an end-of-text token under ignore_eos): TTFT at usage
+        res.status = "ok"
+        res.ttft_ms = res.ttft_ms if res.ttft_ms is not None else (time.monotonic() - res.sent) * 1e3
+    else:
+        res.error = "stream ended without usage"
+
+
+async def send(client, url: str, key: str, tenant: str, sp: Spec, deadline_ms: int, priority: str,
+               out: list[Result]) -> None:
+    """One request, appended to ``out``; bounded by its deadline + ``HUNG_MARGIN_S`` (then "hung")."""
+    import httpx  # not at module level: `actorserve --help` imports this module
+
+    res = Result(tenant, time.monotonic(), deadline_ms, sp.words, sp.max_tokens)
+    out.append(res)
+    try:
+        await asyncio.wait_for(_stream(client, url, key, sp, priority, res), deadline_ms / 1e3 + HUNG_MARGIN_S)
+    except asyncio.TimeoutError:
+        res.status = "hung"
+    except httpx.HTTPError as e:
+        res.status, res.error = "failed", repr(e)[:200]
+    res.e2e_ms = (time.monotonic() - res.sent) * 1e3
+
+
+def _client(connections: int):
+    import httpx
+
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=64),
+                             timeout=httpx.Timeout(DEFAULT_DEADLINE_MS / 1e3 + 2 * HUNG_MARGIN_S, pool=None))
+
+
+async def with_loop_lag(coro, period_s: float = 0.05) -> float:
+    """Run ``coro``; return the largest delay (ms) of this client's event loop meanwhile (a timer of
+    ``period_s`` that fired late), which tells a client too slow to send or read on time from a slow stack."""
+    worst, done = 0.0, False
+
+    async def watch() -> None:
+        nonlocal worst
+        while not done:
+            t = time.monotonic()
+            await asyncio.sleep(period_s)
+            worst = max(worst, time.monotonic() - t - period_s)
+    w = asyncio.create_task(watch())
+    try:
+        await coro
+    finally:
+        done = True
+        await w
+    return round(worst * 1e3, 1)
 
 
 @dataclass
-class Phase:
-    """Client-side results of one load phase for one tenant."""
+class Stream:
+    """One tenant's request stream in a phase: who sends, under which tag, and how."""
 
-    ttft_ms: list[float] = field(default_factory=list)  # successful requests only
-    completion_tokens: int = 0
-    done: list[tuple[float, int]] = field(default_factory=list)  # (monotonic completion time, tokens) per ok request
-    num_ok: int = 0
-    num_refused: int = 0  # 429/503
-    num_failed: int = 0  # anything else
-    timings: list[dict] = field(default_factory=list)  # usage.actorserve_timing (ms per stage) per ok request
-
-
-def pct(values: list[float], q: float) -> float:
-    """q-quantile (0..1) by nearest rank; NaN when empty."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+    tenant: str
+    key: str
+    tag: str
+    priority: str = "interactive"
+    deadline: Callable[[Spec], int] = lambda sp: DEFAULT_DEADLINE_MS
+    out: list[Result] = field(default_factory=list)
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int, deadline_ms: int,
-                     out: Phase) -> None:
-    """One streamed chat request; records TTFT and completion tokens in ``out``."""
-    import httpx  # not imported at module level: `actorserve --help` imports this module
-
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}],
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "deadline_ms": deadline_ms,
-            "stream_options": {"include_usage": True}}
-    t0, ttft = time.monotonic(), None
-    try:
-        async with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"},
-                                 timeout=deadline_ms / 1e3 + 10) as r:
-            if r.status_code != 200:
-                await r.aread()
-                out.num_refused += r.status_code in (429, 503)
-                out.num_failed += r.status_code not in (429, 503)
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                obj = orjson.loads(line[6:])
-                if ttft is None and any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
-                    ttft = (time.monotonic() - t0) * 1e3
-                if obj.get("usage"):
-                    out.completion_tokens += obj["usage"].get("completion_tokens", 0)
-                    out.done.append((time.monotonic(), obj["usage"].get("completion_tokens", 0)))
-                    out.timings.append(obj["usage"].get("actorserve_timing") or {})
-    except httpx.HTTPError:
-        out.num_failed += 1
-        return
-    if ttft is not None:
-        out.ttft_ms.append(ttft)
-        out.num_ok += 1
-
-
-async def open_loop(url: str, key: str, rate: float, duration_s: float, max_tokens: int, out: Phase,
-                    deadline_ms: int = 30_000) -> None:
-    """Send at ``rate`` req/s for ``duration_s`` (at most rate x duration requests), then wait for all."""
-    import httpx
-
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000)) as client:
+async def open_loop(url: str, s: Stream, workload: Workload, rate: float, n: int) -> None:
+    """Send ``n`` requests at ``rate`` req/s (phase length n / rate), then wait for all of them."""
+    async with _client(2000) as client:
         t0, tasks = time.monotonic(), []
-        for i in range(int(rate * duration_s)):
+        for i in range(n):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-            tasks.append(asyncio.create_task(stream_one(client, url, key, max_tokens, deadline_ms, out)))
+            sp = wl.spec(workload, s.tag, i)
+            tasks.append(asyncio.create_task(send(client, url, s.key, s.tenant, sp, s.deadline(sp), s.priority,
+                                                  s.out)))
         await asyncio.gather(*tasks)
 
 
-async def closed_loop(url: str, key: str, concurrency: int, duration_s: float, max_tokens: int, out: Phase) -> None:
-    """``concurrency`` clients each sending back to back until ``duration_s`` passes."""
-    import httpx
-
-    t_end = time.monotonic() + duration_s
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 8)) as client:
+async def closed_loop(url: str, s: Stream, workload: Workload, concurrency: int, duration_s: float) -> None:
+    """``concurrency`` clients sending back to back until ``duration_s`` passes (at most 50 req/s each)."""
+    t_end, counter = time.monotonic() + duration_s, iter(range(int(concurrency * duration_s * 50)))
+    async with _client(concurrency + 8) as client:
         async def loop() -> None:
-            while time.monotonic() < t_end:
-                await stream_one(client, url, key, max_tokens, 60_000, out)
+            for i in counter:
+                if time.monotonic() >= t_end:
+                    return
+                sp = wl.spec(workload, s.tag, i)
+                await send(client, url, s.key, s.tenant, sp, s.deadline(sp), s.priority, s.out)
         await asyncio.gather(*(loop() for _ in range(concurrency)))
 
 
-async def setup_tenants(etcd_url: str) -> dict[str, str]:
-    """Create tenants ``bench-a`` and ``bench-b`` (allowed: the default model, weight 1); return their keys.
-    Tenants left in the state directory by an earlier run are reused with a fresh key and weight 1, so the
-    bench can be run again after a failed run."""
-    from control.state.registry import Registry
-    from control.state.tenants import TenantAdmin
-    async with Registry.connect(etcd_url) as reg:
-        admin = TenantAdmin(reg)
-        return {t: await _bench_tenant(admin, t) for t in ("bench-a", "bench-b")}
+@dataclass
+class Ctx:
+    """State shared by the phases of one run."""
+
+    sup: object
+    args: argparse.Namespace
+    url: str
+    keys: dict[str, str]
+    workload: Workload
+    res: dict = field(default_factory=dict)
+    capacity: float = float("nan")
+    rate: float = float("nan")
+    solo: list[Result] | None = None
+    loaded: list[Result] | None = None  # the capacity phase's results: latency of each shape at capacity
+    sched: subprocess.Popen | None = None
+    rss_start: dict[str, int] = field(default_factory=dict)
+
+    def stream(self, tenant: str, tag: str, **kw) -> Stream:
+        return Stream(tenant, self.keys[tenant], tag, **kw)
+
+    def pids(self) -> dict[str, int]:
+        p = dict(self.sup.pids)
+        if self.sched is not None:
+            p["scheduler-bench"] = self.sched.pid
+        return p
 
 
-async def _bench_tenant(admin, tenant_id: str) -> str:
-    """A new API key of ``tenant_id``, created (or reset: model access, weight 1) for this run."""
-    from control.state.tenants import TenantError
-    try:
-        return (await admin.create(tenant_id, allowed_models=[MODEL]))[2]
-    except TenantError:
-        await admin.allow_models(tenant_id, [MODEL])
-        await admin.set_weight(tenant_id, 1.0)
-        return (await admin.add_key(tenant_id))[1]
+def phase_capacity(ctx: Ctx) -> None:
+    """Closed loop of ``--slots`` clients of A; capacity = ok requests done from 20 % of the phase on."""
+    warm = ctx.stream("bench-a", "warmup")  # first requests of a fresh worker are slower: not counted
+    asyncio.run(closed_loop(ctx.url, warm, ctx.workload, ctx.args.slots, ctx.args.warmup_s))
+    s, T = ctx.stream("bench-a", "capacity"), ctx.args.capacity_s
+    t0 = time.monotonic()
+    asyncio.run(closed_loop(ctx.url, s, ctx.workload, ctx.args.slots, T))
+    ctx.capacity = sum(1 for r in s.out if r.status == "ok" and t0 + 0.2 * T <= r.done <= t0 + T) / (0.8 * T)
+    ctx.loaded = s.out
+    ctx.rate = 2 * ctx.capacity / 11
+    ctx.res.update(capacity_req_s=round(ctx.capacity, 3), b_rate_req_s=round(ctx.rate, 3),
+                   capacity_counts=wl.counts(s.out), capacity_errors=wl.error_sample(s.out))
+    if ctx.capacity <= 0:
+        raise RuntimeError(f"no request completed in the capacity phase: {ctx.res['capacity_errors']}")
 
 
-async def set_weights(etcd_url: str, weights: dict[str, float]) -> None:
-    """Write tenant weights (schedulers re-read tenants every 2 s)."""
-    from control.state.registry import Registry
-    from control.state.tenants import TenantAdmin
-    async with Registry.connect(etcd_url) as reg:
-        for t, w in weights.items():
-            await TenantAdmin(reg).set_weight(t, w)
+def _b_phase(ctx: Ctx, name: str, a_priority: str | None) -> list[Result]:
+    """B at r for ``--b-requests`` requests (fewer if N / r > ``--max-phase-s``), with A at 10 r
+    (``a_priority``) unless None; B's results."""
+    n = min(ctx.args.b_requests, max(1, int(ctx.rate * ctx.args.max_phase_s)))
+    b = ctx.stream("bench-b", f"{name}-b")
+    a = ctx.stream("bench-a", f"{name}-a", priority=a_priority or "interactive")
+
+    async def both() -> None:
+        loops = [open_loop(ctx.url, b, ctx.workload, ctx.rate, n)]
+        if a_priority is not None:
+            loops.append(open_loop(ctx.url, a, ctx.workload, 10 * ctx.rate, 10 * n))
+        return await with_loop_lag(asyncio.gather(*loops))
+    ctx.res[f"{name}_client_loop_lag_max_ms"] = asyncio.run(both())
+    ctx.res.update(b_phase_keys(name, b.out))
+    if a_priority is not None:
+        ctx.res[f"a_{name}_counts"], ctx.res[f"a_{name}_errors"] = wl.counts(a.out), wl.error_sample(a.out)
+    return b.out
 
 
-def replace_scheduler(sup, current: subprocess.Popen | None, fcfs: bool, log_dir: Path) -> subprocess.Popen:
-    """Stop the running scheduler (supervisor's or ours) and start one with or without ``--fcfs``."""
-    if current is None:
-        sup.actor("scheduler-0").proc.send_signal(signal.SIGTERM)
-        sup.actor("scheduler-0").proc.wait(20)
-    else:
-        current.send_signal(signal.SIGTERM)
-        current.wait(20)
-    cmd = [sys.executable, "-m", "control.ops.cli", "actor", "scheduler", "--model", f"{MODEL}@1",
-           "--nats", sup.nats_url, "--etcd", sup.etcd_url] + (["--fcfs"] if fcfs else [])
-    log = open(log_dir / f"bench-scheduler-{'fcfs' if fcfs else 'fair'}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    asyncio.run(wait_active(sup.etcd_url, proc.pid))
-    return proc
+def phase_solo(ctx: Ctx) -> None:
+    ctx.solo = _b_phase(ctx, "solo", None)
 
 
-async def wait_active(etcd_url: str, pid: int, timeout_s: float = 60.0) -> None:
-    """Wait until the scheduler process ``pid`` holds the version's election key (it is then subscribed
-    and has listed the workers once). RuntimeError after ``timeout_s``."""
-    from control.state.names import scheduler_key
-    from control.state.registry import Registry
-    async with Registry.connect(etcd_url) as reg:
-        t_end = time.monotonic() + timeout_s
-        while ((await reg.get_json(scheduler_key(MODEL, "1"))) or {}).get("pid") != pid:
-            if time.monotonic() > t_end:
-                raise RuntimeError(f"scheduler {pid} did not become active in {timeout_s:.0f} s")
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)  # its first credit heartbeats (4 Hz) arrive
+def phase_fair(ctx: Ctx) -> None:
+    _b_phase(ctx, "fair", "interactive")
 
 
-def timing_pct(timings: list[dict], q: float = 0.5) -> dict[str, float]:
-    """q-quantile of each server-side timing key (ms) over ``timings`` (usage.actorserve_timing dicts)."""
-    keys = sorted({k for t in timings for k in t if k != "decode_ms"})
-    return {k: round(pct([float(t[k]) for t in timings if k in t], q), 1) for k in keys}
+def phase_flood(ctx: Ctx) -> None:
+    _b_phase(ctx, "flood", "batch")
+
+
+def phase_fcfs(ctx: Ctx) -> None:
+    ctx.res["run_rss_growth_mib"] = wl.rss_growth_mib(ctx.rss_start, stack_rss_kib(ctx.pids()))
+    ctx.sched = replace_scheduler(ctx.sup, ctx.sched, True, Path(ctx.args.state_dir))
+    _b_phase(ctx, "fcfs", "interactive")
+
+
+def _saturate(ctx: Ctx, name: str, weights: dict[str, float]) -> tuple[dict, dict]:
+    """All ``weights`` tenants saturating (2 x slots closed-loop clients each) for ``--split-s``; returns
+    (service tokens, completion tokens) per tenant of requests done from T/4 to T."""
+    set_weights(ctx.sup.etcd_url, weights)
+    T, streams = ctx.args.split_s, [ctx.stream(t, f"{name}-{t[-1]}") for t in weights]
+    t0 = time.monotonic()
+
+    async def all_() -> None:
+        await asyncio.gather(*(closed_loop(ctx.url, s, ctx.workload, 2 * ctx.args.slots, T) for s in streams))
+    asyncio.run(all_())
+    steady, end = t0 + T / 4, t0 + T
+    for s in streams:
+        ctx.res[f"{name}_counts_{s.tenant[-1]}"] = wl.counts(s.out)
+    return ({s.tenant: wl.window_sum(s.out, steady, end) for s in streams},
+            {s.tenant: wl.window_sum(s.out, steady, end, "completion_tokens") for s in streams})
+
+
+def phase_split(ctx: Ctx) -> None:
+    """Weights 3:1: ``weighted_split_ratio`` on service tokens, ``weighted_completion_split_ratio`` on
+    completion tokens."""
+    svc, comp = _saturate(ctx, "weighted", {"bench-a": 3.0, "bench-b": 1.0})
+    a, b = svc["bench-a"], svc["bench-b"]
+    ctx.res.update(weighted_tokens_a=round(a), weighted_tokens_b=round(b),
+                   weighted_split_ratio=round(a / max(1.0, b), 3),
+                   weighted_completion_tokens_a=comp["bench-a"], weighted_completion_tokens_b=comp["bench-b"],
+                   weighted_completion_split_ratio=round(comp["bench-a"] / max(1, comp["bench-b"]), 3))
+    for t in "ab":
+        c = ctx.res[f"weighted_counts_{t}"]
+        ctx.res[f"weighted_refused_{t}"], ctx.res[f"weighted_failed_{t}"] = c["refused"], c["failed"] + c["hung"]
+
+
+def phase_three(ctx: Ctx) -> None:
+    """Weights 1:2:3: service-token shares and their largest relative error."""
+    weights = {"bench-a": 1.0, "bench-b": 2.0, "bench-c": 3.0}
+    svc, _ = _saturate(ctx, "three", weights)
+    total = sum(svc.values()) or 1.0
+    err = wl.share_errors(svc, weights)
+    ctx.res.update(three_tenant_service_tokens={t: round(v) for t, v in svc.items()},
+                   three_tenant_shares={t: round(v / total, 4) for t, v in svc.items()},
+                   three_tenant_share_errors={t: round(e, 4) for t, e in err.items()},
+                   three_tenant_max_share_error=round(max(abs(e) for e in err.values()), 4))
+
+
+def phase_overload(ctx: Ctx) -> None:
+    """``--overload-factor`` x capacity from A and B (half each) for ``--overload-s``, deadlines at
+    ``--deadline-factor`` x predicted solo latency; RSS of every stack process before and after."""
+    set_weights(ctx.sup.etcd_url, {t: 1.0 for t in TENANTS})
+    solo = ctx.solo
+    if not solo:  # no solo phase in this run: 20 s of one sequential client of B instead
+        s = ctx.stream("bench-b", "calibrate")
+        asyncio.run(closed_loop(ctx.url, s, ctx.workload, 1, 20.0))
+        solo = s.out
+    model = wl.fit_latency([(r.words, r.max_tokens, r.e2e_ms) for r in solo if r.status == "ok"])
+    loaded = wl.fit_latency([(r.words, r.max_tokens, r.e2e_ms) for r in ctx.loaded or [] if r.status == "ok"])
+    f, T = ctx.args.deadline_factor, ctx.args.overload_s
+    rate = ctx.args.overload_factor * ctx.capacity / 2
+
+    def deadline(sp) -> int:  # near the service time: f x the larger of the shape's solo and loaded latency
+        return max(wl.deadline_ms(model, sp.words, sp.max_tokens, f), wl.deadline_ms(loaded, sp.words, sp.max_tokens, f)
+                   if ctx.args.deadline_basis == "service" else 0)
+    streams = [ctx.stream(t, f"overload-{t[-1]}", deadline=deadline) for t in ("bench-a", "bench-b")]
+    before = stack_rss_kib(ctx.pids())
+    t0 = time.monotonic()
+
+    mid: dict[str, int] = {}
+
+    async def snapshot_mid() -> None:  # growth over the second half: a leak keeps growing once warm
+        await asyncio.sleep(T / 2)
+        mid.update(stack_rss_kib(ctx.pids()))
+
+    async def both() -> float:
+        return await with_loop_lag(asyncio.gather(snapshot_mid(), *(
+            open_loop(ctx.url, s, ctx.workload, rate, int(rate * T)) for s in streams)))
+    ctx.res["overload_client_loop_lag_max_ms"] = asyncio.run(both())
+    after = stack_rss_kib(ctx.pids())
+    growth, late_growth = wl.rss_growth_mib(before, after), wl.rss_growth_mib(mid, after)
+    ctx.res.update(overload_rss_growth_second_half_mib=late_growth,
+                   overload_rss_growth_second_half_max_mib=max(late_growth.values(), default=float("nan")))
+    out = streams[0].out + streams[1].out
+    summary = wl.overload_summary(out, t0, T, ctx.capacity)
+    late = [r.timing for r in out if r.status == "ok" and r.e2e_ms > 1.1 * r.deadline_ms]
+    ctx.res["overload_late_timing_p50_ms"] = timing_pct(late, 0.5)
+    ctx.res["overload_hung_sent_s"] = sorted(round(r.sent - t0, 1) for r in out if r.status == "hung")[:20]
+    ctx.res.update({f"overload_{k}": (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
+    ctx.res["overload_errors"] = wl.error_sample(out)
+    ctx.res.update(overload_latency_model_ms=[round(v, 3) for v in model],
+                   overload_loaded_latency_model_ms=[round(v, 3) for v in loaded],
+                   overload_deadline_basis=ctx.args.deadline_basis, overload_rss_growth_mib=growth,
+                   overload_rss_growth_max_mib=max(growth.values(), default=float("nan")))
+
+
+PHASE_FUNCS = {"capacity": phase_capacity, "solo": phase_solo, "fair": phase_fair, "flood": phase_flood,
+               "split": phase_split, "three": phase_three, "overload": phase_overload, "fcfs": phase_fcfs}
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run all phases; returns the JSON result dict."""
+    """Run the selected phases (``args.phases``, in ``PHASES`` order); returns the JSON result dict."""
     from control.ops.supervisor import Supervisor
 
+    t_start = time.monotonic()
+    phases = ["capacity"] + [p for p in PHASES if p in set(args.phases.split(",")) and p != "capacity"]
     state = Path(args.state_dir)
     sup = Supervisor(state, port=0, supervise=False,
                      actor_args={"worker": ["--max-num-seqs", str(args.slots), "--dtype", args.dtype]})
     sup.start()
-    sched = None
+    ctx = None
     try:
         sup.wait_ready(timeout=240)
-        url = sup.http_url + "/v1/chat/completions"
-        keys = asyncio.run(setup_tenants(sup.etcd_url))
+        keys = asyncio.run(setup_tenants(sup.etcd_url, TENANTS))
         time.sleep(2)  # gateways pick the tenants up
-        a, b, T = keys["bench-a"], keys["bench-b"], args.phase_s
-        cap = Phase()
-        asyncio.run(closed_loop(url, a, args.slots, T, args.max_tokens, cap))
-        capacity = cap.num_ok / T
-        r = 2 * capacity / 11
-        solo = Phase()
-        asyncio.run(open_loop(url, b, r, T, args.max_tokens, solo))
-
-        def mixed() -> tuple[Phase, Phase]:
-            pa, pb = Phase(), Phase()
-
-            async def both():
-                await asyncio.gather(open_loop(url, a, 10 * r, T, args.max_tokens, pa),
-                                     open_loop(url, b, r, T, args.max_tokens, pb))
-            asyncio.run(both())
-            return pa, pb
-        _, fair = mixed()
-        sched = replace_scheduler(sup, None, True, state)
-        _, fcfs = mixed()
-        sched = replace_scheduler(sup, sched, False, state)
-        asyncio.run(set_weights(sup.etcd_url, {"bench-a": 3.0, "bench-b": 1.0}))
-        time.sleep(3)
-        wa, wb = Phase(), Phase()
-
-        async def saturate():
-            # 2 x slots clients per tenant: both keep requests queued at the scheduler while their finished
-            # clients send the next one (with only `slots` each, the heavier tenant's queue runs dry)
-            await asyncio.gather(closed_loop(url, a, 2 * args.slots, T, args.max_tokens, wa),
-                                 closed_loop(url, b, 2 * args.slots, T, args.max_tokens, wb))
-        t_weighted = time.monotonic()
-        asyncio.run(saturate())
+        workload = Workload(*args.prompt_words, *args.out_tokens, seed=args.seed)
+        ctx = Ctx(sup, args, sup.http_url + "/v1/chat/completions", keys, workload)
+        ctx.res.update(workload=workload.describe(), slots=args.slots, b_requests=args.b_requests,
+                       phases=phases)
+        for name in phases:
+            t = time.monotonic()
+            print(f"[bench fairness] phase {name} ...", flush=True)
+            PHASE_FUNCS[name](ctx)
+            ctx.res[f"{name}_wall_s"] = round(time.monotonic() - t, 1)
+            if name == "capacity":  # RSS baseline of the run: after warm-up and a full batch
+                ctx.rss_start = stack_rss_kib(ctx.pids())
+        if "run_rss_growth_mib" not in ctx.res:
+            ctx.res["run_rss_growth_mib"] = wl.rss_growth_mib(ctx.rss_start, stack_rss_kib(ctx.pids()))
     finally:
-        if sched is not None:
-            sched.send_signal(signal.SIGTERM)
-            sched.wait(20)
+        if ctx is not None and ctx.sched is not None:
+            ctx.sched.send_signal(signal.SIGTERM)
+            ctx.sched.wait(20)
         sup.stop()
-    res = {"capacity_req_s": round(capacity, 3), "b_rate_req_s": round(r, 3)}
-    for name, ph in (("solo", solo), ("fair", fair), ("fcfs", fcfs)):
-        res[f"b_{name}_ttft_p50_ms"] = round(pct(ph.ttft_ms, 0.5), 1)
-        res[f"b_{name}_ttft_p99_ms"] = round(pct(ph.ttft_ms, 0.99), 1)
-        res[f"b_{name}_ok"], res[f"b_{name}_refused"] = ph.num_ok, ph.num_refused
-        res[f"b_{name}_timing_p50_ms"] = timing_pct(ph.timings, 0.5)
-        res[f"b_{name}_timing_p99_ms"] = timing_pct(ph.timings, 0.99)
-    # steady state only: tokens of requests completed from the first quarter of the phase to its end. Left
-    # out: the start-up transient (both tenants' first requests fill the batch together) and the tail
-    # after the clients stop sending, when the lighter-weighted tenant's backlog drains alone.
-    steady, end = t_weighted + T / 4, t_weighted + T
-    ta, tb = (sum(n for t, n in ph.done if steady <= t <= end) for ph in (wa, wb))
-    res["weighted_tokens_a"], res["weighted_tokens_b"] = ta, tb
-    res["weighted_split_ratio"] = round(ta / max(1, tb), 3)
-    res["weighted_refused_a"], res["weighted_refused_b"] = wa.num_refused, wb.num_refused
-    res["weighted_failed_a"], res["weighted_failed_b"] = wa.num_failed, wb.num_failed
+    res = ctx.res
+    growth = res["run_rss_growth_mib"]
+    res["run_rss_growth_max_mib"] = max(growth.values(), default=float("nan"))
+    res["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+    res["targets"] = {name: {"value": v, "target": tgt, "met": ok} for name, v, tgt, ok in targets(res)}
     return res
 
 
-def print_table(res: dict) -> None:
-    """Human-readable summary with the issue's target ratios."""
-    print(f"capacity: {res['capacity_req_s']} req/s; B offered {res['b_rate_req_s']} req/s, A 10x that")
-    for name in ("solo", "fair", "fcfs"):
-        print(f"  B TTFT {name:5s}: p50 {res[f'b_{name}_ttft_p50_ms']:9.1f} ms   p99 {res[f'b_{name}_ttft_p99_ms']:9.1f} ms"
-              f"   ({res[f'b_{name}_ok']} ok, {res[f'b_{name}_refused']} refused)")
-        for q in ("p50", "p99"):
-            timing = res.get(f"b_{name}_timing_{q}_ms") or {}
-            print(f"      server-side {q} (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in timing.items()))
-    solo, fair, fcfs = (res[f"b_{n}_ttft_p99_ms"] for n in ("solo", "fair", "fcfs"))
-    print(f"  fair/solo p99 = {fair / solo:.2f} (target <= 2);  fair/fcfs p99 = {fair / fcfs:.3f} (target <= 0.25)")
-    print(f"  weights 3:1 -> token split {res['weighted_split_ratio']} (target 3 +- 10%)")
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``actorserve bench fairness``."""
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--state-dir", default=".actorserve-bench-fairness", help="state dir of the bench stack")
-    parser.add_argument("--phase-s", type=float, default=20.0, help="seconds per load phase")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma-separated phases to run (capacity always runs); default {','.join(PHASES)}")
+    parser.add_argument("--b-requests", type=int, default=300,
+                        help="B's requests per solo/fair/flood/fcfs phase (phase length = N / r)")
+    parser.add_argument("--max-phase-s", type=float, default=300.0,
+                        help="longest solo/fair/flood/fcfs phase: fewer B requests when N / r is longer")
+    parser.add_argument("--warmup-s", type=float, default=5.0, help="seconds of closed-loop warm-up (not counted)")
+    parser.add_argument("--capacity-s", type=float, default=20.0, help="seconds of the capacity phase")
+    parser.add_argument("--split-s", type=float, default=30.0, help="seconds of each weighted (3:1, 1:2:3) phase")
+    parser.add_argument("--overload-s", type=float, default=60.0, help="seconds of offered overload")
+    parser.add_argument("--overload-factor", type=float, default=10.0, help="overload offered, x capacity")
+    parser.add_argument("--deadline-factor", type=float, default=2.0,
+                        help="overload deadlines, x the request shape's predicted latency (see --deadline-basis)")
+    parser.add_argument("--deadline-basis", choices=("service", "solo"), default="service",
+                        help="overload deadlines from the larger of the shape's solo latency and its latency at "
+                             "capacity (service, default: near the service time) or from its solo latency alone")
+    parser.add_argument("--prompt-words", type=_pair, default=(4, 24), metavar="LO,HI",
+                        help="prompt length range, words (uniform)")
+    parser.add_argument("--out-tokens", type=_pair, default=(2, 12), metavar="LO,HI",
+                        help="max_tokens range (uniform, ignore_eos)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request distribution")
     parser.add_argument("--slots", type=int, default=8, help="worker sequence slots (max_num_seqs)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="worker compute dtype (default auto: bf16 on CPUs with AMX)")
@@ -274,14 +422,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point used by the CLI."""
+    from bench.cli_common import write_json
+
     res = run(args)
     print_table(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(res, args.json)
     return 0
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="actorserve bench fairness")
-    add_arguments(p)
-    sys.exit(main(p.parse_args()))
+    from bench.cli_common import standalone
+
+    sys.exit(standalone("actorserve bench fairness", __doc__, add_arguments, main))

@@ -312,11 +312,16 @@ class Dispatch(Message):
 
     ``preempt``: id of a request running on that worker that this one displaces (fair-share preemption,
     docs/decisions/0018-fair-share-preemption.md): the worker may take the request with no free slot by
-    recompute-preempting that one; "" = an ordinary dispatch within the worker's credits."""
+    recompute-preempting that one; "" = an ordinary dispatch within the worker's credits.
+
+    ``urgent``: the request's tenant holds less than its fair share of the service (or the request is
+    ``interactive`` while ``batch`` work runs): the worker queues it ahead of waiting ordinary work and
+    gives its prefill the next step (docs/decisions/0021-latency-isolation.md)."""
 
     request: GenerateRequest
     scheduler_id: str = ""
     preempt: str = ""
+    urgent: bool = False
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "Dispatch":
@@ -325,7 +330,7 @@ class Dispatch(Message):
         if not isinstance(req, dict):
             raise ValueError("Dispatch: 'request' must be an object")
         return cls(request=GenerateRequest.from_dict(req), scheduler_id=str(obj.get("scheduler_id", "")),
-                   preempt=str(obj.get("preempt") or ""))
+                   preempt=str(obj.get("preempt") or ""), urgent=bool(obj.get("urgent", False)))
 
 
 @dataclass(frozen=True)
@@ -352,6 +357,13 @@ class Credits(Message):
     num_waiting: int = 0
     draining: bool = False  # worker accepts no new work
     ts: float = 0.0  # send time, Unix epoch s
+    # measured engine speed (0 = not measured yet), for the scheduler's completion-time prediction:
+    step_ms: float = 0.0  # wall time of one step-loop iteration (step, prefills riding along, publishing; EWMA, ms)
+    prefill_tokens_per_s: float = 0.0  # prompt tokens computed per second of step time (EWMA, tokens/s)
+    # tokens computed per tenant since the previous heartbeat: {tenant: [prompt tokens, completion tokens]}
+    # (VTC service counters, docs/decisions/0021-latency-isolation.md; lost heartbeats lose only these counts)
+    served: dict = field(default_factory=dict)
+    paused: list | None = None  # ids of requests held here that wait to resume after a preemption (None: not told)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 ``Frontend.submit`` resolves the model, registers the request in the in-flight table, hands it to a
 validator (request-reply ack: a missing validator is a 503 at once, not a timeout) and returns the
 entry whose chunks ``Frontend.next`` hands out in order; gateway/pipeline.py consumes them for every front.
+A request that a scheduler has just shown it would refuse (queue full, deadline unmeetable) is refused in
+``submit`` from a refusal hint (gateway/shed.py), before any bus hop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponde
 from bus.messages import ApiRequest, Cancel, Chunk, PRIORITIES, error_dict
 from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
+from gateway.shed import Shape, ShedHints
 from gateway.openai_format import ApiError
 from gateway.tracing import annotate as annotate_trace
 from actors import content_log
@@ -89,6 +92,7 @@ class Frontend:
     def __init__(self, bus: Bus, resolver: ModelResolver, cfg: FrontendConfig) -> None:
         self.bus, self.resolver, self.cfg = bus, resolver, cfg
         self.table = InflightTable()
+        self.shed = ShedHints()  # refusals learnt from the schedulers' answers (gateway/shed.py)
         self._sub = None
 
     async def start(self) -> None:
@@ -111,13 +115,35 @@ class Frontend:
             chunk = Chunk.decode(msg.data)
             if self.observer is not None:
                 self.observer.on_chunk(chunk)
+            if chunk.error is not None:
+                self._learn(chunk)
             self.table.deliver(chunk)
         except ValueError as exc:
             log.warning("undecodable chunk on %s: %s", msg.subject, exc)
 
+    def _learn(self, chunk: Chunk) -> None:
+        """Learn a refusal hint from a request's final error chunk (a scheduler's refusal, relayed)."""
+        entry = self.table.get(chunk.request_id)
+        if entry is not None and chunk.model:
+            self.shed.learn(chunk.model, entry.tenant, entry.priority, chunk.error, time.time())
+
+    def _shed(self, name: str, version: str, tenant: str, priority: str, deadline: float, body: dict) -> None:
+        """Raise the ApiError (429/503 + Retry-After) of a refusal hint that covers this request, if any."""
+        mt = body.get("max_tokens", body.get("max_completion_tokens"))
+        shape = Shape(f"{name}@{version}", tenant, priority, deadline,
+                      mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else 0,
+                      body.get("ignore_eos") is True)
+        err = self.shed.check(shape, time.time())
+        if err is not None:
+            if self.observer is not None:
+                from gateway.metrics import count_shed
+                count_shed(shape.model, str(err.get("code")))
+            raise ApiError.from_chunk_error(err)
+
     async def submit(self, *, tenant: str, endpoint: str, body: dict, request_id: str, deadline_ms: int,
                      marks: dict[str, float]) -> Submitted:
-        """Resolve, register and hand the request to a validator. Raises ApiError (404, 400, 503)."""
+        """Resolve, register and hand the request to a validator. Raises ApiError (404, 400, 503; 429/503
+        from a refusal hint)."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "you must provide a model parameter", param="model")
@@ -126,10 +152,12 @@ class Frontend:
         if priority not in PRIORITIES:
             raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
         deadline = time.time() + deadline_ms / 1e3
+        self._shed(name, version, tenant, priority, deadline, body)
         k = choice_count(endpoint, body)
         annotate_trace(request_id=request_id, tenant=tenant, name=name, version=version, endpoint=endpoint, marks=marks)
         entry = self.table.open(request_id, deadline, self.cfg.inactivity_s, children=k)
         entry.tenant = tenant  # checked by a public NATS cancel (gateway/nats_api.py)
+        entry.priority = priority
         marks["gateway_out"] = time.time()
         if self.observer is not None:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))

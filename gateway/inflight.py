@@ -3,6 +3,11 @@
 All chunks for this gateway arrive on one wildcard subscription (``_INBOX.*.gw.<gateway_id>.*``)
 and are routed here by request id into a bounded per-request queue. ``next_chunk`` is the only
 wait, and it is bounded by the request's absolute deadline and by the inactivity timeout.
+
+Client disconnects: :meth:`InflightTable.watch` registers a ``gone()`` check per request, and one task per
+table calls every check each WATCH_S s; a client found gone ends its wait with ConnectionResetError. (Each
+waiting request waking every 0.1 s by itself cost ~17 us per wake-up, measured: 500 requests queued under
+an overload took 0.08 cores of the gateway, taken from a CPU worker on the same host.)
 """
 
 from __future__ import annotations
@@ -10,8 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from bus.messages import Chunk, error_dict
+
+WATCH_S = 0.1  # period of the client-disconnect checks of watched requests (s)
+GONE = object()  # queued by the watch for a request whose client went away
 
 
 class StreamError(Exception):
@@ -37,6 +46,7 @@ class Inflight:
     child_seq: dict = field(default_factory=dict)  # child id -> next expected seq
     child_worker: dict = field(default_factory=dict)  # child id -> worker streaming it
     tenant: str = ""  # tenant of the request (a public NATS cancel must come from it)
+    priority: str = "interactive"  # its priority class (what a refusal hint is learnt for, gateway/shed.py)
 
 
 class InflightTable:
@@ -44,6 +54,8 @@ class InflightTable:
 
     def __init__(self) -> None:
         self._by_id: dict[str, Inflight] = {}
+        self._gone_checks: dict[str, Callable[[], bool]] = {}  # request id -> "has its client gone?"
+        self._watch_task: asyncio.Task | None = None
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -60,8 +72,31 @@ class InflightTable:
         return entry
 
     def close(self, request_id: str) -> None:
-        """Forget a request (idempotent)."""
+        """Forget a request (idempotent), and its disconnect check."""
         self._by_id.pop(request_id, None)
+        self._gone_checks.pop(request_id, None)
+
+    def watch(self, request_id: str, gone: Callable[[], bool]) -> None:
+        """Check ``gone()`` every WATCH_S s while the request is open (until :meth:`close`); once it says
+        True the request's ``next_chunk`` raises ConnectionResetError. Needs a running event loop."""
+        if request_id not in self._by_id:
+            return
+        self._gone_checks[request_id] = gone
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.create_task(self._watch(), name="inflight-disconnect-watch")
+
+    async def _watch(self) -> None:
+        """Run the disconnect checks every WATCH_S s; ends when nothing is watched (``watch`` restarts it)."""
+        while self._gone_checks:
+            await asyncio.sleep(WATCH_S)
+            for rid, gone in list(self._gone_checks.items()):
+                try:
+                    left = gone()
+                except Exception:  # a broken check must not stop the others': treat as gone
+                    left = True
+                if left:
+                    self._gone_checks.pop(rid, None)
+                    self._push_end(rid, GONE)
 
     def get(self, request_id: str) -> Inflight | None:
         """The entry of a request (or of the parent of a fanned-out choice id)."""
@@ -86,12 +121,16 @@ class InflightTable:
 
     def fail(self, request_id: str, error: dict) -> None:
         """Push a terminal error to one request's consumer."""
+        self._push_end(request_id, error)
+
+    def _push_end(self, request_id: str, item: dict | object) -> None:
+        """Queue a terminal item (an error dict or GONE) for one request's consumer."""
         entry = self._by_id.get(request_id)
         if entry is None:
             return
         while entry.queue.full():  # make room: the failure matters more than undelivered text
             entry.queue.get_nowait()
-        entry.queue.put_nowait(error)
+        entry.queue.put_nowait(item)
 
     def fail_all(self, error: dict) -> None:
         """Fail every request in flight (NATS disconnect)."""
@@ -105,10 +144,11 @@ async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | No
     Raises StreamError on: deadline passed (503 deadline_exceeded), no chunk within the inactivity
     timeout since the last one once streaming has started (503 upstream_timeout), a sequence gap or a
     different worker (502 stream_gap), or a pushed failure (e.g. NATS disconnect). A final chunk
-    carrying ``error`` is returned as is. ``poll_s`` lets a caller check for client disconnects between
-    waits. Before the first chunk only the deadline bounds the wait: a request may sit in the
-    scheduler's queue for most of its deadline (the scheduler ends it at the deadline), and a silence
-    limit there failed admitted requests long before it.
+    carrying ``error`` is returned as is; ConnectionResetError once the disconnect watch found the client
+    gone (:meth:`InflightTable.watch`). ``poll_s``: return None after that long without a chunk. Before
+    the first chunk only the deadline bounds the wait: a request may sit in the scheduler's queue for
+    most of its deadline (the scheduler ends it at the deadline), and a silence limit there failed
+    admitted requests long before it.
     """
     now = time.time()
     started = entry.next_seq > 0 or bool(entry.child_seq)
@@ -123,6 +163,8 @@ async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | No
         if time.time() >= limit:
             raise _timeout_error(entry, time.time()) from None
         return None
+    if item is GONE:
+        raise ConnectionResetError("client disconnected")
     entry.last_activity = time.time()
     if isinstance(item, dict):
         raise StreamError(item)

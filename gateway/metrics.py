@@ -10,6 +10,8 @@
   gateways, ``sum()`` over them is the deployment's total; with one, it is all of it.
 * Worker gauges (KV cache usage, running/waiting, batch size, tokens/s) come from every worker's
   statistics (``as.int.stats.*``), one series per worker.
+* ``actorserve_gateway_shed_total{model, code}`` counts requests refused here from a refusal hint
+  (gateway/shed.py: a scheduler refused the same kind of request within the last 0.25 s).
 * ``actorserve_nats_api_dropped_total{reason, endpoint}`` counts NATS API requests answered with nothing
   at all, because their reply subject is one the caller may not subscribe to (gateway/nats_api.py).
 
@@ -146,7 +148,14 @@ class GatewayMetrics:
             log.debug("undecodable worker stats: %s", exc)
 
 
-_dropped_counter = None
+_counters: dict = {}  # name -> OTel counter of the process-wide counters below (created on first use)
+
+
+def _count(name: str, description: str, attributes: dict) -> None:
+    """Add 1 to the process-wide counter ``name`` (created on first use) with ``attributes``."""
+    if name not in _counters:
+        _counters[name] = m.meter().create_counter(name, description=description)
+    _counters[name].add(1, attributes)
 
 
 def count_dropped(reason: str, endpoint: str) -> None:
@@ -155,13 +164,16 @@ def count_dropped(reason: str, endpoint: str) -> None:
     ``unauthenticated`` (no valid key, a reply subject inside some tenant's or role's inbox); ``endpoint``
     the API operation (``chat``, ``cancel``, ``responses.get``, ...). No tenant label: the caller
     chooses it."""
-    global _dropped_counter
-    if _dropped_counter is None:
-        _dropped_counter = m.meter().create_counter(
-            "actorserve_nats_api_dropped_total",
-            description="NATS API requests dropped without a reply: their reply subject lies outside what "
-                        "the caller may subscribe to.")
-    _dropped_counter.add(1, {"reason": reason, "endpoint": endpoint})
+    _count("actorserve_nats_api_dropped_total", "NATS API requests dropped without a reply: their reply subject "
+           "lies outside what the caller may subscribe to.", {"reason": reason, "endpoint": endpoint})
+
+
+def count_shed(model: str, code: str) -> None:
+    """Count one request refused at the gateway from a refusal hint, with no bus hop
+    (``actorserve_gateway_shed_total{model, code}``, gateway/shed.py); ``code``: ``queue_full``,
+    ``tenant_queue_full`` or ``deadline_unmeetable``. The scheduler's own refusals are not in it."""
+    _count("actorserve_gateway_shed_total", "Requests refused by the gateway from a scheduler's recent refusal "
+           "(a refusal hint), without reaching a validator or scheduler.", {"model": model, "code": code})
 
 
 class _WithoutTenants:

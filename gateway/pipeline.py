@@ -10,9 +10,10 @@ Every front runs a request the same way; only the reading of the caller and the 
    (called by :func:`admitted` on every exit) does, exactly once;
 3. :func:`run` consumes the response chunks through ``Frontend.next`` (which owns the deadline, the
    inactivity limit, gap detection and bus loss), merges the choices (``gateway.merge.ChoiceMerger``) and
-   hands each chunk's streaming objects to a :class:`Sink` (``emit``). It ends in an :class:`Outcome`: on an error
-   chunk, a ``StreamError``, a client disconnect or an unexpected failure it cancels the generation (every
-   fanned-out choice) once, and in every case it closes the in-flight entry once;
+   hands each chunk's streaming objects to a :class:`Sink` (``emit``). It ends in an :class:`Outcome`: on a
+   ``StreamError``, a client disconnect, an unexpected failure or an error chunk of a fanned-out request it
+   cancels the generation (every fanned-out choice) once (a single choice's error chunk needs no cancel: its
+   sender ended it, and a refused request was never queued), and in every case it closes the in-flight entry once;
 4. the front formats the Outcome (JSON response, SSE tail, NATS reply, idempotency record, job result).
 
 Usage is metered from the workers' completion records (gateway/usage.py), never on this path.
@@ -36,7 +37,6 @@ from gateway.openai_format import ApiError
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1  # client-disconnect check period while waiting for chunks (s)
 CANCEL_RESEND_S = 30.0  # a cancel the bus could not carry is sent again once it is back, for this long (s)
 CANCEL_RESEND_POLL_S = 0.25  # ... checking the connection this often (s)
 _RESENDS: set[asyncio.Task] = set()  # cancels waiting for the bus (kept referenced until done)
@@ -162,15 +162,23 @@ async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None
               gone: Callable[[], bool] | None = None) -> Outcome:
     """Consume ``sub``'s chunks until every choice's final one; see the module docstring.
 
-    ``sink``: told of each chunk's streaming objects (None: a non-streaming request). ``gone``: polled every
-    POLL_S s while waiting; True = the client disconnected. Cancel reasons: ``sibling_failed`` (an error
-    chunk), ``stream_error`` (deadline, silence, gap, bus loss; ``Frontend.next`` already sent
+    ``sink``: told of each chunk's streaming objects (None: a non-streaming request). ``gone``: checked every
+    ``inflight.WATCH_S`` s by the table's disconnect watch (one task for all requests, not one wake-up per
+    waiting request); True = the client disconnected. Cancel reasons: ``sibling_failed`` (an error chunk of
+    a fanned-out request, for its other choices; a single choice's error chunk comes from whoever held it,
+    the validator, a scheduler or a worker, which has ended it already: nothing is sent), ``stream_error``
+    (deadline, silence, gap, bus loss; ``Frontend.next`` already sent
     ``gateway_gave_up``), ``disconnect``. Never raises but for task cancellation."""
     merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
     out = Outcome(merger)
+    if gone is not None:
+        fe.table.watch(sub.request_id, gone)
     try:
         while not merger.done:
             chunk = await _next(fe, sub, gone)
+            if chunk.error and sub.num_choices == 1:  # refused or ended by its holder: nothing to cancel
+                out.detail = chunk.error
+                return out
             if chunk.error:
                 return await _fail(fe, sub, out, chunk.error, "sibling_failed")
             await _add(merger, chunk, sink)
@@ -189,11 +197,12 @@ async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None
 
 
 async def _next(fe: Frontend, sub: Submitted, gone: Callable[[], bool] | None) -> Chunk:
-    """The next chunk (Frontend.next); ConnectionResetError once ``gone()`` says the client left."""
+    """The next chunk (Frontend.next); ConnectionResetError once ``gone()`` says the client left (checked
+    here, then by the table's disconnect watch while waiting)."""
+    if gone is not None and gone():
+        raise ConnectionResetError("client disconnected")
     while True:
-        if gone is not None and gone():
-            raise ConnectionResetError("client disconnected")
-        chunk = await fe.next(sub, POLL_S if gone is not None else None)
+        chunk = await fe.next(sub)
         if chunk is not None:
             return chunk
 

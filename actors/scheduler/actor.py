@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fcfs", action="store_true", help="first-come-first-served instead of fair share")
     parser.add_argument("--no-preemption", dest="preemption", action="store_false",
                         help="never preempt an over-share tenant's running request (slot headroom only)")
+    parser.add_argument("--no-urgent", dest="urgent", action="store_false",
+                        help="never mark dispatches urgent (no prefill priority for under-share tenants; "
+                             "for comparisons, docs/decisions/0021)")
     parser.add_argument("--routing", default="affinity", choices=("affinity", "least_loaded", "random"),
                         help="worker choice: prefix-cache affinity then least loaded (default), or a baseline")
     parser.add_argument("--scheduler-id", default=None, help="id of this replica (default sched-<pid>)")
@@ -168,7 +171,7 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
         raise
     svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
                                                 args.max_queue_per_tenant, args.fcfs, routing=args.routing,
-                                                preemption=args.preemption), journal)
+                                                preemption=args.preemption, urgent=args.urgent), journal)
     await svc.start()
     _export_queue(svc)
     try:
@@ -243,12 +246,25 @@ _active: list = []  # the SchedulerService of the current term (read by the queu
 
 
 def _export_queue(svc: SchedulerService) -> None:
-    """Point ``actorserve_num_requests_waiting{model}`` (this scheduler's queue length) at ``svc``."""
-    from actors.metrics import observable_gauge
+    """Point this scheduler's gauges at ``svc``: ``actorserve_num_requests_waiting{model}`` (queue length),
+    ``actorserve_tenant_service_tokens_total{model,tenant,kind}`` (tokens served, kind prompt|completion,
+    from the workers' heartbeats), ``actorserve_tenant_service_share{model,tenant}`` (share of the weighted
+    service over the last 60 s) and ``actorserve_tenant_weight_share{model,tenant}`` (the share its weight
+    entitles it to among the tenants active then)."""
+    from actors.metrics import observable_counter, observable_gauge
 
     if not _active:
         observable_gauge("actorserve_num_requests_waiting", "Requests waiting in the scheduler's queue.", "1",
                          lambda: [(len(s.queue), {"model": f"{s.cfg.name}@{s.cfg.version}"}) for s in _active[-1:]])
+        observable_counter("actorserve_tenant_service_tokens", "Tokens served per tenant (prompt tokens "
+                           "computed, completion tokens generated), from the workers' heartbeats.", "1",
+                           lambda: [r for s in _active[-1:] for r in s.service_rows()])
+        observable_gauge("actorserve_tenant_service_share", "Tenant's share of the weighted tokens served over "
+                         "the last 60 s (VTC currency: prompt x1, completion x2).", "1",
+                         lambda: [r for s in _active[-1:] for r in s.share_rows()[0]])
+        observable_gauge("actorserve_tenant_weight_share", "Tenant's weight over the weights of the tenants "
+                         "active in the last 60 s: the share fair scheduling aims at.", "1",
+                         lambda: [r for s in _active[-1:] for r in s.share_rows()[1]])
     _active[:] = [svc]
 
 

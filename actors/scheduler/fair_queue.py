@@ -30,6 +30,17 @@ R = TypeVar("R")
 
 PRIORITY_ORDER = ("interactive", "batch")  # served in this order (strict priority)
 
+# The fairness currency: weighted tokens served (Virtual Token Counter, Sheng et al., "Fairness in Serving
+# Large Language Models", OSDI '24, whose evaluation weighs an output token twice an input token: w_p = 1,
+# w_q = 2). A decode token costs a whole step of the running batch; prompt tokens are batched in one pass.
+PROMPT_TOKEN_WEIGHT = 1.0
+COMPLETION_TOKEN_WEIGHT = 2.0
+
+
+def service_tokens(prompt_tokens: float, completion_tokens: float) -> float:
+    """Weighted service (tokens) of ``prompt_tokens`` prefilled and ``completion_tokens`` generated."""
+    return PROMPT_TOKEN_WEIGHT * prompt_tokens + COMPLETION_TOKEN_WEIGHT * completion_tokens
+
 ADMITTED = "admitted"
 QUEUE_FULL_TENANT = "queue_full_tenant"  # tenant's own queue full -> 429
 QUEUE_FULL = "queue_full"  # whole queue full -> 503
@@ -177,17 +188,28 @@ class FairQueue(Generic[R]):
         return ahead + own
 
     def can_admit(self, tenant: str, priority: str, cost: float, deadline: float, now: float,
-                  tokens_per_s: float | None, weight: float = 1.0) -> str:
-        """ADMITTED or the refusal reason. ``tokens_per_s``: measured service rate (None = unknown)."""
+                  tokens_per_s: float | None, weight: float = 1.0, own_s: float = 0.0) -> str:
+        """ADMITTED or the refusal reason. ``tokens_per_s``: measured service rate (None = unknown);
+        ``own_s``: the request's own predicted time from its turn on: the wait for a free slot plus its
+        prefill and decode (s; ``vtc.predict_service_s``). Refused as DEADLINE_UNMEETABLE when ``now`` + the
+        wait for the queue ahead + ``own_s`` passes ``deadline`` (epoch s)."""
         if self.num_queued(tenant) >= self.cfg.max_per_tenant:
             return QUEUE_FULL_TENANT
         if len(self) >= self.cfg.max_total:
             return QUEUE_FULL
-        ahead = self.tokens_ahead(priority, tenant, weight, cost)
-        if deadline and tokens_per_s and ahead > 0:  # only a backlog makes the measured rate a capacity estimate
-            if now + ahead / tokens_per_s > deadline:
-                return DEADLINE_UNMEETABLE
+        if not deadline:
+            return ADMITTED
+        wait_s = self.wait_s(priority, tenant, weight, cost, tokens_per_s)
+        if (wait_s or own_s) and now + wait_s + own_s > deadline:
+            return DEADLINE_UNMEETABLE
         return ADMITTED
+
+    def wait_s(self, priority: str, tenant: str, weight: float, cost: float, tokens_per_s: float | None) -> float:
+        """Estimated seconds a new request (cost ``cost`` tokens) of ``tenant`` waits for the queued tokens
+        served before it (:meth:`tokens_ahead`) at ``tokens_per_s``; 0 without a backlog or a measured rate
+        (only a backlog makes the measured rate a capacity estimate: an idle system's rate says nothing)."""
+        ahead = self.tokens_ahead(priority, tenant, weight, cost)
+        return ahead / tokens_per_s if tokens_per_s and ahead > 0 else 0.0
 
     def push(self, request_id: str, tenant: str, weight: float, priority: str, cost: float, deadline: float,
              item: R, front: bool = False) -> None:

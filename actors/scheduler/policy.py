@@ -26,6 +26,9 @@ class WorkerView:
     leased: bool = False  # etcd lease key present
     incarnation: str = ""  # which process holds the id (from its registration; a restart under the same id differs)
     last_credit_ts: float = 0.0  # when the last heartbeat arrived (s, scheduler clock)
+    step_ms: float = 0.0  # measured engine step time at its current batch (ms; 0 = not measured)
+    credit_sent_ts: float = 0.0  # the last heartbeat's send time (worker clock, epoch s)
+    prefill_tokens_per_s: float = 0.0  # measured prefill rate (tokens/s; 0 = not measured)
     inflight: dict[str, bool] = field(default_factory=dict)  # request id -> has streamed a token
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -131,8 +134,10 @@ class WorkerTable:
         return out
 
     def on_credits(self, worker_id: str, free_blocks: int, free_slots: int, block_size: int,
-                   draining: bool, now: float, total_blocks: int = 0, total_slots: int = 0) -> None:
-        """Heartbeat: replace the credit view (the worker's own count already includes our dispatches)."""
+                   draining: bool, now: float, total_blocks: int = 0, total_slots: int = 0,
+                   step_ms: float = 0.0, prefill_tokens_per_s: float = 0.0, sent_ts: float = 0.0) -> None:
+        """Heartbeat: replace the credit view (the worker's own count already includes our dispatches)
+        and the measured speeds (ms per step, prefill tokens/s; 0 keeps the last measurement)."""
         if worker_id not in self.workers:
             return  # no lease (yet, or any more): ignore
         v = self.workers[worker_id]
@@ -142,6 +147,16 @@ class WorkerTable:
             v.total_blocks = total_blocks
         if total_slots:
             v.total_slots = total_slots
+        v.step_ms = step_ms or v.step_ms
+        v.credit_sent_ts = sent_ts or v.credit_sent_ts
+        v.prefill_tokens_per_s = prefill_tokens_per_s or v.prefill_tokens_per_s
+
+    def speed(self, now: float) -> tuple[float, float]:
+        """(step ms, prefill tokens/s): medians over leased workers with fresh credits and a measurement;
+        (0, 0) when none measured (no prediction)."""
+        fresh = [w for w in self.workers.values() if w.leased and now - w.last_credit_ts <= self.stale_after_s]
+        return (_median([w.step_ms for w in fresh if w.step_ms > 0]),
+                _median([w.prefill_tokens_per_s for w in fresh if w.prefill_tokens_per_s > 0]))
 
     def fits_nowhere(self, num_prompt_tokens: int, now: float) -> bool:
         """True when live workers with fresh credits exist and none could ever hold the prompt (+1 token).
@@ -181,10 +196,13 @@ class WorkerTable:
             if request_id in w.inflight:
                 w.inflight[request_id] = True
 
-    def on_done(self, request_id: str) -> None:
-        """Forget a finished request."""
+    def on_done(self, request_id: str, finished_ts: float = 0.0) -> None:
+        """Forget a finished request. With ``finished_ts`` (worker clock, epoch s) after the worker's last
+        heartbeat, that heartbeat still counted the request: its slot is given back now instead of at the
+        next heartbeat (up to 250 ms later, an idle slot under load; the next heartbeat replaces the view)."""
         for w in self.workers.values():
-            w.inflight.pop(request_id, None)
+            if w.inflight.pop(request_id, None) is not None and finished_ts > w.credit_sent_ts > 0:
+                w.free_slots = min(w.total_slots or w.free_slots + 1, w.free_slots + 1)
 
     def on_refused(self, worker_id: str, request_id: str) -> None:
         """A dispatch was refused or unanswered: undo it and distrust the worker until its next heartbeat."""
@@ -200,6 +218,11 @@ class WorkerTable:
     def num_inflight(self) -> int:
         """Requests dispatched and not yet done, all workers."""
         return sum(len(w.inflight) for w in self.workers.values())
+
+
+def _median(values: list[float]) -> float:
+    """Median of ``values`` (upper middle), 0.0 when empty."""
+    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 def tenant_cap(total_slots: int, headroom_fraction: float, weight_share: float = 0.0) -> int:
@@ -247,3 +270,20 @@ def preemption_victim(head_tenant: str, held: dict[str, int], fair: dict[str, in
         return None
     worst = max(sorted(over), key=lambda t: over[t])
     return next((rid for rid, t in reversed(running) if t == worst), None)
+
+
+def priority_victim(head_priority: str, running: list[tuple[str, str, str]]) -> str | None:
+    """Request to preempt by priority class first: for an ``interactive`` head, the newest running ``batch``
+    request (whatever its tenant: an interactive request is never kept waiting by batch work); None for a
+    ``batch`` head or when no batch request runs. ``running``: (request id, tenant, priority) of
+    preemptible running requests, oldest first. The fair-share rule (:func:`preemption_victim`) decides
+    only within a class (docs/decisions/0021-latency-isolation.md)."""
+    if head_priority != "interactive":
+        return None
+    return next((rid for rid, _, p in reversed(running) if p == "batch"), None)
+
+
+def same_class(head_priority: str, running: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
+    """(request id, tenant) of the running requests a fair-share preemption may take for a head of
+    ``head_priority``: those of its own class (a ``batch`` head never displaces ``interactive`` work)."""
+    return [(rid, t) for rid, t, p in running if p == head_priority]

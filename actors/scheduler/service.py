@@ -17,11 +17,14 @@ from dataclasses import dataclass, replace
 import orjson
 
 from actors.aio import wait_event
+from actors.metrics import LabelLimiter
 from actors.recent import RecentIds
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
-                                         FairQueueConfig)
-from actors.scheduler.policy import (ThroughputMeter, WorkerTable, fair_slots, preemption_victim, tenant_cap,
-                                     weight_share)
+                                         FairQueueConfig, service_tokens)
+from actors.scheduler.policy import ThroughputMeter, WorkerTable
+from actors.scheduler.sharing import FairShareMixin
+from actors.scheduler.vtc import (OutputLengthModel, ServiceLedger, ServiceTimeCalibration, cannot_finish,
+                                  predict_service_s, slot_wait_s)
 from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
@@ -51,6 +54,7 @@ class SchedulerConfig:
     tenant_active_s: float = 60.0  # a tenant that submitted within this window counts as active (s)
     drain_s: float = 6.0  # on stop: keep dispatching the queue to the (still running) workers this long (s)
     preemption: bool = True  # a tenant below its fair slots may displace an over-share tenant's request
+    urgent: bool = True  # mark dispatches of under-share tenants / interactive-over-batch urgent (docs/decisions/0021)
 
     def __post_init__(self) -> None:
         subjects.sched_submit(self.name, self.version)
@@ -62,12 +66,15 @@ class SchedulerConfig:
             raise ValueError("drain_s must be >= 0")
 
 
-def cost_of(req: GenerateRequest) -> int:
-    """Estimated token cost of a request: prompt + max_tokens (corrected by actual usage later)."""
-    return len(req.prompt_token_ids) + req.sampling.max_tokens
+def cost_of(req: GenerateRequest, lengths: OutputLengthModel | None = None) -> float:
+    """Estimated service of a request in the fairness currency (``fair_queue.service_tokens``): its prompt
+    plus the completion tokens ``lengths`` expects (``max_tokens`` without a model); the fair queue charges
+    it at dispatch and corrects it with the tokens actually served at completion."""
+    out = lengths.expected(req.sampling.max_tokens, req.sampling.ignore_eos) if lengths else req.sampling.max_tokens
+    return service_tokens(len(req.prompt_token_ids), out)
 
 
-class SchedulerService:
+class SchedulerService(FairShareMixin):
     """Runs the FCFS policy for one model version over a Bus."""
 
     def __init__(self, bus: Bus, config: SchedulerConfig, journal: Journal | None = None) -> None:
@@ -76,7 +83,13 @@ class SchedulerService:
         self.queue: FairQueue[GenerateRequest] = FairQueue(FairQueueConfig(
             config.max_queue_len, config.max_queue_per_tenant, config.fcfs))
         self.weights: dict[str, float] = {}  # tenant -> fair-share weight (tenant records; default 1)
-        self.meter = ThroughputMeter(window_s=10.0, started=time.monotonic())
+        self.meter = ThroughputMeter(window_s=10.0, started=time.monotonic())  # weighted service tokens/s
+        self.ledger = ServiceLedger()  # tokens served per tenant (workers' heartbeats): metrics and shares
+        self.lengths = OutputLengthModel()  # expected completion tokens, from natural ends
+        self._charged: dict[str, float] = {}  # request id -> cost charged to its tenant at push (tokens)
+        self.calibration = ServiceTimeCalibration()  # actual / predicted service time of finished requests
+        self._eta: dict[str, tuple[float, float]] = {}  # dispatched request id -> (dispatch epoch s, predicted s)
+        self._labels = LabelLimiter()  # bounded tenant label values of the service metrics
         self._seen: dict[str, float] = {}  # tenant -> last submit (monotonic s)
         self.prefixes = PrefixIndex()  # which worker holds which prompt prefix (affinity routing)
         self._rng = random.Random(0)
@@ -168,6 +181,7 @@ class SchedulerService:
         redo = []
         for rid, started in lost.items():
             self._preempted.discard(rid)
+            self._eta.pop(rid, None)
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
@@ -192,10 +206,16 @@ class SchedulerService:
             await self._ack(msg, True)
             return await self._fail(req, 499, "request cancelled before it was queued", "cancelled",
                                     retryable=False)
-        verdict = self.queue.can_admit(req.tenant, req.priority, cost_of(req), req.deadline, time.time(),
-                                       self.meter.tokens_per_s(time.monotonic()), self.weights.get(req.tenant, 1.0))
+        cost, rate, weight = cost_of(req, self.lengths), self.meter.tokens_per_s(time.monotonic()), \
+            self.weights.get(req.tenant, 1.0)
+        verdict = self.queue.can_admit(req.tenant, req.priority, cost, req.deadline, time.time(), rate, weight,
+                                       self._slot_wait_s() + self._own_service_s(req))
         if verdict != ADMITTED:
-            return await self._ack(msg, False, self._refusal(verdict))
+            err = self._refusal(verdict)
+            if verdict == DEADLINE_UNMEETABLE:  # hints that let the gateway refuse the next ones (gateway/shed.py)
+                err.update(queue_clear_at=time.time() + self.queue.wait_s(req.priority, req.tenant, weight, cost, rate),
+                           decode_step_s=self.table.speed(time.monotonic())[0] / 1e3)
+            return await self._ack(msg, False, err)
         req = replace(req, marks={**req.marks, "sched_in": time.time()})
         try:
             await self.journal.append(req)
@@ -226,8 +246,23 @@ class SchedulerService:
         return n
 
     def _push(self, req: GenerateRequest, front: bool = False) -> None:
+        cost = self._charged.setdefault(req.request_id, cost_of(req, self.lengths))
         self.queue.push(req.request_id, req.tenant, self.weights.get(req.tenant, 1.0), req.priority,
-                        cost_of(req), req.deadline, req, front=front)
+                        cost, req.deadline, req, front=front)
+
+    def _own_service_s(self, req: GenerateRequest, calibrated: bool = True) -> float:
+        """Predicted seconds ``req`` spends on a worker (prefill + decode at the workers' measured speed),
+        times the measured actual/predicted factor unless ``calibrated`` is False."""
+        step_ms, prefill_tps = self.table.speed(time.monotonic())
+        out = self.lengths.expected(req.sampling.max_tokens, req.sampling.ignore_eos)
+        raw = predict_service_s(len(req.prompt_token_ids), out, step_ms, prefill_tps)
+        return raw * self.calibration.factor if calibrated else raw
+
+    def _slot_wait_s(self) -> float:
+        """Predicted seconds until a slot frees when every worker's slots are taken (0 with a free one)."""
+        now, f = time.time(), self.calibration.factor
+        free = sum(w.free_slots for w in self.table.workers.values() if w.leased)
+        return slot_wait_s(now, [t + raw * f for t, raw in self._eta.values()], free)
 
     def _refusal(self, verdict: str) -> dict:
         """Error payload for an admission refusal (429 tenant queue full, 503 otherwise)."""
@@ -250,10 +285,15 @@ class SchedulerService:
             c = Credits.decode(msg.data)
         except ValueError:
             return
-        self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, time.monotonic(),
-                              c.total_blocks, c.total_slots)
-        if c.num_waiting == 0 and c.worker_id in self.table.workers:  # nothing paused there any more
-            self._preempted.difference_update(self.table.workers[c.worker_id].inflight)
+        now = time.monotonic()
+        self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, now,
+                              c.total_blocks, c.total_slots, c.step_ms, c.prefill_tokens_per_s, c.ts)
+        if c.worker_id in self.table.workers:
+            self.ledger.add_heartbeat(now, c.served)
+        if c.worker_id in self.table.workers:  # victims that run again may be chosen again
+            held = self.table.workers[c.worker_id].inflight
+            if c.num_waiting == 0 or isinstance(c.paused, list):  # a worker that does not list them: when none waits
+                self._preempted.difference_update(set(held) - set(c.paused or ()))
         if c.free_slots > 0:
             self._kick.set()
 
@@ -267,13 +307,25 @@ class SchedulerService:
             rec = CompletionRecord.decode(msg.data)
         except ValueError:
             return
-        self.table.on_done(rec.request_id)
+        self.table.on_done(rec.request_id, rec.ts)
+        if rec.ts:
+            self._kick.set()  # a slot may be free now
         self._preempted.discard(rec.request_id)
         self._traces.pop(rec.request_id)
         req = self.requests.pop(rec.request_id, None)
-        self.meter.add(time.monotonic(), rec.prompt_tokens + rec.completion_tokens)
-        if req is not None:
-            self.queue.correct(req.tenant, req.priority, cost_of(req), rec.prompt_tokens + rec.completion_tokens)
+        served = service_tokens(rec.prompt_tokens, rec.completion_tokens)
+        self.meter.add(time.monotonic(), served)
+        if rec.status == "ok":
+            self.lengths.observe(rec.completion_tokens, rec.finish_reason)
+        charged = self._charged.pop(rec.request_id, None)
+        eta = self._eta.pop(rec.request_id, None)
+        if eta is not None and rec.ts and (rec.status == "ok" or rec.finish_reason == "abort"):
+            self.calibration.observe(eta[1], rec.ts - eta[0])  # an aborted one (deadline, client gone): a lower bound
+        if len(self._charged) > 10_000:  # ended without a completion record reaching us (lost publish): forget
+            self._charged = {r: c for r, c in self._charged.items() if r in self.requests or self.queue.contains(r)}
+            self._eta = {r: e for r, e in self._eta.items() if r in self.requests}
+        if req is not None and charged is not None:
+            self.queue.correct(req.tenant, req.priority, charged, served)
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
@@ -308,6 +360,10 @@ class SchedulerService:
         head = self.queue.peek_item(skip)
         if head is None:
             return False
+        if cannot_finish(head.deadline, time.time(), self._own_service_s(head)):  # it would be aborted mid-way
+            await self._fail(self.queue.pop(skip).item, 503, "the request can no longer finish before its "
+                             "deadline at the current load; retry", "deadline_unmeetable")
+            return True
         num_prompt = len(head.prompt_token_ids)
         worker, hashes = self._route(head)
         victim = ""
@@ -319,8 +375,9 @@ class SchedulerService:
             if worker is None:
                 return False
         req = self.queue.pop(skip).item
+        urgent = bool(victim) or self._urgent(req, worker.worker_id)
         worker.take(req.request_id, num_prompt)
-        if not await self._send(worker.worker_id, req, victim):
+        if not await self._send(worker.worker_id, req, victim, urgent):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
             if victim:  # refused: the victim is not running there (paused or not admitted yet); the next
@@ -333,43 +390,6 @@ class SchedulerService:
             log.info("dispatched %s (tenant %s) preempting %s", req.request_id, req.tenant, victim)
         return True
 
-    def _displace(self, head: GenerateRequest):
-        """(worker, victim request id) when ``head``'s tenant is below its fair slots and an over-share
-        tenant runs a request on a worker that could hold ``head``; (None, "") otherwise."""
-        active = self._active_tenants()
-        if not self.cfg.preemption or self.cfg.fcfs or head.tenant not in active or len(active) < 2:
-            return None, ""
-        total, now = self.table.total_slots(), time.monotonic()
-        weights = {t: self.weights.get(t, 1.0) for t in active}
-        fair = {t: fair_slots(total, weight_share(t, weights)) for t in active}
-        where, running = {}, []
-        for w in self.table.workers.values():
-            if w.can_take_preempting(len(head.prompt_token_ids), now, self.table.stale_after_s):
-                for rid in w.inflight:
-                    if rid in self.requests and rid not in self._preempted:
-                        where[rid] = w
-                        # (streamed a token, dispatch time): the victim is the last of its tenant, so the
-                        # newest request already decoding; one still prefilling or waiting in the engine
-                        # only when none of that tenant's is decoding (the worker refuses a victim that
-                        # is not running)
-                        running.append((w.inflight[rid], self.requests[rid].marks.get("dispatch", 0.0), rid))
-        running.sort()
-        victim = preemption_victim(head.tenant, self._held(), fair,
-                                   [(rid, self.requests[rid].tenant) for _, _, rid in running])
-        return (where[victim], victim) if victim else (None, "")
-
-    def _active_tenants(self) -> list[str]:
-        """Tenants that submitted within ``tenant_active_s``."""
-        now = time.monotonic()
-        return [t for t, ts in self._seen.items() if now - ts <= self.cfg.tenant_active_s]
-
-    def _held(self) -> dict[str, int]:
-        """Dispatched, unfinished requests per tenant (preempted ones included: they still hold a place)."""
-        held: dict[str, int] = {}
-        for r in self.requests.values():
-            held[r.tenant] = held.get(r.tenant, 0) + 1
-        return held
-
     def _route(self, req: GenerateRequest):
         """(worker or None, prompt block hashes) by the configured routing policy."""
         now, n = time.monotonic(), len(req.prompt_token_ids)
@@ -381,21 +401,10 @@ class SchedulerService:
         hashes = block_hashes(req.prompt_token_ids, bs)
         return self.table.pick(n, now, lambda w: self.prefixes.matched_blocks(hashes, w.worker_id)), hashes
 
-    def _tenants_at_cap(self) -> frozenset[str]:
-        """Tenants holding their maximum share of slots (skipped while others wait; fcfs: none)."""
-        active = self._active_tenants()
-        if self.cfg.fcfs or len(active) < 2:  # one tenant alone may use every slot
-            return frozenset()
-        total = self.table.total_slots()
-        weights = {t: self.weights.get(t, 1.0) for t in active}
-        held = self._held()
-        return frozenset(t for t, n in held.items()
-                         if n >= tenant_cap(total, self.cfg.headroom_fraction, weight_share(t, weights)))
-
-    async def _send(self, worker_id: str, req: GenerateRequest, preempt: str = "") -> bool:
+    async def _send(self, worker_id: str, req: GenerateRequest, preempt: str = "", urgent: bool = False) -> bool:
         req = replace(req, marks={**req.marks, "dispatch": time.time()})
         self.requests[req.request_id] = req
-        data = Dispatch(req, self.cfg.scheduler_id, preempt).encode()
+        data = Dispatch(req, self.cfg.scheduler_id, preempt, urgent).encode()
         parent = self._traces.get(req.request_id)  # None: tracing off, or replayed from the journal (no trace)
         headers = None if parent is None else tracing.record_span(
             "queue", req.marks.get("sched_in", req.marks["dispatch"]), req.marks["dispatch"], parent,
@@ -410,6 +419,7 @@ class SchedulerService:
             ok = False
         if ok:
             self.num_dispatched += 1
+            self._eta[req.request_id] = (req.marks["dispatch"], self._own_service_s(req, calibrated=False))
             await self.journal.remove(req.request_id)
         else:
             self.requests.pop(req.request_id, None)

@@ -18,6 +18,8 @@ class RequestError(Exception):
     `status`: HTTP status code (400 for invalid input). `message`: human-readable reason.
     `param`: the request field at fault, or None. `code`: machine-readable code such as
     `"context_length_exceeded"`, or None. `type`: OpenAI error type (default `"invalid_request_error"`).
+    `extra`: further fields of a scheduler's refusal passed on in the error chunk (the refusal hint of
+    gateway/shed.py: `queue_clear_at`, `decode_step_s`).
     """
 
     def __init__(
@@ -27,6 +29,7 @@ class RequestError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = int(status)
@@ -34,6 +37,7 @@ class RequestError(Exception):
         self.param = param
         self.code = code
         self.type = type
+        self.extra = dict(extra or {})
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 
 RETRIED_REFUSALS = frozenset({"journal_unavailable"})  # scheduler refusals the validator retries (see _submit)
+HINT_FIELDS = ("queue_clear_at", "decode_step_s")  # refusal fields passed on to the gateway (gateway/shed.py)
 
 
 def _refusal_code(ack: dict) -> str | None:
@@ -189,8 +190,9 @@ class ValidatorService:
                 await self._submit_all(gens)
             except RequestError as err:
                 retry = err.status >= 500 or err.status == 429  # overload / quota: try again later
-                await self._fail(req, error_dict(err.status, err.message, type_=err.type, param=err.param,
-                                                 code=err.code, retryable=retry, retry_after=1.0 if retry else None))
+                await self._fail(req, {**error_dict(err.status, err.message, type_=err.type, param=err.param,
+                                                    code=err.code, retryable=retry,
+                                                    retry_after=1.0 if retry else None), **err.extra})
             except Exception as exc:  # a bug must answer (500), never leave the client waiting
                 log.exception("validation of %s failed", req.request_id)
                 await self._fail(req, error_dict(500, f"internal error while validating the request: {exc}",
@@ -281,7 +283,8 @@ class ValidatorService:
         if not ack.get("accepted"):
             err = ack.get("error") or {}
             raise RequestError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
-                               err.get("param"), err.get("code"), err.get("type") or "unavailable")
+                               err.get("param"), err.get("code"), err.get("type") or "unavailable",
+                               {k: err[k] for k in HINT_FIELDS if k in err})
 
     async def _fail(self, req: ApiRequest, err: dict) -> None:
         tracing.set_error(f"{err.get('code') or err.get('status')}: {err.get('message')}")

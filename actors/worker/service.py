@@ -18,6 +18,7 @@ import orjson
 from actors.aio import wait_event
 from actors.recent import RecentIds
 from actors.text.tool_calls import HermesParser, make_parser, parse_step
+from actors.worker.engine.step_rates import served_delta
 from actors.worker.engine.types import EngineRequest, StepOutput
 from actors import content_log
 from bus import subjects, tracing
@@ -91,22 +92,23 @@ class WorkerService:
         self._adds: list[GenerateRequest] = []
         self._preempts: list[str] = []  # running requests to preempt before the next step (fair share)
         self._front: set[str] = set()  # queued adds that displace a preempted request (added at the head)
+        self._urgent: set[str] = set()  # queued adds with prefill priority (Dispatch.urgent)
+        self._served_sent: dict[str, list[int]] = {}  # engine's served counters at the previous heartbeat
+        self._iter_ms = 0.0  # EWMA of the wall time of one step-loop iteration that ran a step (ms)
         self._aborts: list[tuple[str, str]] = []
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
-        self.draining = False
-        self.num_finished = 0
-        self.num_aborted = 0
+        self.draining, self.num_finished, self.num_aborted = False, 0, 0
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Subscribe to dispatch and cancel subjects and start the step and heartbeat loops."""
-        self._subs.append(await self.bus.subscribe(subjects.work(self.cfg.worker_id), self._on_dispatch))
-        self._subs.append(await self.bus.subscribe(subjects.cancel_all(), self._on_cancel))
+        self._subs += [await self.bus.subscribe(subjects.work(self.cfg.worker_id), self._on_dispatch),
+                       await self.bus.subscribe(subjects.cancel_all(), self._on_cancel)]
         for coro in (self._step_loop(), self._credits_loop(), self._stats_loop(), self._probe_loop()):
             self._tasks.append(asyncio.create_task(coro))
         await self._publish_credits()
@@ -149,13 +151,15 @@ class WorkerService:
         pending = len(self._adds)
         return not self.draining and free_slots - pending > 0 and free_blocks > 0
 
-    def can_preempt(self, victim: str) -> bool:
-        """True when a dispatch may displace ``victim`` (fair-share preemption): it runs here, is not
-        being cancelled or preempted already, and fewer than ``max_num_seqs + max_preempted`` requests
-        are held (the bound on requests beyond the engine's slots)."""
+    def can_preempt(self, victim: str, priority: str = "interactive") -> bool:
+        """True when a dispatch of class ``priority`` may displace ``victim`` (fair-share preemption): it
+        runs here, is not being cancelled or preempted already, is not ``interactive`` while the newcomer
+        is ``batch`` (priority class first, issue 23), and fewer than ``max_num_seqs + max_preempted``
+        requests are held (the bound on requests beyond the engine's slots)."""
         lv = self.live.get(victim)
         held = len(self.live) + len(self._adds)
         return (not self.draining and lv is not None and not lv.aborted and victim not in self._preempts
+                and not (priority == "batch" and lv.req.priority != "batch")
                 and self.engine.is_running(victim) and held < self.engine.max_num_seqs + self.cfg.max_preempted)
 
     async def _on_dispatch(self, msg: Msg) -> None:
@@ -167,7 +171,8 @@ class WorkerService:
                 await msg.respond(DispatchAck(False, f"bad dispatch: {exc}").encode())
             return
         req = dispatch.request
-        displace = bool(dispatch.preempt) and not self.can_accept(req) and self.can_preempt(dispatch.preempt)
+        displace = (bool(dispatch.preempt) and not self.can_accept(req)
+                    and self.can_preempt(dispatch.preempt, req.priority))
         ok = (self.can_accept(req) or displace) and req.request_id not in self.live
         if msg.reply:
             await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
@@ -179,6 +184,8 @@ class WorkerService:
                 self._aborts.append((req.request_id, reason))
                 self._wake.set()
                 return
+            if dispatch.urgent:
+                self._urgent.add(req.request_id)
             if self.faults is not None:  # test-only fault injection: delays or fails it off the engine loop
                 t = asyncio.create_task(self.faults.admit(
                     lambda: self.live.get(req.request_id) is lv and not lv.aborted,
@@ -231,13 +238,15 @@ class WorkerService:
         failed = []
         adds, self._adds = self._adds, []
         for req in adds:
-            front = req.request_id in self._front
+            front, urgent = req.request_id in self._front, req.request_id in self._urgent
             self._front.discard(req.request_id)
+            self._urgent.discard(req.request_id)
             try:
                 self.live[req.request_id].tools = make_parser(req.tool_parser, req.parallel_tool_calls,
                                                               req.tool_calls_forced)
                 self.engine.add_request(EngineRequest(req.request_id, tuple(req.prompt_token_ids),
-                                                      req.sampling, arrival_time=time.monotonic()),
+                                                      req.sampling, arrival_time=time.monotonic(),
+                                                      priority=req.priority, tenant=req.tenant, urgent=urgent),
                                         front=front)
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
@@ -265,6 +274,7 @@ class WorkerService:
 
     async def _step_loop(self) -> None:
         while True:
+            t_iter = time.perf_counter()
             self._expire_deadlines()
             for lv, why in self._apply_pending():
                 await self._finish_error(lv, error_dict(400, why, param="messages"))
@@ -282,6 +292,9 @@ class WorkerService:
             self.num_steps += 1
             self._apply_aborts()  # cancels heard during the step win over its outputs (the client is gone)
             await self._publish_outputs(outputs)
+            # a token's interval as its request sees it: the whole iteration (the step, with whatever prefills
+            # rode along, plus this loop's adds and publishing), EWMA over every step
+            self._iter_ms += 0.2 * ((time.perf_counter() - t_iter) * 1e3 - self._iter_ms)
 
     async def _fail_all(self, message: str) -> None:
         """Abort every live request in the engine and end each with a retryable 500."""
@@ -304,8 +317,7 @@ class WorkerService:
             if lv.aborted and not self.engine_has(rid):
                 await self._finish_abort(lv)
 
-    def engine_has(self, request_id: str) -> bool:
-        """Whether the engine still holds ``request_id``."""
+    def engine_has(self, request_id: str) -> bool:  # whether the engine still holds ``request_id``
         return self.engine.has_request(request_id)
 
     async def _publish_outputs(self, outputs: list[StepOutput]) -> None:
@@ -442,13 +454,22 @@ class WorkerService:
 
     # ---- heartbeats --------------------------------------------------------------------------
     def credits_msg(self) -> Credits:
-        """Current credits: free KV blocks and sequence slots (minus queued, not yet added)."""
+        """Current credits: free KV blocks and sequence slots (minus queued, not yet added), the measured
+        step time (a whole iteration of the step loop, EWMA) and prefill speed, and the tokens served per
+        tenant since the previous call."""
         st = self.engine.stats()
+        step_ms = self._iter_ms if self.num_steps else 0.0
         free_blocks, free_slots = self.engine.credits()
         return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, st.num_total_blocks,
                        max(0, free_slots - len(self._adds)), self.engine.max_num_seqs,
                        self.engine.block_size, st.num_running, st.num_waiting, self.draining,
-                       time.time())
+                       time.time(), round(step_ms, 3), round(st.prefill_tokens_per_s, 1), self._served_since(st.served),
+                       st.paused)
+
+    def _served_since(self, served: dict[str, list[int]]) -> dict[str, list[int]]:
+        """{tenant: [prompt, completion] tokens} served since the previous heartbeat (``served_delta``)."""
+        delta, self._served_sent = served_delta(served, self._served_sent)
+        return delta
 
     async def _publish_credits(self) -> None:
         subj = subjects.credits(self.cfg.name, self.cfg.version, self.cfg.worker_id)

@@ -247,8 +247,10 @@ def _add_bench_commands(sub: Any) -> None:
     _engine_arguments(be)
     be.set_defaults(func=_cmd_bench_engine)
     bf = bsub.add_parser(
-        "fairness", help="tenant B's TTFT alone / fair share / FCFS, and a 3:1 weighted split (table + JSON)",
-        description="Starts its own stack (default model) and two tenants; see bench/fairness_bench.py.",
+        "fairness", help="latency isolation (B solo / fair / batch flood / FCFS), 3:1 and 1:2:3 token shares, "
+                         "10x overload goodput (table + JSON)",
+        description="Starts its own stack (default model) and its tenants; see bench/fairness_bench.py and "
+                    "docs/bench.md.",
     )
     from bench.fairness_bench import add_arguments as _fairness_arguments
     _fairness_arguments(bf)

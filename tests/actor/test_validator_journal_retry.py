@@ -1,5 +1,6 @@
 """The validator retries a scheduler's explicit journal_unavailable refusal (a JetStream leader election:
-the scheduler did not take the request), within failover_wait_s, and no other refusal."""
+the scheduler did not take the request), within failover_wait_s, and no other refusal; a refusal's hint
+fields (gateway/shed.py) reach the gateway."""
 
 from __future__ import annotations
 
@@ -68,3 +69,14 @@ async def test_other_refusals_are_not_retried(tiny_path):
 async def test_journal_unavailable_past_the_wait_reaches_the_client(tiny_path):
     attempts, chunks = await run(tiny_path, [refusal("journal_unavailable")] * 50, wait_s=0.5)
     assert 2 <= attempts <= 4 and chunks and chunks[0].error["code"] == "journal_unavailable"
+
+
+async def test_a_refusal_hint_reaches_the_gateway_with_the_error(tiny_path):
+    hinted = orjson.dumps({"accepted": False, "error": {
+        "status": 503, "message": "late", "code": "deadline_unmeetable", "type": "overloaded",
+        "queue_clear_at": 1234.5, "decode_step_s": 0.1, "internal": "not passed on"}})
+    attempts, chunks = await run(tiny_path, [hinted])
+    err = chunks[0].error
+    assert attempts == 1 and err["code"] == "deadline_unmeetable" and err["retry_after"] == 1.0
+    assert (err["queue_clear_at"], err["decode_step_s"]) == (1234.5, 0.1) and "internal" not in err
+    assert chunks[0].model == "m@1"  # what the gateway keys the hint by (gateway/shed.py)

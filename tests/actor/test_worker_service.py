@@ -9,12 +9,14 @@ import time
 import pytest
 
 from actors.worker.engine.engine import EngineConfig, LLMEngine
-from actors.worker.service import WorkerConfig, WorkerService
+from actors.worker.engine.types import EngineStats
+from actors.worker.service import WorkerConfig, WorkerService, _Live
 from bus import subjects
 from bus.memory import MemoryBus
 from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
                           SamplingParams)
 from tests.engine_fixtures import write_tiny_llama_gguf
+from tests.actor.test_worker_tool_calls import ReplayEngine
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +241,55 @@ async def test_credits_carry_the_slot_and_block_totals(tiny_path):
         c = credits[-1]
         assert c.total_slots == 4 and c.free_slots == 4  # max_num_seqs of the engine (the scheduler's caps use it)
         assert c.block_size == svc.engine.config.block_size and c.total_blocks == svc.engine.stats().num_total_blocks
+
+
+class RecordingEngine(ReplayEngine):
+    """ReplayEngine that records the EngineRequests it is given and reports set speed and service counters."""
+
+    def __init__(self) -> None:
+        super().__init__(["x"] * 3)
+        self.added, self.served = [], {}
+
+    def add_request(self, req, front: bool = False) -> None:
+        self.added.append(req)
+        super().add_request(req, front)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_total_blocks=100, num_free_blocks=100, step_ms=31.25, prefill_tokens_per_s=2000.0,
+                           served={t: list(c) for t, c in self.served.items()})
+
+
+async def test_urgent_dispatch_reaches_the_engine_with_priority_and_tenant():
+    bus = MemoryBus()
+    eng = RecordingEngine()
+    async with WorkerService(bus, eng, WorkerConfig("w1", "m", "1")):
+        chunks = await collect(bus, "_INBOX.t.u")
+        r = dataclasses.replace(gen("u"), priority="batch")
+        reply = await bus.request(subjects.work("w1"), Dispatch(r, urgent=True).encode(), 1.0)
+        assert DispatchAck.decode(reply.data).accepted
+        assert await dispatch(bus, gen("o"))
+        await wait_final(chunks)
+    (u, o) = eng.added
+    assert (u.urgent, u.priority, u.tenant) == (True, "batch", "t") and (o.urgent, o.priority) == (False, "interactive")
+
+
+def test_batch_newcomer_never_displaces_an_interactive_request():
+    svc = WorkerService(MemoryBus(), RecordingEngine(), WorkerConfig("w1", "m", "1"))
+    for rid, prio in (("vi", "interactive"), ("vb", "batch")):
+        svc.live[rid] = _Live(dataclasses.replace(gen(rid), priority=prio), time.time())
+        svc.engine.reqs[rid] = 0  # running in the engine
+    assert not svc.can_preempt("vi", "batch") and svc.can_preempt("vi", "interactive")
+    assert svc.can_preempt("vb", "batch") and svc.can_preempt("vb", "interactive")
+
+
+def test_credits_carry_speed_and_the_tokens_served_since_the_previous_heartbeat():
+    eng = RecordingEngine()
+    svc = WorkerService(MemoryBus(), eng, WorkerConfig("w1", "m", "1"))
+    eng.served = {"a": [40, 3], "b": [10, 0]}
+    c = svc.credits_msg()
+    assert (c.step_ms, c.prefill_tokens_per_s, c.served) == (0.0, 2000.0, {"a": [40, 3], "b": [10, 0]})
+    svc.num_steps, svc._iter_ms = 3, 31.25  # the step loop's measured iteration time (EWMA) once steps ran
+    assert svc.credits_msg().step_ms == 31.25
+    eng.served = {"a": [40, 7], "b": [10, 0], "c": [5, 1]}
+    assert svc.credits_msg().served == {"a": [0, 4], "c": [5, 1]}  # only what changed
+    assert svc.credits_msg().served == {}

@@ -155,3 +155,25 @@ async def test_every_actor_registers_its_metrics_endpoint(metrics_stack):
                     assert "actorserve_generation_tokens_per_second" in fams
                 if kind == "scheduler":
                     assert "actorserve_num_requests_waiting" in fams
+
+
+async def test_scheduler_exports_tokens_served_per_tenant_and_its_share(metrics_stack):
+    """Issue [17] item 4: the active scheduler's ``/metrics`` counts tokens served per tenant (from the
+    workers' heartbeats) and exports the tenant's share of the service next to its weight's share."""
+    sup = metrics_stack
+    async with httpx.AsyncClient() as client:
+        await streamed(client, sup.http_url + "/v1/chat/completions",
+                       {"Authorization": f"Bearer {sup.dev_api_key}"}, 0, random.Random(1))
+        (info,) = (await registered_endpoints(sup.etcd_url))["scheduler"]
+        for _ in range(20):  # a heartbeat (4 Hz) carries the served tokens
+            fams = families((await client.get(info["url"], timeout=5)).text)
+            fam = fams.get("actorserve_tenant_service_tokens")
+            served = {s.labels["kind"]: s.value for s in (fam.samples if fam else [])
+                      if s.name.endswith("_total") and s.labels.get("tenant") == "dev"}
+            if served.get("completion", 0) > 0:
+                break
+            await asyncio.sleep(0.25)
+    assert served.get("prompt", 0) > 0 and served.get("completion", 0) > 0, served
+    share = {s.labels["tenant"]: s.value for s in fams["actorserve_tenant_service_share"].samples}
+    due = {s.labels["tenant"]: s.value for s in fams["actorserve_tenant_weight_share"].samples}
+    assert share == {"dev": 1.0} and due == {"dev": 1.0}, (share, due)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from actors.scheduler.policy import fair_slots, preemption_victim
 from actors.worker.engine.block_manager import BlockManager
 from actors.worker.engine.iteration_scheduler import IterationScheduler
+from actors.worker.engine.types import EngineRequest, SamplingParams
 from tests.unit.test_engine_tiny import GREEDY, make_engine, req, run_all, solo_tokens, tiny_path, tokens  # noqa: F401
 
 RUNNING = [("a1", "A"), ("a2", "A"), ("b1", "B"), ("a3", "A"), ("c1", "C")]
@@ -106,3 +107,74 @@ def test_engine_preempted_request_resumes_with_the_same_greedy_tokens(tiny_path)
         outs.setdefault(rid, []).extend(more)
     assert [tokens(outs[r]) for r in ("a", "b", "c")] == solo
     assert not e.has_request("b")
+
+
+# ---- priority class and prefill priority (issue 23) -------------------------------------------------------
+
+def test_block_shortage_preempts_the_newest_batch_sequence_before_any_interactive_one():
+    s = IterationScheduler(BlockManager(3, 4), 8, 64)
+    s.add("b1", 4, priority="batch")
+    s.add("b2", 4, priority="batch")
+    s.add("i", 4)  # newest, but interactive
+    step(s)  # all three prefilled: 3 blocks used, each needs a new block to decode
+    assert [q.seq_id for q in s.running] == ["i", "b1", "b2"]  # interactive first, each class oldest first
+    plan = step(s)
+    assert plan.preempted == ["b2", "b1"] and [i.seq_id for i in plan.seqs] == ["i"]
+    s2 = IterationScheduler(BlockManager(2, 4), 8, 64)
+    s2.add("i1", 4)
+    s2.add("i2", 4)
+    step(s2)
+    assert step(s2).preempted == ["i2"]  # no batch sequence runs: the newest, as before
+
+
+def test_urgent_sequences_queue_fcfs_ahead_of_ordinary_waiting_ones():
+    s = scheduler(max_seqs=1)
+    s.add("run", 3)
+    step(s)
+    for sid, urgent in (("o1", False), ("u1", True), ("o2", False), ("u2", True)):
+        s.add(sid, 3, urgent=urgent)
+    assert [w.seq_id for w in s.waiting] == ["u1", "u2", "o1", "o2"]
+    s.add("f", 3, front=True)  # a displacing newcomer still goes first
+    assert [w.seq_id for w in s.waiting] == ["f", "u1", "u2", "o1", "o2"]
+
+
+def test_urgent_prefill_gets_the_step_budget_before_a_running_prefill_chunk():
+    for urgent, expect in ((True, [("long", 6), ("u", 10)]), (False, [("long", 16)])):
+        s = IterationScheduler(BlockManager(100, 4), 4, 16)
+        s.add("long", 60)
+        step(s)  # first 16-token chunk
+        s.add("u", 10, urgent=urgent)
+        plan = step(s)
+        assert [(i.seq_id, i.num_new_tokens) for i in plan.seqs] == expect  # urgent: whole prefill, first token
+
+
+def test_engine_batch_victim_of_block_shortage_resumes_unchanged_and_service_counts_once(tiny_path):
+    """12 blocks of 16 slots; two 48-token prompts generating 56 tokens need 14: block shortage preempts the
+    *older* batch request, never the interactive one; both give their solo greedy tokens, and the recomputed
+    prompt tokens are not counted as service again (prefix caching off, so the prompt is recomputed)."""
+    prompts = [[1, 40, 50, 60, 70, 80, 90, 100] * 6, [1, 41, 52, 63, 74, 85, 96, 107] * 6]
+    solo = [solo_tokens(tiny_path, p, n=56) for p in prompts]
+    e = make_engine(tiny_path, kv_cache_bytes=12 * 8192, block_size=16, enable_prefix_caching=False)
+    e.add_request(EngineRequest("b", tuple(prompts[0]), SamplingParams(max_tokens=56, **GREEDY),
+                                priority="batch", tenant="tb"))
+    e.add_request(EngineRequest("i", tuple(prompts[1]), SamplingParams(max_tokens=56, **GREEDY), tenant="ti"))
+    outs: dict[str, list] = {}
+    preempted = set()
+    while e.has_unfinished():
+        for o in e.step():
+            outs.setdefault(o.request_id, []).append(o)
+        preempted |= {sid for sid, q in e.scheduler._seqs.items() if q.num_preemptions}
+    assert preempted == {"b"} and [tokens(outs["b"]), tokens(outs["i"])] == solo
+    st = e.stats()
+    assert st.served == {"tb": [48, 56], "ti": [48, 56]} and st.num_prompt_tokens > 96  # b's prompt recomputed
+    assert st.step_ms > 0 and st.prefill_tokens_per_s > 0
+
+
+def test_a_step_that_admits_an_urgent_sequence_admits_no_ordinary_one():
+    s = scheduler(max_seqs=4)
+    s.add("o1", 5)
+    s.add("u", 3, urgent=True)
+    plan = step(s)
+    assert [i.seq_id for i in plan.seqs] == ["u"] and [w.seq_id for w in s.waiting] == ["o1"]
+    plan = step(s)
+    assert [(i.seq_id, i.num_new_tokens) for i in plan.seqs] == [("u", 1), ("o1", 5)]  # the ordinary one next

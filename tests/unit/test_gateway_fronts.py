@@ -25,6 +25,9 @@ SCRIPTS = {  # prompt -> the chunks the "worker" sends
     "ok": lambda r: [Chunk(r, 0, "Hi", (1,), model="tiny@1", worker_id="w"),
                      Chunk(r, 1, "!", (2,), True, "stop", USAGE, model="tiny@1", worker_id="w")],
     "err_first": lambda r: [Chunk(r, 0, final=True, error=error_dict(400, "too long", code="context_length_exceeded"))],
+    "full": lambda r: [Chunk(r, 0, final=True, model="tiny@1", error=error_dict(
+        503, "the model's queue is full; retry later", type_="overloaded", code="queue_full", retryable=True,
+        retry_after=1.0))],
     "err_mid": lambda r: [Chunk(r, 0, "Hi", (1,), model="tiny@1", worker_id="w"),
                           Chunk(r, 1, final=True, error=error_dict(503, "worker lost", type_="unavailable",
                                                                    code="worker_lost", retryable=True,
@@ -176,3 +179,17 @@ def test_idempotent_result_shapes():
     headers, body = _result(out, live)
     assert body["object"] == "text_completion" and "x-actorserve-timing" in headers
     assert headers["x-actorserve-model-version"] == "tiny@1"
+
+
+async def test_http_refusal_hint_answers_the_next_request_without_the_bus():
+    bus, fe = await stack()
+    async with TestClient(TestServer(HttpFront(fe).app())) as client:
+        first = await client.post("/v1/completions", json={"model": "tiny", "prompt": "full"})
+        sent = len([s for s, _ in bus.published if s == subjects.VALIDATE])
+        assert sent == 1
+        second = await client.post("/v1/completions", json={"model": "tiny", "prompt": "ok"})
+        body = orjson.loads(await second.read())
+        assert first.status == second.status == 503 and second.headers["Retry-After"] == "1"
+        assert body["error"]["code"] == "queue_full" and fe.shed.num_shed == 1
+        assert len([s for s, _ in bus.published if s == subjects.VALIDATE]) == sent  # no hop for the second
+        assert len(fe.table) == 0

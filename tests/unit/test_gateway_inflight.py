@@ -124,3 +124,25 @@ async def test_gateway_cancels_generation_when_it_gives_up():
         await fe.next(sub)
     assert (subjects.cancel("slow"), ) == tuple(s for s, _ in bus.published if s.startswith("as.int.cancel"))
     await fe.stop()
+
+
+async def test_disconnect_watch_ends_only_the_gone_request_and_stops_when_idle():
+    t = InflightTable()
+    a, b = t.open("a", time.time() + 5, 5), t.open("b", time.time() + 5, 5)
+    gone = {"a": False}
+    t.watch("a", lambda: gone["a"])
+    t.watch("b", lambda: False)
+    wait_b = asyncio.create_task(next_chunk(b))
+    wait_a = asyncio.create_task(next_chunk(a))
+    await asyncio.sleep(0.05)
+    gone["a"] = True
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(wait_a, 1.0)  # found by the one watch task within WATCH_S
+    assert not wait_b.done()
+    t.deliver(Chunk("b", 0, "x", worker_id="w"))
+    assert (await asyncio.wait_for(wait_b, 1.0)).seq == 0
+    task = t._watch_task
+    t.close("a"), t.close("b")
+    await asyncio.wait_for(task, 1.0)  # nothing watched any more: the task ends
+    t.watch("gone-already", lambda: True)  # not open: nothing to watch
+    assert t._watch_task is task

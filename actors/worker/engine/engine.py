@@ -19,6 +19,8 @@ Output conventions:
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +35,7 @@ from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
 from .model import BatchMetadata, LlamaModel, packed_linear_factory
 from .sampler import make_generator, sample_batch, top_logprobs
+from .step_rates import StepRates
 from .structured import GrammarState, Structured
 from .types import EngineRequest, EngineStats, StepOutput
 
@@ -86,6 +89,7 @@ class _Request:
     stop: StopStringMatcher
     output_ids: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None  # llguidance matcher when params.grammar is set
+    prompt_served: int = 0  # prompt positions computed so far at least once (recomputation is not service)
 
     @property
     def num_prompt(self) -> int:
@@ -121,6 +125,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._aborted: list[StepOutput] = []
         self._stats = EngineStats(num_total_blocks=self.kv.num_blocks)
+        self.rates = StepRates()  # measured step time per batch size and prefill speed (step_rates.py)
+        self._served_lock = threading.Lock()  # stats.served is written by step() (a thread), read by stats()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self._threads = torch.get_num_threads()
@@ -160,7 +166,8 @@ class LLMEngine:
             req, list(req.prompt_token_ids), make_generator(req.params.seed),
             IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop), grammar=grammar,
         )
-        self.scheduler.add(req.request_id, n, self._requests[req.request_id].token_ids, front=front)
+        self.scheduler.add(req.request_id, n, self._requests[req.request_id].token_ids, front=front,
+                           urgent=req.urgent, priority=req.priority)
 
     def preempt_request(self, request_id: str) -> bool:
         """Recompute-preempt a running request between steps (vLLM's recompute preemption, Kwon et al.
@@ -193,6 +200,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one iteration; returns outputs (at most one per request)."""
+        t0 = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         if plan.is_empty():
@@ -212,6 +220,8 @@ class LLMEngine:
         lps = [None if r.req.params.logprobs is None else top_logprobs(logits[i], t, r.req.params.logprobs)
                for i, (r, t) in enumerate(zip(reqs, tokens))]
         outputs += [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
+        decodes = sum(1 for i in plan.seqs if i.num_new_tokens == 1)
+        self.rates.observe(decodes, plan.num_batched_tokens - decodes, time.perf_counter() - t0)
         return outputs
 
     def _start_masks(self, plan: StepPlan):
@@ -320,9 +330,22 @@ class LLMEngine:
             max(0, min(i.start + i.num_new_tokens, self._prompt_len(i.seq_id)) - i.start) for i in plan.seqs
         )
         s.max_batch_size_seen = max(s.max_batch_size_seen, len(plan.seqs))
+        self._count_served(plan)
         s.extra["num_preemptions"] = self.scheduler.num_preemptions
         s.extra["prefix_cache_hit_tokens"] = self.block_manager.prefix_hit_tokens
         s.extra["prefix_cache_query_tokens"] = self.block_manager.prefix_query_tokens
+
+    def _count_served(self, plan: StepPlan) -> None:
+        """Add the step's service to ``stats.served[tenant]``: prompt positions computed for the first time
+        (a preempted request's recomputation is not counted again) and one generated token per sampled row."""
+        with self._served_lock:
+            for item in plan.seqs:
+                r = self._requests[item.seq_id]
+                end = min(item.start + item.num_new_tokens, r.num_prompt)
+                counts = self._stats.served.setdefault(r.req.tenant, [0, 0])
+                counts[0] += max(0, end - max(item.start, r.prompt_served))
+                counts[1] += int(item.samples)
+                r.prompt_served = max(r.prompt_served, end)
 
     def _prompt_len(self, seq_id: str) -> int:
         r = self._requests.get(seq_id)
@@ -334,7 +357,12 @@ class LLMEngine:
         s.num_running, s.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         s.num_free_blocks = self.block_manager.num_free_blocks
         s.extra.update(self.structured.stats())  # num_constrained_steps, grammar_*, mask_ms_total
-        return EngineStats(**{**s.__dict__, "extra": dict(s.extra)})
+        s.step_ms = self.rates.step_ms(max(1, s.num_running))
+        s.prefill_tokens_per_s = self.rates.prefill_tokens_per_s
+        with self._served_lock:
+            served = {t: list(c) for t, c in s.served.items()}
+        return EngineStats(**{**s.__dict__, "extra": dict(s.extra), "served": served,
+                              "paused": self.scheduler.paused_ids()})
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes (cold start for the next request); returns blocks dropped."""

@@ -7,14 +7,23 @@ sequence ``num_tokens - num_computed_tokens`` new tokens to compute (1 for a dec
 the prompt for a prefill), cut to the step's token budget (chunked prefill).
 
 Policy per ``schedule()``:
-1. Running sequences, oldest first, get their tokens.  When blocks run out, the newest running
-   sequence is preempted (blocks freed, ``num_computed_tokens = 0``, put back at the head of the
-   waiting queue; it is recomputed later).
+1. Running sequences get their tokens: ``interactive`` ones first, then ``batch`` ones, each class
+   oldest first.  When blocks run out, the newest running ``batch`` sequence is preempted, or, with
+   none running, the newest running sequence (blocks freed, ``num_computed_tokens = 0``, put back at
+   the head of the waiting queue; it is recomputed later).  So block shortage never preempts an
+   interactive sequence while a batch one runs (issue 23).
 2. If nothing was preempted, waiting sequences are admitted in queue order while ``max_num_seqs``,
    ``max_num_batched_tokens`` and free blocks allow (no skipping: the queue head blocks the rest).
    A sequence whose tokens start with cached full blocks (block manager prefix cache) starts with
    those tokens computed; only the rest counts against the token budget.
 Sequences join and leave the running set only between steps.
+
+Prefill priority (docs/decisions/0021-latency-isolation.md): a sequence added with ``urgent=True``
+(its tenant is under its fair share) queues behind the other urgent ones but ahead of every ordinary
+waiting sequence, and the step budget keeps room for the pending prompt tokens of the urgent sequences
+at the queue head before running prefill chunks take it, so its whole prefill joins the next step
+together with every running decode (decodes never skip a step for it); ordinary waiting sequences are
+not admitted into that step (they join the next one), so their prefills do not lengthen it.
 
 Fair-share preemption (docs/decisions/0018-fair-share-preemption.md): the caller may ``add`` the
 sequence that displaces another with ``front=True`` and then ``preempt`` the running victim between
@@ -39,6 +48,8 @@ class SchedSeq:
     num_computed_tokens: int = 0  # tokens whose K/V is cached (tokens)
     num_preemptions: int = 0
     token_ids: list[int] | None = None  # the engine's token list (prompt + generated), for prefix caching
+    batch: bool = False  # priority class "batch" (else "interactive"): preempted first on block shortage
+    urgent: bool = False  # prefill priority: queued ahead of ordinary waiting sequences
 
     @property
     def num_pending(self) -> int:
@@ -100,21 +111,36 @@ class IterationScheduler:
         return bool(self._seqs)
 
     def add(self, seq_id: str, num_prompt_tokens: int, token_ids: list[int] | None = None,
-            front: bool = False) -> None:
-        """Queue a new sequence at the tail of the waiting queue (``front``: at its head).
+            front: bool = False, urgent: bool = False, priority: str = "interactive") -> None:
+        """Queue a new sequence at the tail of the waiting queue (``front``: at its head; ``urgent``:
+        behind the urgent sequences at the head, ahead of the others).
 
         ``token_ids``: the sequence's live token list (prompt, then generated tokens appended by the
         caller); given, the block manager's prefix cache is consulted on admission and filled as
-        blocks complete.
+        blocks complete.  ``priority``: "interactive" or "batch" (bus.messages.PRIORITIES).
         """
         if seq_id in self._seqs:
             raise ValueError(f"duplicate sequence id {seq_id!r}")
-        seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids)
+        seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids, batch=priority == "batch", urgent=urgent)
         self._seqs[seq_id] = seq
         if front:
             self.waiting.appendleft(seq)
+        elif urgent:
+            self.waiting.insert(self._num_urgent_head(), seq)
         else:
             self.waiting.append(seq)
+
+    def _num_urgent_head(self) -> int:
+        """Number of urgent sequences at the head of the waiting queue."""
+        n = 0
+        while n < len(self.waiting) and self.waiting[n].urgent:
+            n += 1
+        return n
+
+    def paused_ids(self) -> list[str]:
+        """Ids of waiting sequences that were preempted (they resume when readmitted). ``list()`` of the deque
+        runs in C under the GIL, so another thread may call this while a step runs."""
+        return [s.seq_id for s in list(self.waiting) if s.num_preemptions]
 
     def is_running(self, seq_id: str) -> bool:
         """True when ``seq_id`` is in the running set (not waiting, not unknown)."""
@@ -152,10 +178,18 @@ class IterationScheduler:
     def schedule(self) -> StepPlan:
         """Plan one step (mutates block tables); see module docstring for the policy."""
         plan = StepPlan()
-        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        reserve = self._urgent_reserve()
+        budget = self._schedule_running(plan, self.max_num_batched_tokens - reserve) + reserve
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
         return plan
+
+    def _urgent_reserve(self) -> int:
+        """Tokens of the step budget kept for the urgent sequences at the waiting head (tokens): their
+        pending prompt tokens, at most what leaves one token per running sequence."""
+        free_seqs = self.max_num_seqs - len(self.running)
+        pending = sum(self.waiting[i].num_pending for i in range(min(self._num_urgent_head(), max(free_seqs, 0))))
+        return max(0, min(pending, self.max_num_batched_tokens - len(self.running)))
 
     def commit(self, plan: StepPlan) -> None:
         """Mark the planned tokens computed (call after the forward pass)."""
@@ -166,7 +200,8 @@ class IterationScheduler:
                 self.bm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
-        """Give running sequences their tokens, preempting the newest on block shortage."""
+        """Give running sequences their tokens (list order: interactive, then batch), preempting from
+        the list's end on block shortage (the newest batch sequence, else the newest)."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -183,9 +218,14 @@ class IterationScheduler:
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
-        """Admit waiting sequences FCFS under the seq, token and block budgets."""
+        """Admit waiting sequences FCFS under the seq, token and block budgets; a step that admits an
+        urgent sequence admits no ordinary one (its prefill would lengthen the urgent one's step)."""
+        urgent_step = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if urgent_step and not seq.urgent:
+                return
+            urgent_step = urgent_step or seq.urgent
             tokens = None if seq.token_ids is None else seq.token_ids[: seq.num_tokens]
             cached = self.bm.cached_prefix_tokens(tokens) if tokens is not None else 0
             n = min(seq.num_tokens - cached, budget)
@@ -193,9 +233,18 @@ class IterationScheduler:
                 return
             seq.num_computed_tokens = cached  # prefix-cache hit: those tokens' K/V are already there
             self.waiting.popleft()
-            self.running.append(seq)
+            self._admit(seq)
             plan.seqs.append(self._item(seq, n))
             budget -= n
+
+    def _admit(self, seq: SchedSeq) -> None:
+        """Put ``seq`` in the running list, kept as [interactive..., batch...] each in admission order, so
+        ``running.pop()`` is the newest batch sequence while one runs (the block-shortage victim)."""
+        if seq.batch:
+            self.running.append(seq)
+            return
+        i = next((k for k, r in enumerate(self.running) if r.batch), len(self.running))
+        self.running.insert(i, seq)
 
     def _preempt(self, seq: SchedSeq, plan: StepPlan | None) -> None:
         """Recompute preemption: free blocks, reset progress, requeue at the waiting head."""

@@ -27,6 +27,9 @@ class EngineRequest:
     model_key: str = ""  # which loaded model serves it ("" = the worker's only model)
     adapter: str | None = None  # LoRA adapter name (later issue); None = base model
     arrival_time: float = 0.0  # time.monotonic() at arrival (s), for FCFS ordering
+    priority: str = "interactive"  # priority class (bus.messages.PRIORITIES): "batch" is preempted first
+    tenant: str = ""  # accounting key of the service counters (EngineStats.served)
+    urgent: bool = False  # prefill priority (Dispatch.urgent): queued ahead of ordinary waiting requests
 
 
 @dataclass(frozen=True)
@@ -59,4 +62,10 @@ class EngineStats:
     num_free_blocks: int = 0  # free KV cache blocks
     num_total_blocks: int = 0  # KV cache blocks in all
     max_batch_size_seen: int = 0  # largest number of sequences in one step
+    step_ms: float = 0.0  # predicted decode step time at the current running batch (EWMA, ms; 0 = unmeasured)
+    prefill_tokens_per_s: float = 0.0  # prefill speed (EWMA, tokens/s; 0 = unmeasured)
+    # tokens served since the engine started, per EngineRequest.tenant: {tenant: [prompt tokens computed for
+    # the first time, tokens generated]} (recomputation after a preemption and prefix-cache hits not counted)
+    served: dict = field(default_factory=dict)
+    paused: list = field(default_factory=list)  # ids of preempted requests waiting to resume
     extra: dict = field(default_factory=dict)
