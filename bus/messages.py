@@ -358,7 +358,7 @@ class Credits(Message):
     draining: bool = False  # worker accepts no new work
     ts: float = 0.0  # send time, Unix epoch s
     # measured engine speed (0 = not measured yet), for the scheduler's completion-time prediction:
-    step_ms: float = 0.0  # wall time of one step-loop iteration (step, prefills riding along, publishing; EWMA, ms)
+    step_ms: float = 0.0  # decode step at the current batch (engine EWMA per batch size) + the worker loop's own (ms)
     prefill_tokens_per_s: float = 0.0  # prompt tokens computed per second of step time (EWMA, tokens/s)
     # tokens computed per tenant since the previous heartbeat: {tenant: [prompt tokens, completion tokens]}
     # (VTC service counters, docs/decisions/0021-latency-isolation.md; lost heartbeats lose only these counts)

@@ -252,17 +252,18 @@ class SchedulerService(FairShareMixin):
 
     def _own_service_s(self, req: GenerateRequest, calibrated: bool = True) -> float:
         """Predicted seconds ``req`` spends on a worker (prefill + decode at the workers' measured speed),
-        times the measured actual/predicted factor unless ``calibrated`` is False."""
+        plus the measured margin of actual over predicted unless ``calibrated`` is False (or nothing is
+        predicted: no measured speed yet)."""
         step_ms, prefill_tps = self.table.speed(time.monotonic())
         out = self.lengths.expected(req.sampling.max_tokens, req.sampling.ignore_eos)
         raw = predict_service_s(len(req.prompt_token_ids), out, step_ms, prefill_tps)
-        return raw * self.calibration.factor if calibrated else raw
+        return raw + self.calibration.margin_s if calibrated and raw > 0 else raw
 
     def _slot_wait_s(self) -> float:
         """Predicted seconds until a slot frees when every worker's slots are taken (0 with a free one)."""
-        now, f = time.time(), self.calibration.factor
+        now, margin = time.time(), self.calibration.margin_s
         free = sum(w.free_slots for w in self.table.workers.values() if w.leased)
-        return slot_wait_s(now, [t + raw * f for t, raw in self._eta.values()], free)
+        return slot_wait_s(now, [t + raw + margin for t, raw in self._eta.values()], free)
 
     def _refusal(self, verdict: str) -> dict:
         """Error payload for an admission refusal (429 tenant queue full, 503 otherwise)."""

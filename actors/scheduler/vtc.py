@@ -123,27 +123,30 @@ def cannot_finish(deadline: float, now: float, own_s: float) -> bool:
 
 class ServiceTimeCalibration:
     """How far the predicted service time (:func:`predict_service_s`) is from what requests take from
-    dispatch to their last token: the ``quantile`` of actual / predicted over the last ``window`` finished
-    requests, clamped to [``lo``, ``hi``] (the prediction leaves out the other requests' prefills that
-    join a step and the CPU the rest of the stack takes from the worker; measured, not assumed). A high
-    quantile, not the mean: a request dispatched with just enough time by the mean misses its deadline
-    half the time, and its compute is lost. 1.0 until ``min_samples`` were seen."""
+    dispatch to their last token: the ``quantile`` of actual - predicted (s) over the last ``window``
+    finished requests, clamped to [0, ``max_margin_s``], added to every prediction. The per-token part
+    of the prediction is measured (the worker's step-loop time), so what it leaves out is mostly a fixed
+    cost per request: the wait in the worker before its step, the hops to and from it, the CPU the rest of
+    the stack takes at that moment. Additive, not a factor: a factor learnt on short requests would
+    multiply a long generation's whole decode. A high quantile, not the mean: a request dispatched with
+    just enough time by the mean misses its deadline half the time, and its compute is lost. 0 until
+    ``min_samples`` were seen."""
 
-    def __init__(self, quantile: float = 0.9, window: int = 200, min_samples: int = 10, lo: float = 0.5,
-                 hi: float = 4.0) -> None:
-        if not (0 < quantile <= 1 and window >= min_samples >= 1 and 0 < lo <= 1 <= hi):
-            raise ValueError("need 0 < quantile <= 1, window >= min_samples >= 1 and 0 < lo <= 1 <= hi")
-        self.quantile, self.min_samples, self.lo, self.hi = quantile, min_samples, lo, hi
-        self._ratios: deque[float] = deque(maxlen=window)
-        self.factor = 1.0
+    def __init__(self, quantile: float = 0.9, window: int = 200, min_samples: int = 10,
+                 max_margin_s: float = 10.0) -> None:
+        if not (0 < quantile <= 1 and window >= min_samples >= 1 and max_margin_s >= 0):
+            raise ValueError("need 0 < quantile <= 1, window >= min_samples >= 1 and max_margin_s >= 0")
+        self.quantile, self.min_samples, self.max_margin_s = quantile, min_samples, max_margin_s
+        self._residuals: deque[float] = deque(maxlen=window)
+        self.margin_s = 0.0
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
-        """Fold one finished request in (seconds; ignored when either is not positive)."""
+        """Fold one finished request in (seconds; ignored without a prediction or a positive actual)."""
         if predicted_s > 0 and actual_s > 0:
-            self._ratios.append(min(self.hi, max(self.lo, actual_s / predicted_s)))
-            if len(self._ratios) >= self.min_samples:
-                s = sorted(self._ratios)
-                self.factor = s[int(round(self.quantile * (len(s) - 1)))]
+            self._residuals.append(min(self.max_margin_s, max(0.0, actual_s - predicted_s)))
+            if len(self._residuals) >= self.min_samples:
+                s = sorted(self._residuals)
+                self.margin_s = s[int(round(self.quantile * (len(s) - 1)))]
 
 
 def slot_wait_s(now: float, finish_times: list[float], free_slots: int) -> float:

@@ -94,7 +94,7 @@ class WorkerService:
         self._front: set[str] = set()  # queued adds that displace a preempted request (added at the head)
         self._urgent: set[str] = set()  # queued adds with prefill priority (Dispatch.urgent)
         self._served_sent: dict[str, list[int]] = {}  # engine's served counters at the previous heartbeat
-        self._iter_ms = 0.0  # EWMA of the wall time of one step-loop iteration that ran a step (ms)
+        self._host_ms = 0.0  # EWMA of the step loop's own time per step, outside engine.step (ms)
         self._aborts: list[tuple[str, str]] = []
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake = asyncio.Event()
@@ -284,7 +284,9 @@ class WorkerService:
                 await wait_event(self._wake, self.cfg.idle_wait_s * 20)
                 continue
             try:
+                t_step = time.perf_counter()
                 outputs = await asyncio.to_thread(self.engine.step)
+                t_step = time.perf_counter() - t_step
             except Exception as exc:  # an engine bug must end the batch with an error, never stall the worker
                 log.exception("engine step failed; ending the %d requests in the batch", len(self.live))
                 await self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
@@ -292,9 +294,8 @@ class WorkerService:
             self.num_steps += 1
             self._apply_aborts()  # cancels heard during the step win over its outputs (the client is gone)
             await self._publish_outputs(outputs)
-            # a token's interval as its request sees it: the whole iteration (the step, with whatever prefills
-            # rode along, plus this loop's adds and publishing), EWMA over every step
-            self._iter_ms += 0.2 * ((time.perf_counter() - t_iter) * 1e3 - self._iter_ms)
+            # the loop's own share of a token's interval (adds, publishing), on top of the engine's step
+            self._host_ms += 0.2 * ((time.perf_counter() - t_iter - t_step) * 1e3 - self._host_ms)
 
     async def _fail_all(self, message: str) -> None:
         """Abort every live request in the engine and end each with a retryable 500."""
@@ -458,7 +459,7 @@ class WorkerService:
         step time (a whole iteration of the step loop, EWMA) and prefill speed, and the tokens served per
         tenant since the previous call."""
         st = self.engine.stats()
-        step_ms = self._iter_ms if self.num_steps else 0.0
+        step_ms = st.step_ms + self._host_ms if st.step_ms else 0.0  # engine decode step at this batch + loop
         free_blocks, free_slots = self.engine.credits()
         return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, st.num_total_blocks,
                        max(0, free_slots - len(self._adds)), self.engine.max_num_seqs,

@@ -287,9 +287,9 @@ def test_credits_carry_speed_and_the_tokens_served_since_the_previous_heartbeat(
     svc = WorkerService(MemoryBus(), eng, WorkerConfig("w1", "m", "1"))
     eng.served = {"a": [40, 3], "b": [10, 0]}
     c = svc.credits_msg()
-    assert (c.step_ms, c.prefill_tokens_per_s, c.served) == (0.0, 2000.0, {"a": [40, 3], "b": [10, 0]})
-    svc.num_steps, svc._iter_ms = 3, 31.25  # the step loop's measured iteration time (EWMA) once steps ran
-    assert svc.credits_msg().step_ms == 31.25
+    assert (c.step_ms, c.prefill_tokens_per_s, c.served) == (31.25, 2000.0, {"a": [40, 3], "b": [10, 0]})
+    svc._host_ms = 2.5  # the step loop's own time per step (EWMA), on top of the engine's step time
+    assert svc.credits_msg().step_ms == 33.75
     eng.served = {"a": [40, 7], "b": [10, 0], "c": [5, 1]}
     assert svc.credits_msg().served == {"a": [0, 4], "c": [5, 1]}  # only what changed
     assert svc.credits_msg().served == {}

@@ -220,6 +220,10 @@ def test_bad_requests_do_not_disturb_good_ones(stack):
 
 
 # ------------------------------------------------------------------ disconnects free KV blocks within two steps
+# Long generations that the test cancels: a deadline that allows all their tokens, or the scheduler refuses them
+# at once as unable to finish (503 deadline_unmeetable, docs/decisions/0021-latency-isolation.md).
+LONG_DEADLINE_MS = 600_000
+
 def _wait_aborted(stack, before: WorkerStats) -> WorkerStats:
     t_end = time.time() + 15
     while True:
@@ -253,9 +257,10 @@ def test_disconnect_cancels_within_two_steps_and_frees_blocks(stack, mode):
     before = asyncio.run(latest_worker_stats(stack.nats_url))
     if mode == "prefill":  # a long prompt: hang up before the first token
         body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me more " * 600}],
-                "max_tokens": 500, "stream": True}
+                "max_tokens": 500, "stream": True, "deadline_ms": LONG_DEADLINE_MS}
     else:  # the gateway is holding all text back: hang up mid-generation
-        body = {"model": MODEL, "messages": STORY, "max_tokens": 2000, "ignore_eos": True}
+        body = {"model": MODEL, "messages": STORY, "max_tokens": 2000, "ignore_eos": True,
+                "deadline_ms": LONG_DEADLINE_MS}
     if mode == "prefill":  # hang up once the worker holds the request (before its first token)
         _post_then_hang_up_when_running(stack, body)
     else:
@@ -274,12 +279,14 @@ def test_disconnect_while_stop_text_is_held_back(stack):
     N = 150  # tokens per generation: the stop text below matches the output's start for all of them
     count = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
     full = c.chat.completions.create(model=MODEL, messages=count, temperature=0, max_tokens=N,
-                                     extra_body={"ignore_eos": True}).choices[0].message.content
+                                     extra_body={"ignore_eos": True, "deadline_ms": LONG_DEADLINE_MS}
+                                     ).choices[0].message.content
     stop = full[:600] + "\u0000never"  # matches the output's start for hundreds of tokens, never completes
     body = {"model": MODEL, "messages": count, "temperature": 0, "max_tokens": N, "ignore_eos": True,
-            "stream": True, "stop": [stop]}
+            "stream": True, "stop": [stop], "deadline_ms": LONG_DEADLINE_MS}
     held = [ch for ch in c.chat.completions.create(model=MODEL, messages=count, temperature=0, max_tokens=N,
-                                                   stream=True, stop=[stop], extra_body={"ignore_eos": True})
+                                                   stream=True, stop=[stop],
+                                                   extra_body={"ignore_eos": True, "deadline_ms": LONG_DEADLINE_MS})
             if ch.choices and ch.choices[0].delta.content]
     assert len(held) <= 2 and "".join(h.choices[0].delta.content for h in held) == full  # all held to the end
     before = asyncio.run(latest_worker_stats(stack.nats_url))

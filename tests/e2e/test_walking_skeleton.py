@@ -216,7 +216,8 @@ async def _append(recs: list, msg) -> None:
 def test_client_disconnect_cancels_generation(stack):
     before = asyncio.run(latest_worker_stats(stack.nats_url))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
-            "max_tokens": 2000, "stream": True, "ignore_eos": True}
+            "max_tokens": 2000, "stream": True, "ignore_eos": True,
+            "deadline_ms": 600_000}  # long enough for all 2000 tokens, or admission refuses it (deadline_unmeetable)
     with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body, timeout=60,
                       headers=auth(stack)) as r:
         assert r.status_code == 200

@@ -85,19 +85,19 @@ def test_cannot_finish_only_with_a_deadline_and_a_prediction():
     assert not cannot_finish(0.0, 5.0, 60.0) and not cannot_finish(10.0, 9.0, 0.0)
 
 
-def test_service_time_calibration_is_a_high_quantile_of_actual_over_predicted_within_bounds():
+def test_service_time_calibration_is_a_high_quantile_of_actual_minus_predicted_within_bounds():
     from actors.scheduler.vtc import ServiceTimeCalibration
-    cal = ServiceTimeCalibration(quantile=0.9, window=20, min_samples=10, lo=0.5, hi=4.0)
+    cal = ServiceTimeCalibration(quantile=0.9, window=20, min_samples=10, max_margin_s=4.0)
     for i in range(9):
         cal.observe(1.0, 1.0 + i / 10)
-    assert cal.factor == 1.0  # too few samples
+    assert cal.margin_s == 0.0  # too few samples
     cal.observe(1.0, 1.9)
-    assert cal.factor == pytest.approx(1.8)  # the 90th percentile of 1.0 .. 1.9
+    assert cal.margin_s == pytest.approx(0.8)  # the 90th percentile of 0.0 .. 0.9 s
     for _ in range(20):
-        cal.observe(1.0, 100.0)  # clamped; the old ratios leave the window
-    assert cal.factor == pytest.approx(4.0)
+        cal.observe(1.0, 100.0)  # clamped; the old residuals leave the window
+    assert cal.margin_s == pytest.approx(4.0)
     cal.observe(0.0, 1.0)  # no prediction: ignored
-    assert cal.factor == pytest.approx(4.0)
+    assert cal.margin_s == pytest.approx(4.0)
 
 
 def test_slot_wait_is_the_earliest_predicted_finish_when_every_slot_is_taken():
