@@ -14,6 +14,7 @@ ACTOR_MODULES = {
     "worker": "actors.worker.actor",
     "jobs": "actors.jobs.actor",
     "rollout": "actors.rollout.actor",
+    "autoscaler": "actors.autoscaler.actor",
 }
 ACTOR_HELP = {
     "gateway": "HTTP (OpenAI-compatible) and NATS API edge",
@@ -22,5 +23,6 @@ ACTOR_HELP = {
     "worker": "loads one model version and runs the engine",
     "jobs": "runs durable async jobs (JetStream) at batch priority",
     "rollout": "canary analysis: steps, promotes or rolls back rollouts (etcd election, one active)",
+    "autoscaler": "desired replica counts of validators, gateways and workers from live signals (etcd election)",
 }
 MODEL_ACTORS = ("scheduler", "worker")

@@ -47,9 +47,12 @@ Handler = Callable[[Msg], Awaitable[None]]
 
 
 class Subscription(Protocol):
-    """A live subscription; ``unsubscribe`` stops delivery."""
+    """A live subscription; ``unsubscribe`` stops delivery; ``pending`` counts messages delivered to this
+    process and not yet handed to the handler (a load signal, actors/load_report.py)."""
 
     async def unsubscribe(self) -> None: ...
+
+    def pending(self) -> int: ...
 
 
 class Bus(Protocol):

@@ -45,6 +45,10 @@ class _MemSub:
             except Exception:  # mirrors NatsBus: a handler error is logged, delivery goes on
                 log.exception("handler for %s failed", self.subject)
 
+    def pending(self) -> int:
+        """Messages queued for the handler, not yet handed to it."""
+        return self.inbox.qsize()
+
     async def unsubscribe(self) -> None:
         """Stop delivery and the delivery task."""
         if self in self.bus._subs:

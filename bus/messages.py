@@ -249,10 +249,16 @@ class GenerateRequest(Message):
     tool_parser: str | None = None
     parallel_tool_calls: bool = True  # False: at most one call is parsed out of the output
     tool_calls_forced: bool = False  # the grammar forces well-formed calls: their arguments stream as written
+    # a migrated sequence (preemption notice, drain): the state its previous worker handed over, as
+    # actors/worker/migration_state.ResumeState.to_json() (tokens generated so far, next chunk seq, sampler RNG
+    # state, ...); set only by workers, dispatched first to another worker (actors/scheduler/resume.py)
+    resume: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"GenerateRequest.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.resume is not None and not isinstance(self.resume, dict):
+            raise ValueError("GenerateRequest.resume must be an object or null")
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "GenerateRequest":
@@ -412,6 +418,42 @@ class CompletionRecord(Message):
     ts: float = 0.0
     choice_index: int = 0  # the request's GenerateRequest.choice_index (metering counts choice 0's prompt)
     tool_calls: int = 0  # tool calls parsed out of the output (finish_reason "tool_calls" when > 0)
+
+
+@dataclass(frozen=True)
+class ActorLoad(Message):
+    """One actor's load report (~1 Hz) on ``as.int.load.<kind>.<actor_id>`` (bus.subjects.load_subject), read
+    by the autoscaler (actors/load_report.py builds it). Figures cover the ``window_s`` seconds before ``ts``.
+    The scheduler extras (``name`` .. ``cold_start_waiting``) are set by the active scheduler of a version only
+    (actors/scheduler/load.py); their tokens are generated (completion) tokens, the unit of the throughput
+    curves (actors/autoscaler/curves.py). ValueError on a negative or non-finite figure."""
+
+    kind: str  # actor kind: "validator" | "gateway" | "scheduler"
+    actor_id: str  # the reporting process (subject token)
+    ts: float  # send time, Unix epoch s
+    window_s: float  # seconds the figures cover (since the previous report)
+    loop_lag_ms_p95: float = 0.0  # event-loop lag p95 over the window: sleep drift while this process ran (ms)
+    cpu_util: float = 0.0  # process CPU seconds per wall second over the window (all threads; may exceed 1)
+    pending: int = 0  # messages taken or delivered but not yet handled (subscription pending + internal backlog)
+    wait_ms_p90: float = 0.0  # queue wait p90 of the messages handled in the window (enqueue mark -> handling, ms)
+    handled: int = 0  # messages handled in the window
+    loop_drift_ms_p95: float = 0.0  # raw sleep drift p95 (ms; loop_lag_ms_p95 counts only what this process ran)
+    name: str = ""  # scheduler: model name
+    version: str = ""  # scheduler: model version
+    queue_tokens: float = 0.0  # scheduler: completion tokens the queued requests are expected to generate
+    queue_len: int = 0  # scheduler: requests queued
+    arrivals_tokens_per_s: float = 0.0  # scheduler: tokens submitted per s (refused ones included: demand)
+    served_tokens_per_s: float = 0.0  # scheduler: tokens generated per s by its workers (their heartbeats)
+    workers: int = 0  # scheduler: live (leased) workers of the version
+    cold_start_waiting: int = 0  # scheduler: requests held because the version has no live worker
+
+    def __post_init__(self) -> None:
+        for f in ("ts", "window_s", "loop_lag_ms_p95", "loop_drift_ms_p95", "cpu_util", "pending", "wait_ms_p90",
+                  "handled", "queue_tokens", "queue_len", "arrivals_tokens_per_s", "served_tokens_per_s", "workers",
+                  "cold_start_waiting"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"ActorLoad.{f} must be a finite number >= 0, got {v!r}")
 
 
 def error_dict(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,

@@ -98,6 +98,13 @@ class _Sub:
     def __init__(self, sub) -> None:
         self._sub = sub
 
+    def pending(self) -> int:
+        """Messages the server delivered that wait in nats-py's pending queue for the handler."""
+        try:
+            return int(self._sub.pending_msgs)
+        except (AttributeError, TypeError, ValueError):
+            return 0
+
     async def unsubscribe(self) -> None:
         """Stop delivery; ignores a connection already closed."""
         try:

@@ -48,6 +48,15 @@ def sched_submit(name: str, version: str) -> str:
     return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.submit"
 
 
+def sched_migrate(name: str, version: str) -> str:
+    """``as.int.sched.<name>.<version>.migrate``: a worker hands a running sequence (GenerateRequest with
+    ``resume`` set) to the active scheduler of its version, request-reply (actors/worker/migration.py).
+
+    Extension of docs/architecture.md's scheduler subjects, kept apart from ``submit`` so that a worker
+    can never submit new requests (its NATS role may publish here, not there)."""
+    return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.migrate"
+
+
 def work(worker_id: str) -> str:
     """``as.int.work.<worker_id>``: dispatch to one worker."""
     return f"as.int.work.{_token(worker_id, 'worker id')}"
@@ -84,6 +93,11 @@ def credits_of_version(name: str, version: str) -> str:
     return f"as.int.credits.{_token(name, 'model')}.{_token(version, 'version')}.*"
 
 
+def credits_all() -> str:
+    """Wildcard over the credit heartbeats of every worker of every version (the autoscaler listens)."""
+    return "as.int.credits.*.*.*"
+
+
 def stats(worker_id: str) -> str:
     """``as.int.stats.<worker_id>``: worker statistics (steps, batch sizes, KV use)."""
     return f"as.int.stats.{_token(worker_id, 'worker id')}"
@@ -107,6 +121,15 @@ def done_all() -> str:
 def done_tree() -> str:
     """``as.int.done.>``: every completion record (the subjects of the usage stream ``AS_DONE``)."""
     return "as.int.done.>"
+
+
+LOAD_ALL = "as.int.load.>"  # every actor's load report (the autoscaler subscribes)
+
+
+def load_subject(kind: str, actor_id: str) -> str:
+    """``as.int.load.<kind>.<actor_id>``: the ~1 Hz load report (``bus.messages.ActorLoad``) of one actor
+    (validator, gateway, scheduler) to the autoscaler (docs/architecture.md)."""
+    return f"as.int.load.{_token(kind, 'actor kind')}.{_token(actor_id, 'actor id')}"
 
 
 def jobs_submit(tenant: str) -> str:

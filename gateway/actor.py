@@ -82,6 +82,7 @@ async def build(ctx: ActorContext, gid: str) -> None:
     ssl_ctx = https_context(args)
     fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms), metrics=True)
     bus = ctx.bus
+    await _report_load(ctx, fe, gid)
     tenancy = Tenancy(reg, bus.js(), gateway_id=gid)
     await tenancy.start()
     ctx.on_stop(tenancy.stop, what="tenancy")
@@ -122,6 +123,16 @@ async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: boo
     await fe.start()
     ctx.on_stop(fe.stop, what="front end")
     return fe
+
+
+async def _report_load(ctx: ActorContext, fe: Frontend, gid: str) -> None:
+    """Publish this gateway's load on ``as.int.load.gateway.<gid>`` (~1 Hz, actors/load_report.py): loop lag,
+    CPU, and as its wait each request's time from arrival to the hand-off to a validator (stopped on stop)."""
+    from actors.load_report import LoadReporter
+
+    fe.load = LoadReporter(ctx.bus, "gateway", gid)
+    await fe.load.start()
+    ctx.on_stop(fe.load.stop, timeout_s=2.0, what="load report")
 
 
 async def wait_idle(fe: Frontend, timeout_s: float) -> None:

@@ -88,6 +88,8 @@ class Frontend:
 
     #: optional ``gateway.metrics.GatewayMetrics`` (time to first token): told of each submit and chunk
     observer = None
+    #: optional ``actors.load_report.LoadReporter``: each submit's time in the gateway (gateway_in -> hand-off)
+    load = None
 
     def __init__(self, bus: Bus, resolver: ModelResolver, cfg: FrontendConfig) -> None:
         self.bus, self.resolver, self.cfg = bus, resolver, cfg
@@ -159,6 +161,8 @@ class Frontend:
         entry.tenant = tenant  # checked by a public NATS cancel (gateway/nats_api.py)
         entry.priority = priority
         marks["gateway_out"] = time.time()
+        if self.load is not None:
+            self.load.waited(marks.get("gateway_in"), marks["gateway_out"])
         if self.observer is not None:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))
         req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,

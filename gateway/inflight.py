@@ -47,6 +47,9 @@ class Inflight:
     child_worker: dict = field(default_factory=dict)  # child id -> worker streaming it
     tenant: str = ""  # tenant of the request (a public NATS cancel must come from it)
     priority: str = "interactive"  # its priority class (what a refusal hint is learnt for, gateway/shed.py)
+    # (choice request id, worker id) of workers that handed the stream over to another (a migrated sequence,
+    # actors/worker/migration.py): their chunks are no longer part of it
+    handed_over: set = field(default_factory=set)
 
 
 class InflightTable:
@@ -143,7 +146,9 @@ async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | No
 
     Raises StreamError on: deadline passed (503 deadline_exceeded), no chunk within the inactivity
     timeout since the last one once streaming has started (503 upstream_timeout), a sequence gap or a
-    different worker (502 stream_gap), or a pushed failure (e.g. NATS disconnect). A final chunk
+    chunk of a worker that handed the stream over (502 stream_gap), or a pushed failure (e.g. NATS
+    disconnect). Another worker may take the stream over at the next seq (a migrated sequence: the
+    previous worker stopped at a step boundary; the gap is one prefill, well inside the inactivity limit). A final chunk
     carrying ``error`` is returned as is; ConnectionResetError once the disconnect watch found the client
     gone (:meth:`InflightTable.watch`). ``poll_s``: return None after that long without a chunk. Before
     the first chunk only the deadline bounds the wait: a request may sit in the scheduler's queue for
@@ -180,22 +185,21 @@ def _timeout_error(entry: Inflight, now: float) -> StreamError:
 
 
 def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
-    """Enforce consecutive seq numbers from one worker; error chunks end the stream whatever their seq."""
+    """Enforce consecutive seq numbers; a worker may take a stream over at the next seq (migration), after
+    which the previous one's chunks are errors. Error chunks end the stream whatever their seq."""
     if chunk.error is not None:
         return chunk
-    if chunk.request_id != entry.request_id:  # a fanned-out choice: its own sequence and worker
-        rid = chunk.request_id
-        expected, worker = entry.child_seq.get(rid, 0), entry.child_worker.get(rid, "")
-        if chunk.seq != expected or (worker and chunk.worker_id != worker):
-            raise StreamError(error_dict(502, f"response stream broken (expected chunk {expected}, got "
-                                              f"{chunk.seq})", type_="unavailable", code="stream_gap",
-                                         retryable=True))
-        entry.child_seq[rid] = expected + 1
-        entry.child_worker[rid] = worker or chunk.worker_id
-        return chunk
-    if chunk.seq != entry.next_seq or (entry.worker_id and chunk.worker_id != entry.worker_id):
-        raise StreamError(error_dict(502, f"response stream broken (expected chunk {entry.next_seq}, got "
+    rid = chunk.request_id
+    child = rid != entry.request_id  # a fanned-out choice: its own sequence and worker
+    expected = entry.child_seq.get(rid, 0) if child else entry.next_seq
+    worker = entry.child_worker.get(rid, "") if child else entry.worker_id
+    if chunk.seq != expected or (rid, chunk.worker_id) in entry.handed_over:
+        raise StreamError(error_dict(502, f"response stream broken (expected chunk {expected}, got "
                                           f"{chunk.seq})", type_="unavailable", code="stream_gap", retryable=True))
-    entry.next_seq += 1
-    entry.worker_id = entry.worker_id or chunk.worker_id
+    if worker and chunk.worker_id != worker:  # taken over: the previous worker stopped at this seq
+        entry.handed_over.add((rid, worker))
+    if child:
+        entry.child_seq[rid], entry.child_worker[rid] = expected + 1, chunk.worker_id or worker
+    else:
+        entry.next_seq, entry.worker_id = expected + 1, chunk.worker_id or worker
     return chunk

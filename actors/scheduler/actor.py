@@ -173,6 +173,7 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
                                                 args.max_queue_per_tenant, args.fcfs, routing=args.routing,
                                                 preemption=args.preemption, urgent=args.urgent), journal)
     await svc.start()
+    svc.load.follow(reg)  # the manifest's autoscale.scale_to_zero (actors/scheduler/load.py); stopped by svc.stop()
     _export_queue(svc)
     try:
         recovered = await _retrying("journal replay", svc.recover)

@@ -19,6 +19,7 @@ import orjson
 from actors.aio import wait_event
 from actors.metrics import LabelLimiter
 from actors.recent import RecentIds
+from actors.scheduler.load import SchedulerLoad
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig, service_tokens)
 from actors.scheduler.policy import ThroughputMeter, WorkerTable
@@ -26,6 +27,7 @@ from actors.scheduler.sharing import FairShareMixin
 from actors.scheduler.vtc import (OutputLengthModel, ServiceLedger, ServiceTimeCalibration, cannot_finish,
                                   predict_service_s, slot_wait_s)
 from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
+from actors.scheduler import resume
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
 from bus.journal import Journal, MemoryJournal
@@ -97,23 +99,27 @@ class SchedulerService(FairShareMixin):
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
         self._traces = tracing.ContextStore()  # trace context of each submit, parent of its queue span
         self._early_cancels = RecentIds()  # ids cancelled before their submit arrived
+        self._finished = RecentIds(ttl_s=60.0)  # ids done lately: a validator's retried submit is not re-run
         self._kick = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
         self.num_dispatched = 0
         self.num_preemptions = 0  # dispatches that displaced (preempted) another tenant's running request
         self._preempted: set[str] = set()  # requests preempted on their worker and not done yet
+        self.load = SchedulerLoad(self)  # load report + scale-from-zero hold (actors/scheduler/load.py)
 
     async def start(self) -> None:
         """Subscribe to the version's subjects and start the dispatch loop."""
         n, v = self.cfg.name, self.cfg.version
         self._subs += [
             await self.bus.subscribe(subjects.sched_submit(n, v), self._on_submit, queue=subjects.SCHEDULERS_QUEUE),
+            await self.bus.subscribe(subjects.sched_migrate(n, v), self._on_migrate, queue=subjects.SCHEDULERS_QUEUE),
             await self.bus.subscribe(subjects.credits_of_version(n, v), self._on_credits),
             await self.bus.subscribe(subjects.sched_events(n, v), self._on_event),
             await self.bus.subscribe(subjects.done(n, v), self._on_done),
             await self.bus.subscribe(subjects.cancel_all(), self._on_cancel)]
         self._tasks.append(asyncio.create_task(self._dispatch_loop()))
+        await self.load.start()
 
     async def stop(self, fail_queued: bool = True) -> None:
         """Stop taking submits and stop loops (drain). With ``fail_queued`` (SIGTERM: version retired or
@@ -130,6 +136,7 @@ class SchedulerService(FairShareMixin):
         while fail_queued and (p := self.queue.pop()) is not None:
             await self._fail(p.item, 503, "the scheduler stopped (version retired or stack stopping) before "
                              "the request was dispatched; retry", "unavailable")
+        await self.load.stop()
         for t in self._tasks:
             t.cancel()
         if self._tasks:
@@ -197,15 +204,32 @@ class SchedulerService(FairShareMixin):
                         len(redo), len(lost) - len(redo))
         return redo
 
+    async def _on_migrate(self, msg: Msg) -> None:
+        """A worker hands over a running sequence: placed first, on another worker (resume.py)."""
+        try:
+            req = GenerateRequest.decode(msg.data)
+            if req.resume is None:
+                raise ValueError("a migrated request must carry resume")
+        except ValueError as exc:
+            return await self._ack(msg, False, error_dict(400, str(exc), param="resume"))
+        resume.start(self, msg, req)
+
     async def _on_submit(self, msg: Msg) -> None:
         try:
             req = GenerateRequest.decode(msg.data)
         except ValueError as exc:
             return await self._ack(msg, False, error_dict(400, str(exc)))
+        if req.resume is not None:  # only workers hand over sequences, on their own subject
+            return await self._ack(msg, False, error_dict(400, "resume is accepted only on the migrate subject",
+                                                          param="resume"))
+        if self._known(req.request_id):  # a validator's retry after an ack it did not hear: taken once
+            return await self._ack(msg, True)
         if self._early_cancels.pop(req.request_id) is not None:  # cancelled on its way here: never queue it
             await self._ack(msg, True)
             return await self._fail(req, 499, "request cancelled before it was queued", "cancelled",
                                     retryable=False)
+        if (cold := self.load.on_submit(req)) is not None:  # no worker, and no cold start fits its deadline
+            return await self._ack(msg, False, cold)
         cost, rate, weight = cost_of(req, self.lengths), self.meter.tokens_per_s(time.monotonic()), \
             self.weights.get(req.tenant, 1.0)
         verdict = self.queue.can_admit(req.tenant, req.priority, cost, req.deadline, time.time(), rate, weight,
@@ -229,6 +253,10 @@ class SchedulerService(FairShareMixin):
         self._seen[req.tenant] = time.monotonic()
         await self._ack(msg, True)
         self._kick.set()
+
+    def _known(self, request_id: str) -> bool:
+        """True if ``request_id`` is queued, dispatched, or done within the last minute (a duplicate submit)."""
+        return request_id in self.requests or self.queue.contains(request_id) or request_id in self._finished
 
     async def recover(self) -> int:
         """Re-queue what the journal holds (a failed-over predecessor's queue). Returns how many."""
@@ -314,6 +342,7 @@ class SchedulerService(FairShareMixin):
         self._preempted.discard(rec.request_id)
         self._traces.pop(rec.request_id)
         req = self.requests.pop(rec.request_id, None)
+        self._finished.add(rec.request_id)
         served = service_tokens(rec.prompt_tokens, rec.completion_tokens)
         self.meter.add(time.monotonic(), served)
         if rec.status == "ok":

@@ -27,13 +27,20 @@ async def main(args: argparse.Namespace) -> None:
 
 async def build(ctx: ActorContext) -> None:
     """Start the validation service on the context's bus and registry; on stop it finishes the requests
-    already taken (at most 10 s)."""
+    already taken (at most 10 s). It reports its load on ``as.int.load.validator.<id>`` (actors/load_report.py);
+    with ``ACTORSERVE_TEST_FAULTS=1`` it honours ``ACTORSERVE_FAULT_VALIDATOR_DELAY_MS`` (actors/validator/faults.py)."""
+    from actors.validator import faults
     from actors.validator.service import ValidatorConfig, ValidatorService
 
     args = ctx.args
+    try:
+        fault = faults.from_env()
+    except ValueError as exc:
+        raise SystemExit(f"actorserve validator: {exc}") from None
     svc = ValidatorService(await ctx.connect_bus(), ctx.registry,
                            ValidatorConfig(args.max_tokens_cap, args.max_concurrency, max_n=args.max_n,
-                                           max_choices=args.max_choices, test_delay_ms=_test_delay_ms(args)))
+                                           max_choices=args.max_choices, test_delay_ms=_test_delay_ms(args)),
+                           fault=fault)
     await svc.start()
     ctx.on_stop(lambda: svc.stop(timeout=10.0), timeout_s=15.0, what="validator service")
     log.info("validator ready")

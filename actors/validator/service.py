@@ -22,6 +22,7 @@ from actors.validator.tools import check_format
 from actors.validator.validation import (MAX_CHOICES, MAX_N, ValidatedRequest, default_stop_token_ids,
                                          prepare_prompt, validate_request)
 from actors import content_log
+from actors.load_report import LoadReporter, new_actor_id
 from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
 from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, SamplingParams, error_dict, sampling_defaults
@@ -30,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 RETRIED_REFUSALS = frozenset({"journal_unavailable"})  # scheduler refusals the validator retries (see _submit)
-HINT_FIELDS = ("queue_clear_at", "decode_step_s")  # refusal fields passed on to the gateway (gateway/shed.py)
+# refusal fields passed on to the gateway: shedding hints (gateway/shed.py) and the scheduler's Retry-After
+# (a cold start's, actors/scheduler/load.py)
+HINT_FIELDS = ("queue_clear_at", "decode_step_s", "retry_after")
 
 
 def _refusal_code(ack: dict) -> str | None:
@@ -98,8 +101,14 @@ def _burn_cpu(seconds: float) -> None:
 class ValidatorService:
     """Processes ApiRequests from the validators queue group."""
 
-    def __init__(self, bus: Bus, registry, cfg: ValidatorConfig | None = None) -> None:
+    def __init__(self, bus: Bus, registry, cfg: ValidatorConfig | None = None, *, fault=None,
+                 actor_id: str | None = None) -> None:
+        """``fault``: the test-only delay (actors/validator/faults.py) or None; ``actor_id``: the id of this
+        validator's load reports (``as.int.load.validator.<id>``; default ``validator-<pid>-<hex>``)."""
         self.bus, self.registry, self.cfg = bus, registry, cfg or ValidatorConfig()
+        self.fault = fault
+        self._queued: set[str] = set()  # request ids taken and not started yet (semaphore, delay fault)
+        self.load = LoadReporter(bus, "validator", actor_id or new_actor_id("validator"), pending=self._backlog)
         self._assets: dict[tuple[str, str], asyncio.Future] = {}
         self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         self._tasks: set[asyncio.Task] = set()
@@ -112,6 +121,12 @@ class ValidatorService:
         """Join the validators queue group."""
         self._sub = await self.bus.subscribe(subjects.VALIDATE, self._on_msg, queue=subjects.VALIDATORS_QUEUE)
         self._cancel_sub = await self.bus.subscribe(subjects.cancel_all(), self._on_cancel)
+        await self.load.start()
+
+    def _backlog(self) -> int:
+        """Messages waiting here: delivered and not yet taken (subscription) plus taken and not started."""
+        sub_pending = self._sub.pending() if self._sub is not None and hasattr(self._sub, "pending") else 0
+        return sub_pending + len(self._queued)
 
     async def _on_cancel(self, msg: Msg) -> None:
         """Remember cancels of requests being validated here (a client may hang up during tokenization)."""
@@ -126,6 +141,7 @@ class ValidatorService:
                 await sub.unsubscribe()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
+        await self.load.stop()
 
     async def _on_msg(self, msg: Msg) -> None:
         if msg.data == b'{"ping":true}':
@@ -174,14 +190,27 @@ class ValidatorService:
 
     async def _process(self, req: ApiRequest) -> None:
         self._working.add(req.request_id)
+        self._queued.add(req.request_id)
         try:
             await self._process_one(req)
         finally:
+            self._queued.discard(req.request_id)
             self._working.discard(req.request_id)
             self._cancelled.discard(req.request_id)
 
+    async def _turn(self, req: ApiRequest) -> None:
+        """The request's turn: its queue wait (from the gateway's hand-off) ends and is reported; with the
+        test-only delay fault, first wait for this validator's turn and be held (one at a time)."""
+        def started() -> None:
+            self._queued.discard(req.request_id)
+            self.load.waited(req.marks.get("gateway_out") or req.marks.get("validate_in"))
+        if self.fault is None:
+            return started()
+        await self.fault.hold(started)
+
     async def _process_one(self, req: ApiRequest) -> None:
         async with self._sem:
+            await self._turn(req)
             try:
                 gens = await self._prepare(req)
                 if req.request_id in self._cancelled:  # the client left while we tokenized: never schedule it
@@ -259,7 +288,8 @@ class ValidatorService:
 
         No responders (no active scheduler: a failover in progress) is retried every 0.2 s for up to
         ``failover_wait_s``, within the request's deadline: nobody received it, so a retry cannot
-        duplicate it. A timeout is not retried (the scheduler may have taken the request). A refusal with
+        duplicate it. A timeout (a busy scheduler, or its ack lost) is retried the same way: the scheduler
+        acks a request id it already holds or finished within a minute without queueing it again. A refusal with
         a code of RETRIED_REFUSALS (the scheduler could not journal it: a JetStream leader election, e.g.
         after a partition heals) is retried the same way: the scheduler said it did not take the request."""
         give_up = min(time.time() + self.cfg.failover_wait_s, gen.deadline or float("inf"))
@@ -269,7 +299,7 @@ class ValidatorService:
                     reply = await self.bus.request(subjects.sched_submit(gen.name, gen.version), gen.encode(),
                                                    self.cfg.scheduler_ack_s)
                     ack = orjson.loads(reply.data)
-                except NoResponders:
+                except (NoResponders, BusTimeout):
                     ack = None
                     if time.time() + 0.2 >= give_up:
                         raise
@@ -284,7 +314,7 @@ class ValidatorService:
             err = ack.get("error") or {}
             raise RequestError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
                                err.get("param"), err.get("code"), err.get("type") or "unavailable",
-                               {k: err[k] for k in HINT_FIELDS if k in err})
+                               {k: err[k] for k in HINT_FIELDS if err.get(k) is not None})
 
     async def _fail(self, req: ApiRequest, err: dict) -> None:
         tracing.set_error(f"{err.get('code') or err.get('status')}: {err.get('message')}")

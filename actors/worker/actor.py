@@ -3,7 +3,10 @@
 Start-up: read the version's manifest from etcd, load the GGUF (progress bar), size the KV cache
 from the byte budget, start the service (dispatch, cancel, credits, stats), then take an etcd lease
 on ``/actorserve/workers/{name}/{version}/{id}`` (TTL 3 s) so schedulers see it. On SIGTERM: drop
-the lease first (no new dispatches), drain running requests (bounded by ``--drain-timeout``), exit.
+the lease first (no new dispatches), move running requests to another live worker of the version when one
+exists, else drain them (bounded by ``--drain-timeout``), exit. A preemption notice (etcd
+``preemption_notice_key(worker_id)``, or SIGUSR1) moves them while the worker is still up
+(actors/worker/migration.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import socket
 import uuid
 
@@ -40,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the model loading progress bar")
     parser.add_argument("--drain-timeout", type=float, default=10.0, metavar="S",
                         help="on SIGTERM: seconds running requests may take to finish before they are ended "
-                        "with a retryable 503 (default 10)")
+                        "with a retryable 503 (default 10); with another live worker of the version they "
+                        "move there instead")
+    parser.add_argument("--pool", default="default", help="accelerator pool this worker belongs to (its etcd "
+                        "record's \"pool\"; the pool records of `actorserve pools`)")
 
 
 def default_worker_id() -> str:
@@ -93,11 +100,37 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
     _track_gauges(ctx, svc)
     info = {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
             "device": args.device, "dtype": args.dtype, "quantization": getattr(engine, "quantization", None),
-            "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": "default"}
+            "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": getattr(args, "pool", "default")}
     holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
+    _watch_notices(ctx, reg, svc, ref, worker_id)
     drain_timeout = getattr(args, "drain_timeout", 10.0)
     ctx.on_stop(lambda: _drain(holder, svc, drain_timeout), timeout_s=drain_timeout + 5.0, what="drain")
     await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
+
+
+def _watch_notices(ctx: ActorContext, reg, svc: WorkerService, ref, worker_id: str) -> None:
+    """Preemption notices of this worker: its etcd key (put -> ``Migrator.notice``) and SIGUSR1 (a notice
+    of ``signal_notice_s``); peers for drains: the other leased workers of the version."""
+    import time
+
+    from actors.worker.migration import watch_notice
+
+    async def peers() -> int:
+        return len(set(await reg.list_workers(ref.name, ref.version)) - {worker_id})
+
+    mig = svc.migration
+    mig.peers = peers
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread / on Windows
+        loop.add_signal_handler(signal.SIGUSR1, lambda: mig.notice(time.time() + mig.cfg.signal_notice_s, "SIGUSR1"))
+    task = asyncio.create_task(watch_notice(reg, worker_id, mig))
+
+    async def cancel() -> None:
+        task.cancel()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGUSR1)
+
+    ctx.on_stop(cancel, timeout_s=1.0, what="preemption notice watch")
 
 
 def _track_gauges(ctx: ActorContext, svc: WorkerService) -> None:

@@ -13,16 +13,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import orjson
-
 from actors.aio import wait_event
 from actors.recent import RecentIds
 from actors.text.tool_calls import HermesParser, make_parser, parse_step
 from actors.worker.engine.step_rates import served_delta
-from actors.worker.engine.types import EngineRequest, StepOutput
+from actors.worker.engine.types import StepOutput
+from actors.worker.migration import Migrator, engine_request, restore_live
+from actors.worker.outputs import probe_receiver, step_logprobs
 from actors import content_log
 from bus import subjects, tracing
-from bus.base import Bus, BusError, Msg, NoResponders
+from bus.base import Bus, BusError, Msg
 from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
                           WorkerStats, error_dict)
 
@@ -43,6 +43,7 @@ class _Live:
     cancel_step: int = -1  # worker step count when a cancel arrived (-1: none)
     trace: object = None  # trace context of the dispatch (the scheduler's queue span); None when tracing is off
     tools: HermesParser | None = None  # tool-call parser of the output (GenerateRequest.tool_parser)
+    handoff: float = 0.0  # a migrated sequence: when its previous worker gave it up (epoch s) until its next chunk
 
 
 @dataclass
@@ -63,22 +64,6 @@ class WorkerConfig:
         subjects.work(self.worker_id)  # validates the id as a subject token
         if self.credits_interval_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("heartbeat intervals must be > 0")
-
-
-async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float = 1.0) -> bool:
-    """Ask the receiver of ``reply`` whether it still waits for ``request_id``.
-
-    NATS gives a publisher no signal when nobody subscribes, so a stream whose gateway died would
-    otherwise run to its end. The gateway answers ``{"alive": bool}`` on its reply subjects; no
-    responders or ``alive: false`` -> False. A timeout (busy receiver) counts as alive.
-    """
-    try:
-        m = await bus.request(reply, b'{"probe":"%s"}' % request_id.encode(), timeout)
-        return bool(orjson.loads(m.data).get("alive", True))
-    except NoResponders:
-        return False
-    except (BusError, ValueError, AttributeError):
-        return True
 
 
 class WorkerService:
@@ -103,6 +88,7 @@ class WorkerService:
         self.draining, self.num_finished, self.num_aborted = False, 0, 0
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
+        self.migration = Migrator(self)  # preemption notices and drains: running sequences move (migration.py)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -114,10 +100,12 @@ class WorkerService:
         await self._publish_credits()
 
     async def drain(self, timeout: float = 30.0) -> None:
-        """Refuse new work, let running requests finish (bounded by ``timeout`` s), abort the rest."""
+        """Refuse new work, move running requests to another live worker of the version when one exists
+        (migration.py), let the others finish (bounded by ``timeout`` s), abort the rest."""
         self.draining = True
         await self._publish_credits()
         t_end = time.monotonic() + timeout
+        await self.migration.evacuate(t_end)
         while self.live and time.monotonic() < t_end:
             await asyncio.sleep(0.05)
         for rid in list(self.live):
@@ -242,12 +230,9 @@ class WorkerService:
             self._front.discard(req.request_id)
             self._urgent.discard(req.request_id)
             try:
-                self.live[req.request_id].tools = make_parser(req.tool_parser, req.parallel_tool_calls,
-                                                              req.tool_calls_forced)
-                self.engine.add_request(EngineRequest(req.request_id, tuple(req.prompt_token_ids),
-                                                      req.sampling, arrival_time=time.monotonic(),
-                                                      priority=req.priority, tenant=req.tenant, urgent=urgent),
-                                        front=front)
+                lv = self.live[req.request_id]
+                lv.tools = make_parser(req.tool_parser, req.parallel_tool_calls, req.tool_calls_forced)
+                restore_live(lv, req, self.engine.add_request(engine_request(req, urgent), front=front))
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
         preempts, self._preempts = self._preempts, []
@@ -279,6 +264,7 @@ class WorkerService:
             for lv, why in self._apply_pending():
                 await self._finish_error(lv, error_dict(400, why, param="messages"))
             await self._flush_aborted()
+            await self.migration.between_steps()  # hand sequences over / end them at the notice deadline
             if not self.engine.has_unfinished():
                 self._wake.clear()
                 await wait_event(self._wake, self.cfg.idle_wait_s * 20)
@@ -346,7 +332,7 @@ class WorkerService:
             text = lv.req.echo_text + text
         if text or out.new_token_ids:
             lv.echo_pending = False
-        logprobs = self._logprobs(lv, out)
+        logprobs = step_logprobs(self.engine, lv.req.sampling, out)
         if not out.finished:
             if out.text or out.new_token_ids:
                 await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids),
@@ -360,28 +346,6 @@ class WorkerService:
                                    reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id,
                                    logprobs, lv.req.choice_index, calls))
         await self._record(lv, "ok", reason, usage, timing)
-
-    def _token_entry(self, token_id: int, logprob: float) -> dict:
-        table = getattr(self.engine, "token_bytes", None) or ()
-        raw = table[token_id] if 0 <= token_id < len(table) else b""
-        return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
-                "logprob": max(float(logprob), -9999.0)}
-
-    def _logprobs(self, lv: _Live, out: StepOutput) -> list[dict] | None:
-        """OpenAI chat-shaped logprobs of this step's tokens (a stop token ending the request is left out)."""
-        lps = getattr(out, "logprobs", None)
-        if not lps:
-            return None if lv.req.sampling.logprobs is None else []
-        stop_ids = set(lv.req.sampling.stop_token_ids) | set(getattr(self.engine, "eos_token_ids", ()))
-        entries = []
-        for token_id, lp, top in lps:
-            if out.finished and out.finish_reason == "stop" and token_id in stop_ids \
-                    and not lv.req.sampling.ignore_eos:
-                continue
-            e = self._token_entry(token_id, lp)
-            e["top_logprobs"] = [self._token_entry(i, v) for i, v in top]
-            entries.append(e)
-        return entries
 
     def _usage(self, lv: _Live, num_prompt: int) -> dict:
         return {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,
@@ -398,6 +362,8 @@ class WorkerService:
 
     async def _send(self, lv: _Live, chunk: Chunk) -> None:
         lv.seq += 1
+        if lv.handoff:
+            self.migration.on_resumed_chunk(lv)  # the hand-over gap of a migrated sequence ends here
         if chunk.text:
             content_log.log_content("output", lv.req.request_id, chunk.text)  # ACTORSERVE_LOG_PROMPTS=1 only
         await self._safe_publish(lv.req.reply, chunk.encode())

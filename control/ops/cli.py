@@ -9,6 +9,10 @@ Verbs::
     actorserve tenants {create,list,show,keys,set-quota,allow-models,priority,set-weight} ...
     actorserve rollout {start,set-weight,promote,rollback,status} NAME ...   (control/ops/rollout_cli.py)
     actorserve diagnose [--state-dir DIR | --etcd URL] [--json] [--window-s S]   (control/ops/diagnose_cli.py)
+    actorserve autoscaler status [--json] [--last N]   (control/ops/autoscaler_cli.py)
+    actorserve pools {set,list} ...   (control/ops/pools_cli.py)
+    actorserve profile NAME@VERSION [--pool P] [--batches ...] [--prompts ...]   (control/ops/profile_cli.py)
+    actorserve workers {list,preempt WORKER_ID [--in-s S]}   (control/ops/workers_cli.py)
 
 Exit statuses (control/ops/cli_errors.py): 0 done, 1 error, 2 usage or a refused edit, 3 stack
 unreachable (no endpoint, or etcd / NATS / the metrics endpoints did not answer: one line on stderr, no
@@ -159,8 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_tenant_commands(sub)
     add_rollout_commands(sub)
     add_diagnose_command(sub)
+    from control.ops.autoscaler_cli import add_autoscaler_command  # h2: `actorserve autoscaler status`
+    add_autoscaler_command(sub)
     from control.ops.certs_cli import add_certs_command  # h3: `actorserve certs`, `etcd-auth` (docs/security.md)
     add_certs_command(sub)
+    from control.ops.pools_cli import add_pools_command  # [13]: `actorserve pools set|list`
+    from control.ops.profile_cli import add_profile_command  # [13]: `actorserve profile NAME@VERSION`
+    add_pools_command(sub)
+    add_profile_command(sub)
+    from control.ops.workers_cli import add_workers_commands  # D: `actorserve workers list / preempt`
+    add_workers_commands(sub)
     _add_status_command(sub)
     _add_bench_commands(sub)
     return parser
@@ -193,6 +205,9 @@ def _add_up_command(sub: Any) -> None:
     for kind in ACTOR_MODULES:
         up.add_argument(f"--{kind}-args", metavar="ARGS", default=None,
                         help=f"extra options for every {kind} process, one shell-quoted string")
+    up.add_argument("--no-autoscaler", action="store_true",  # issue 19: docs/autoscaling.md
+                    help="do not run the autoscaler (counts stay fixed unless /actorserve/desired/ records are "
+                         "written by hand)")
     up.add_argument("--tls", action="store_true",  # h3: docs/security.md
                     help="TLS everywhere: certificates in <state-dir>/tls/ (made if missing), NATS and etcd over "
                          "TLS, etcd users per role, the gateways on HTTPS")
@@ -383,6 +398,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for name, info in sorted(report["stopped"].items()):
         by = info.get("by", "?") if isinstance(info, dict) else "?"
         rc = info.get("status") if isinstance(info, dict) else None
+        if by in ("autoscaler", "preempted"):  # issue 19: scaled down / notice due (docs/autoscaling.md)
+            state = "scaled down" if by == "autoscaler" else "preempted"
+            print(f"  {name:<14} {state:<12} ({'draining' if info.get('draining') else f'exit status {rc}'})")
+            continue
         print(f"  {name:<14} {'stopped by ' + str(by):<12} (exit status {rc}; not restarted, `kill -HUP "
               f"{pids.get('supervisor', '<up pid>')}` starts it again)")
     if "error" in report:

@@ -12,10 +12,11 @@ role       permissions (R: read, RW: read and write; every range is a prefix)
 gateway    R models/ (manifests, routing; watched), R tenants/ (watched), R workers/, RW metrics/gateway/
 validator  R models/, RW metrics/validator/
 scheduler  R tenants/, R workers/ (watched), RW schedulers/ (its election), RW metrics/scheduler/
-worker     R models/, RW workers/ (its leased registration), RW metrics/worker/
+worker     R models/, RW workers/ (its leased registration), R notices/preemption/, RW metrics/worker/
 jobs       R models/, R workers/ (its model resolver, like the gateway's), RW metrics/jobs/
 control    RW models/ (routing tables of rollouts), R workers/, R tenants/, RW controllers/ (election),
-           RW pools/ (autoscaler), RW metrics/rollout/, RW metrics/autoscaler/
+           RW pools/, RW desired/, RW autoscaler/ (decision history), R profiles/, R notices/ (autoscaler),
+           RW metrics/rollout/, RW metrics/autoscaler/
 root       everything (etcd's ``root`` role): the supervisor, ``actorserve`` CLI verbs, migrations
 =========  =====================================================================================
 
@@ -73,10 +74,12 @@ def role_permissions() -> dict[str, list[tuple[str, str]]]:
         "gateway": [(READ, models), (READ, tenants), (READ, workers)],
         "validator": [(READ, models)],
         "scheduler": [(READ, tenants), (READ, workers), (READWRITE, names.schedulers_prefix())],
-        "worker": [(READ, models), (READWRITE, workers)],
+        "worker": [(READ, models), (READWRITE, workers), (READ, names.notices_prefix())],  # + its preemption notice
         "jobs": [(READ, models), (READ, workers)],
         "control": [(READWRITE, models), (READ, workers), (READ, tenants),
-                    (READWRITE, names.controllers_prefix()), (READWRITE, names.pools_prefix())],
+                    (READWRITE, names.controllers_prefix()), (READWRITE, names.pools_prefix()),
+                    (READWRITE, names.desired_prefix()), (READWRITE, names.autoscaler_prefix()),
+                    (READ, names.profiles_prefix()), (READ, names.notices_prefix())],
     }
     missing = set(ROLES) - table.keys()
     if missing:

@@ -20,7 +20,11 @@ Roles and what they do on NATS (read from actors/*, gateway/*, bus/*, control/*)
   probes them); publishes events, completion records, credits and statistics.
 * ``jobs``: the jobs actor, a frontend like the gateway (validate requests, cancels, its reply subjects)
   plus JetStream (jobs stream, KV bucket, object store).
-* ``control``: the rollout controller (and other control-plane clients): hears completion records only.
+* ``control``: the rollout controller and the autoscaler (and other control-plane clients): hear completion
+  records, and (the autoscaler) load reports ``as.int.load.>`` and worker credits; publish nothing.
+
+Validators, gateways and schedulers also publish their load reports, each on its own kind's
+``as.int.load.<kind>.*`` only (actors/load_report.py).
 
 Each role may subscribe to its own inbox ``_INBOX_<role>.>`` (replies to its requests, JetStream API
 replies, consumer deliveries) and, where it serves requests, answer them (``allow_responses``: one
@@ -41,6 +45,7 @@ and in the 0600 server config; the supervisor hands each actor its role's URL in
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -113,6 +118,11 @@ def platform_streams() -> tuple[str, ...]:
     return (USAGE_STREAM, JOBS_STREAM, *map(streams.kv_stream, kv), streams.object_stream(JOBS_OBJECTS))
 
 
+def load_of(kind: str) -> str:
+    """``as.int.load.<kind>.*``: the load reports of one actor kind (``subjects.load_subject``)."""
+    return any_of(functools.partial(subjects.load_subject, kind))
+
+
 def _spec() -> dict[str, dict[str, Any]]:
     """``{role: {"publish": [...], "subscribe": [...], "responses": bool}}`` (before the inbox is added)."""
     gw_replies = any_of(subjects.gateway_reply)  # _INBOX.*.gw.*.*: chunks for gateway / jobs frontends
@@ -120,7 +130,8 @@ def _spec() -> dict[str, dict[str, Any]]:
     done = any_of(subjects.done)
     return {
         "gateway": {
-            "publish": [subjects.VALIDATE, cancel, any_of(subjects.gateway_cancel), _below(subjects.tenant_inbox_prefix)]
+            "publish": [subjects.VALIDATE, cancel, any_of(subjects.gateway_cancel),
+                        _below(subjects.tenant_inbox_prefix), load_of("gateway")]
             + _jetstream(stream_subjects=(JOBS_SUBMIT,), buckets=(USAGE_BUCKET, QUOTA_BUCKET, IDEM_BUCKET, JOBS_BUCKET,
                                                                   RESPONSES_BUCKET),
                          objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,), streams_used=(JOBS_STREAM,)),
@@ -130,22 +141,23 @@ def _spec() -> dict[str, dict[str, Any]]:
             "responses": True,  # reply-subject probes from workers, NATS API request acks
         },
         "validator": {
-            "publish": [any_of(subjects.sched_submit), cancel, gw_replies],
+            "publish": [any_of(subjects.sched_submit), cancel, gw_replies, load_of("validator")],
             "subscribe": [subjects.VALIDATE, cancel],
             "responses": True,  # acks of as.int.validate requests
         },
         "scheduler": {
-            "publish": [any_of(subjects.work), gw_replies, done, any_of(subjects.sched_leader)]
+            "publish": [any_of(subjects.work), gw_replies, done, any_of(subjects.sched_leader), load_of("scheduler")]
             + _jetstream(stream_subjects=(any_of(subjects.sched_journal),), streams_used=(subjects.ANY_STREAM,)),
             # a stream-name prefix (SCHED_) cannot be a NATS wildcard: any stream, but not the platform's others
             "publish_deny": [p for st in platform_streams() for p in subjects.js_stream_api(st)],
-            "subscribe": [any_of(subjects.sched_submit), any_of(subjects.credits), any_of(subjects.sched_events),
+            "subscribe": [any_of(subjects.sched_submit), any_of(subjects.sched_migrate), any_of(subjects.credits),
+                          any_of(subjects.sched_events),
                           done, cancel],
             "responses": True,  # acks of submits
         },
         "worker": {
             "publish": [gw_replies, any_of(subjects.sched_events), done, any_of(subjects.credits),
-                        any_of(subjects.stats)],
+                        any_of(subjects.stats), any_of(subjects.sched_migrate)],  # + hand-overs (resume)
             "subscribe": [any_of(subjects.work), cancel],
             "responses": True,  # dispatch acks
         },
@@ -157,7 +169,7 @@ def _spec() -> dict[str, dict[str, Any]]:
         },
         "control": {
             "publish": [],
-            "subscribe": [done],
+            "subscribe": [done, subjects.LOAD_ALL, any_of(subjects.credits)],
             "responses": False,
         },
     }

@@ -18,9 +18,10 @@ Layout under the state directory: ``endpoints.json``, ``pids.json``, ``logs/<act
 Every actor runs as ``python -m control.ops.cli actor KIND ...`` in its own process group; the
 supervisor signals only those groups (and the embedded servers' groups), never anything by name.
 
-The class is assembled from three modules: this one (configuration, start, the actors' argv and
-environment, stop), control/ops/supervisor_health.py (readiness, restarts after it) and
-control/ops/supervisor_versions.py (model versions started and drained as the registry changes);
+The class is assembled from four modules: this one (configuration, start, the actors' argv and
+environment, stop), control/ops/supervisor_health.py (readiness, restarts after it),
+control/ops/supervisor_versions.py (model versions started and drained as the registry changes) and
+control/ops/supervisor_scaling.py (the desired replica counts of the autoscaler carried out);
 control/ops/supervisor_processes.py has the process, ``pids.json`` and restart-budget helpers.
 """
 
@@ -42,6 +43,8 @@ from control.ops.deploy import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, _run_
 from control.ops import supervisor_processes as processes
 from control.ops.embedded_server import tail_file  # noqa: F401 (re-exported)
 from control.ops.supervisor_health import HealthMixin
+from control.ops import supervisor_scaling as scaling
+from control.ops.supervisor_scaling import ScalingMixin, autoscaler_limits_argv, clear_desired
 from control.ops.supervisor_processes import (PIDS_FILE, ActorProcess, SupervisorError,  # noqa: F401 (re-exported)
                                               http_status, pid_alive, probe_host, url_host)
 from control.ops.supervisor_versions import STOP_ORDER, STOP_WAVES, VersionsMixin, stop_rank  # noqa: F401
@@ -50,14 +53,14 @@ log = logging.getLogger("actorserve.supervisor")
 
 # Start order: the slow loaders first, the edges last. A kind missing from actors.kinds.ACTOR_MODULES
 # (e.g. "rollout" before its actor exists) is skipped.
-START_ORDER = ("worker", "scheduler", "validator", "jobs", "rollout", "gateway")
+START_ORDER = ("worker", "scheduler", "validator", "jobs", "rollout", "autoscaler", "gateway")
 # Actors that serve one model version (started and drained as versions come and go).
 MODEL_KINDS = ("scheduler", "worker")
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class Supervisor(HealthMixin, VersionsMixin):
+class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
     """Starts, watches and stops the embedded stack and one process per actor.
 
     Arguments: ``state_dir`` (created if missing), ``host``/``port`` of the first gateway (gateway
@@ -79,6 +82,13 @@ class Supervisor(HealthMixin, VersionsMixin):
     whose manifest changes, has its processes drained (SIGTERM, SIGKILL after ``stop_timeout_s``)
     and, if still active, started again. Other actors are never restarted for a registry edit.
     ``pids.json`` is rewritten on every change; new model names are added to the dev tenant.
+
+    The same watch carries out the desired replica counts in etcd (validators, workers per version
+    and pool; control/ops/supervisor_scaling.py) whoever wrote them. ``autoscaler`` (``up``'s default,
+    off here so that tests get fixed counts): also run the autoscaler actor (when its kind exists) with
+    floors = today's counts and ceilings = ``cores`` (default: the CPUs this process may use).
+    ``pool``: the pool workers are started for (``--pool``, when the worker has the option);
+    ``max_workers``: no scale-up beyond that many workers in all (default ``max(workers, cores)``).
     """
 
     def __init__(
@@ -106,6 +116,10 @@ class Supervisor(HealthMixin, VersionsMixin):
         watch_registry: bool = True,
         registry_poll_s: float = 0.5,
         tls: bool = False,
+        autoscaler: bool = False,
+        pool: str = "local",
+        cores: int | None = None,
+        max_workers: int | None = None,
     ) -> None:
         from control.state.names import validate_name
 
@@ -115,6 +129,13 @@ class Supervisor(HealthMixin, VersionsMixin):
             raise ValueError("workers must be >= 0")
         validate_name("model name", model_name)
         validate_name("model version", model_version)
+        validate_name("pool name", pool)
+        self.cores = int(cores) if cores is not None else len(os.sched_getaffinity(0)) if hasattr(
+            os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if self.cores < 1 or (max_workers is not None and max_workers < 0):
+            raise ValueError("cores must be >= 1 and max_workers >= 0")
+        self.autoscaler, self.pool = bool(autoscaler), pool
+        self.max_workers = int(max_workers) if max_workers is not None else max(int(workers), self.cores)
         self.state_dir = Path(state_dir).expanduser().resolve()
         self.host = host
         self.port = int(port)
@@ -156,6 +177,9 @@ class Supervisor(HealthMixin, VersionsMixin):
         self._bad_manifests: set[str] = set()  # invalid active versions already reported
         self._server_restarts: dict[str, collections.deque[float]] = {}  # embedded server -> restart times
         self._servers_given_up: set[str] = set()
+        self._scaling_log: list[dict[str, Any]] = []  # ScalingMixin.scaling_log
+        self._scale_notes: dict[str, str] = {}  # desired key / target -> last warning logged about it
+        self._scale_killed: set[str] = set()  # scaled-down replicas SIGKILLed after stop_timeout_s
 
     # -- properties ------------------------------------------------------------------------
 
@@ -281,6 +305,7 @@ class Supervisor(HealthMixin, VersionsMixin):
             self.manifest = _run_coro(register_model(self.stack.etcd_url, self.manifest))
             log.info("registered %s (%s)", self.model_ref, self.manifest.get("artifact"))
             self.dev_api_key = _run_coro(ensure_dev_tenant(self.stack.etcd_url, self.state_dir))
+            _run_coro(clear_desired(self.stack.etcd_url))  # an earlier run's desired counts and notices do not apply
             self._user_sync = start_nats_user_sync(self.stack)
             self._check_abort()
             self._build_actors()
@@ -322,7 +347,13 @@ class Supervisor(HealthMixin, VersionsMixin):
                 actors += [a for a in self._version_actors(ref, self.workers) if a.kind == "worker"]
             elif kind == "scheduler":
                 actors += [a for a in self._version_actors(ref, self.workers) if a.kind == "scheduler"]
-            elif kind in ("validator", "jobs", "rollout"):
+            elif kind == "validator":
+                actors.append(self._validator_actor(0))
+            elif kind == "autoscaler":
+                if self.autoscaler:
+                    actors.append(self._actor(kind, 0, self._base_argv(kind) + autoscaler_limits_argv(
+                        self.cores, self.workers, self.gateways, pool=self.pool)))
+            elif kind in ("jobs", "rollout"):
                 actors.append(self._actor(kind, 0, self._base_argv(kind)))
             else:
                 for n in range(self.gateways):
@@ -347,14 +378,26 @@ class Supervisor(HealthMixin, VersionsMixin):
         worker ids)."""
         name, _, version = ref.partition("@")
         initial = ref == self.model_ref
-        out: list[ActorProcess] = []
-        for n in range(workers):
-            wid = f"worker-{n}" if initial else f"worker-{name}-{version}-{n}"
-            argv = self._base_argv("worker") + ["--model", ref, "--worker-id", wid]
-            out.append(self._named_actor(wid, "worker", argv, model=ref))
+        out = [self._worker_actor(ref, n, self.pool) for n in range(workers)]
         sname = "scheduler-0" if initial else f"scheduler-{name}-{version}"
         out.append(self._named_actor(sname, "scheduler", self._base_argv("scheduler") + ["--model", ref], model=ref))
         return out
+
+    def _worker_actor(self, ref: str, n: int, pool: str) -> ActorProcess:
+        """Worker ``n`` of version ``ref`` on ``pool`` (not started): ``worker-<n>`` for the version of
+        :meth:`start`, else ``worker-<name>-<version>-<n>``; ``--pool`` when the worker has the option."""
+        name, _, version = ref.partition("@")
+        wid = f"worker-{n}" if ref == self.model_ref else f"worker-{name}-{version}-{n}"
+        argv = self._base_argv("worker") + ["--model", ref, "--worker-id", wid]
+        if scaling.kind_accepts("worker", "--pool"):
+            argv += ["--pool", pool]
+        a = self._named_actor(wid, "worker", argv, model=ref)
+        a.pool = pool
+        return a
+
+    def _validator_actor(self, n: int) -> ActorProcess:
+        """Validator ``n`` (``validator-<n>``; not started)."""
+        return self._actor("validator", n, self._base_argv("validator"))
 
     def _child_env(self, kind: str | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -386,33 +429,9 @@ class Supervisor(HealthMixin, VersionsMixin):
         with self._lock:
             stopped = {a.name: {"by": a.stopped_by, "status": a.proc.returncode if a.proc is not None else None}
                        for a in self.actors if a.stopped_by and not a.running}
+            stopped.update({a.name: {"by": a.stopped_by, "status": None, "draining": True} for a in self.actors
+                            if a.stopped_by and a.running})  # scaled down, still draining
         processes.write_pids(self.state_dir, self.pids, stopped)
-
-    @property
-    def stopped_by_operator(self) -> list[str]:
-        """Names of the actors that exited after a stop they were asked for (e.g. ``kill -TERM`` of a
-        worker) and that the supervisor therefore does not restart; see :meth:`start_stopped`."""
-        with self._lock:
-            return [a.name for a in self.actors if a.stopped_by == "operator" and not a.running]
-
-    def start_stopped(self, names: Sequence[str] | None = None) -> list[str]:
-        """Start again the actors stopped by the operator (all of them, or those in ``names``); returns the
-        names started. ``actorserve up`` calls this on SIGHUP. Raises OSError when a spawn fails."""
-        started: list[str] = []
-        with self._lock:
-            if self._stopping:
-                return started
-            for a in self.actors:
-                if a.stopped_by and not a.running and (names is None or a.name in names):
-                    a.restarts.clear()
-                    a.given_up = False
-                    a.stopped_by = None
-                    self._spawn(a)
-                    started.append(a.name)
-                    self._event(f"{a.name} started again on request (was stopped by the operator)")
-            if started:
-                self._write_pids()
-        return started
 
     def request_stop(self) -> None:
         """Ask a waiting :meth:`wait_ready` / :meth:`wait` to return; safe from signal handlers."""

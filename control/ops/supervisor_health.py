@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from control.ops.embedded_server import tail_file
@@ -33,7 +34,7 @@ class HealthMixin:
     Uses the supervisor's ``_lock``, ``_stopping``, ``_stop_requested``, ``_ready``, ``actors``,
     ``stack``, ``host``, ``gateways``, ``gateway_ports``, ``echo_worker_log``, ``echo_stream``,
     ``max_restarts``, ``restart_window_s``, ``_server_restarts``, ``_servers_given_up`` and its
-    ``_spawn``, ``_write_pids``, ``_event``.
+    ``_spawn``, ``_write_pids``, ``_event``. Also :meth:`start_stopped` (SIGHUP of ``up``).
     """
 
     def wait_ready(self, timeout: float = 180.0) -> None:
@@ -165,6 +166,33 @@ class HealthMixin:
         self._event(f"{a.name} exited with status {a.proc.returncode} after a stop it was asked for: not "
                     f"restarting it (stopped by operator; `kill -HUP {os.getpid()}` starts it again)")
         return True
+
+    @property
+    def stopped_by_operator(self) -> list[str]:
+        """Names of the actors that exited after a stop they were asked for (e.g. ``kill -TERM`` of a
+        worker) and that the supervisor therefore does not restart; see :meth:`start_stopped`."""
+        with self._lock:
+            return [a.name for a in self.actors if a.stopped_by == "operator" and not a.running]
+
+    def start_stopped(self, names: Sequence[str] | None = None) -> list[str]:
+        """Start again the actors stopped by the operator (all of them, or those in ``names``; not those
+        the autoscaler scaled down); returns the names started. ``actorserve up`` calls this on SIGHUP.
+        Raises OSError when a spawn fails."""
+        started: list[str] = []
+        with self._lock:
+            if self._stopping:
+                return started
+            for a in self.actors:
+                if a.stopped_by == "operator" and not a.running and (names is None or a.name in names):
+                    a.restarts.clear()
+                    a.given_up = False
+                    a.stopped_by = None
+                    self._spawn(a)
+                    started.append(a.name)
+                    self._event(f"{a.name} started again on request (was stopped by the operator)")
+            if started:
+                self._write_pids()
+        return started
 
     def _restart(self, a: ActorProcess) -> bool:
         rc = a.proc.returncode if a.proc is not None else None

@@ -90,7 +90,12 @@ class ActorProcess:
     given_up: bool = False
     model: str | None = None  # "name@version" for schedulers and workers
     dynamic: bool = False  # started by the registry watch (its death is not fatal during wait_ready)
-    stopped_by: str | None = None  # "operator": exited after a stop it was asked for; not restarted
+    stopped_by: str | None = None  # "operator": exited after a stop it was asked for; "autoscaler": scaled
+    # down (SIGTERMed by the supervisor to carry out a desired count); neither is restarted
+    pool: str | None = None  # workers: the accelerator pool it was started for (its --pool)
+    spawned_at: float | None = None  # epoch s of the current process's start
+    ready_at: float | None = None  # epoch s it was first seen ready (control/ops/supervisor_scaling.py)
+    term_sent_at: float | None = None  # epoch s of the SIGTERM of a scale-down (None: not leaving)
 
     @property
     def pid(self) -> int | None:
@@ -115,6 +120,7 @@ def spawn(a: ActorProcess, cwd: Path, env: Mapping[str, str]) -> None:
                                 cwd=str(cwd), env={**env, lifeline.ENV_PARENT_PID: str(os.getpid())},
                                 start_new_session=True, close_fds=True)
     a.stopped_by = None
+    a.spawned_at, a.ready_at, a.term_sent_at = time.time(), None, None
     log.info("started %s (pid %s)", a.name, a.proc.pid)
 
 
@@ -123,6 +129,12 @@ def _killpg(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def signal_actor(a: ActorProcess, sig: signal.Signals) -> None:
+    """Send ``sig`` to ``a``'s process group (nothing when it has no process; a gone group is ignored)."""
+    if a.proc is not None:
+        _killpg(a.proc.pid, sig)
 
 
 # Seconds between two stop waves when the earlier one has not exited yet (its processes keep draining).
@@ -137,8 +149,10 @@ def terminate(group: list[ActorProcess], timeout_s: float, waves: Sequence[Seque
     ``waves`` lists actor kinds per wave (a kind in none of them joins the last wave; no waves: one
     wave). Every process of a wave gets SIGTERM (its process group) at once; the next wave follows
     when the earlier ones have exited or ``gap_s`` seconds later, whichever comes first (earlier waves
-    keep draining meanwhile). Whatever still runs ``timeout_s`` seconds after the first SIGTERM gets
-    SIGKILL; then whatever is left in each process group is SIGKILLed."""
+    keep draining meanwhile). A process already draining after a scale-down's SIGTERM
+    (``term_sent_at`` set) is not signalled again (a second SIGTERM would cut its drain short), only
+    waited for. Whatever still runs ``timeout_s`` seconds after the first SIGTERM gets SIGKILL; then
+    whatever is left in each process group is SIGKILLed."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     buckets: list[list[ActorProcess]] = [[] for _ in range(max(1, len(waves)))]
@@ -149,7 +163,8 @@ def terminate(group: list[ActorProcess], timeout_s: float, waves: Sequence[Seque
     for i, wave in enumerate(buckets):
         live = [a for a in wave if a.proc is not None and a.proc.poll() is None]
         for a in live:
-            _killpg(a.proc.pid, signal.SIGTERM)
+            if a.term_sent_at is None:
+                _killpg(a.proc.pid, signal.SIGTERM)
         signalled += live
         if i < len(buckets) - 1 and live:
             next_at = min(deadline, time.monotonic() + gap_s)
@@ -200,7 +215,8 @@ def read_pids(state_dir: Path) -> dict[str, Any] | None:
 
 def write_pids(state_dir: Path, pids: Mapping[str, int], stopped: Mapping[str, Mapping[str, Any]] | None = None) -> None:
     """Atomically write ``pids.json``: ``{"supervisor": <this pid>, **pids}`` plus, when any, ``"stopped":
-    {name: {"by": "operator", "status": exit status}}`` of actors that stay stopped (a failure is logged)."""
+    {name: {"by": "operator" | "autoscaler", "status": exit status}}`` of actors that stay stopped (a
+    scaled-down one still draining: ``"status": None, "draining": True``; a failure is logged)."""
     path = state_dir / PIDS_FILE
     tmp = path.with_name(f".{PIDS_FILE}.{os.getpid()}.tmp")
     data: dict[str, Any] = {"supervisor": os.getpid(), **pids}

@@ -9,6 +9,7 @@ with the registry's active versions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -18,15 +19,15 @@ from control.ops.supervisor_processes import ActorProcess
 
 log = logging.getLogger("actorserve.supervisor")
 
-# Stop order: the rollout controller first (no decisions while the stack goes away), then the edges
-# (no new traffic), then the pipeline front to back.
-STOP_ORDER = ("rollout", "gateway", "jobs", "validator", "scheduler", "worker")
+# Stop order: the rollout controller and the autoscaler first (no decisions while the stack goes away),
+# then the edges (no new traffic), then the pipeline front to back.
+STOP_ORDER = ("rollout", "autoscaler", "gateway", "jobs", "validator", "scheduler", "worker")
 # The same order as waves: every process of a wave is SIGTERMed at once, the next wave follows when the
 # earlier ones exited or a short gap later (control/ops/supervisor_processes.py ``terminate``), all
 # within one deadline. Edges first (no new work enters; gateways keep waiting for their streams), then
 # the validator and the schedulers (the queue is still dispatched to running workers for a moment),
 # then the workers (they finish what they run within their drain timeout).
-STOP_WAVES = (("rollout", "gateway", "jobs"), ("validator", "scheduler"), ("worker",))
+STOP_WAVES = (("rollout", "autoscaler", "gateway", "jobs"), ("validator", "scheduler"), ("worker",))
 
 
 def stop_rank(a: ActorProcess) -> int:
@@ -78,10 +79,14 @@ class VersionsMixin:
 
     async def _watch_registry(self) -> None:
         """Poll the registry every ``registry_poll_s`` s (one connection, reopened after errors) and
-        reconcile the running model versions with it until :meth:`stop`."""
+        reconcile the running model versions with it, then the replica counts with the desired prefix
+        (control/ops/supervisor_scaling.py; readiness read from the workers' and the metrics records
+        while a replica is not ready yet), until :meth:`stop`. A watch of the desired prefix on the same
+        connection starts the next round at once when a count is written (no poll delay)."""
         from control.state.registry import Registry
 
         reg = None
+        wake, waker = asyncio.Event(), None
         allowed: set[str] | None = None  # model names the dev tenant was given (start() did the first)
         warned = False
         try:
@@ -89,13 +94,16 @@ class VersionsMixin:
                 try:
                     if reg is None:
                         reg = await Registry.open(self.stack.etcd_url, timeout=3.0)
+                        waker = asyncio.ensure_future(self._wake_on_desired(reg, wake))
                     models = await reg.list_models()
+                    desired, ready, notices = await self._read_scaling(reg)
                     warned = False
                 except Exception as e:
                     if not warned and not self._stop_requested.is_set():
                         log.warning("registry watch: cannot read the registry (%r); retrying", e)
                         warned = True
                     if reg is not None:
+                        waker = await _cancelled(waker)
                         await reg.close()
                         reg = None
                     await asyncio.sleep(self.registry_poll_s)
@@ -103,10 +111,38 @@ class VersionsMixin:
                 allowed = await self._allow_new_models(reg, models, allowed)
                 # Spawning is quick; draining may wait up to stop_timeout_s: keep it off the loop.
                 await asyncio.to_thread(self.reconcile, models)
-                await asyncio.sleep(self.registry_poll_s)
+                await asyncio.to_thread(self.scaling_round, desired, ready, None, notices)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), self.registry_poll_s)
+                wake.clear()
         finally:
+            await _cancelled(waker)
             if reg is not None:
                 await reg.close()
+
+    async def _wake_on_desired(self, reg: Any, wake: asyncio.Event) -> None:
+        """Set ``wake`` on every change under ``desired_prefix()`` (until cancelled; the poll goes on if the
+        watch fails)."""
+        from control.state.names import desired_prefix
+
+        try:
+            async for _ in reg.watch_prefix(desired_prefix()):
+                wake.set()
+        except Exception as e:  # the 0.5 s poll still carries the counts out
+            log.debug("registry watch: the desired-count watch ended (%r)", e)
+
+    async def _read_scaling(self, reg: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+        """The records under ``desired_prefix()``, (only while a replica is not seen ready yet) those under
+        the workers' and the metrics prefixes (else None), and the preemption notices."""
+        from control.state.names import all_metrics_prefix, all_workers_prefix, desired_prefix, notices_prefix
+
+        desired = await reg.get_prefix_json(desired_prefix())
+        notices = await reg.get_prefix_json(notices_prefix())
+        if not self._wants_ready_records():
+            return desired, None, notices
+        ready = await reg.get_prefix_json(all_workers_prefix())
+        ready.update(await reg.get_prefix_json(all_metrics_prefix()))
+        return desired, ready, notices
 
     async def _allow_new_models(self, reg: Any, models: Models, allowed: set[str] | None) -> set[str]:
         """Add model names that appeared since the last round to the dev tenant; returns the names allowed."""
@@ -190,3 +226,12 @@ class VersionsMixin:
         """``name@version`` of every model version whose processes this supervisor runs, sorted."""
         with self._lock:
             return sorted(self._versions)
+
+
+async def _cancelled(task: asyncio.Future | None) -> None:
+    """Cancel ``task`` (if any) and wait for it; returns None (the caller's new handle)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    return None

@@ -31,6 +31,15 @@ def _start_stopped(sup: Supervisor) -> None:
     print(f"actorserve: started again: {', '.join(names) or 'nothing was stopped'}", file=sys.stderr, flush=True)
 
 
+def _autoscaler_line(sup: Supervisor) -> str:
+    """One banner line: whether the autoscaler runs, and its bounds (docs/autoscaling.md)."""
+    if not any(a.kind == "autoscaler" for a in sup.actors):
+        why = "--no-autoscaler" if not sup.autoscaler else "its actor kind is not installed"
+        return f"autoscaler: off ({why}); counts stay fixed (docs/autoscaling.md)"
+    return (f"autoscaler: on (validators 1..{max(1, sup.cores)}, workers {sup.workers}..{sup.max_workers} per "
+            f"version, gateways {sup.gateways}); `actorserve autoscaler status`, `up --no-autoscaler` to pin")
+
+
 def main_up(args: argparse.Namespace) -> int:
     """Run ``actorserve up`` with parsed ``args``; return the exit status.
 
@@ -39,6 +48,8 @@ def main_up(args: argparse.Namespace) -> int:
     (in parallel waves, within the supervisor's ``stop_timeout_s``). SIGHUP starts again the actors
     the operator stopped (``kill -TERM <actor pid>``: drained, not restarted). Refuses to start (status 1,
     one line naming the pids and how to stop them) over a stack still running on the state directory.
+    The autoscaler actor runs unless ``--no-autoscaler`` (docs/autoscaling.md): floors = ``--gateways``,
+    one validator and ``--workers``; ceilings from the CPUs this process may use.
     """
     from actors.runtime import log_level_of, setup_logging
 
@@ -62,6 +73,7 @@ def main_up(args: argparse.Namespace) -> int:
         actor_args=actor_args,
         echo_worker_log=True,
         tls=bool(getattr(args, "tls", False)),
+        autoscaler=not getattr(args, "no_autoscaler", False),
     )
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -98,7 +110,8 @@ def main_up(args: argparse.Namespace) -> int:
             f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n"
             f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n"
             f"  NATS API: {sup.stack.nats.url}  user {_read(sup.state_dir / 'dev-nats-user')}, "
-            f"password = the dev API key, inbox prefix _INBOX.dev (docs/nats-api.md)\n\n"
+            f"password = the dev API key, inbox prefix _INBOX.dev (docs/nats-api.md)\n"
+            f"  {_autoscaler_line(sup)}\n\n"
             f"  export OPENAI_API_KEY=$(cat {sup.state_dir / 'dev-api-key'})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             + (f"    --cacert {sup.tls_dir / 'ca.pem'} \\\n" if sup.tls_dir else "") +

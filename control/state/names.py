@@ -189,6 +189,52 @@ def pool_key(pool: str) -> str:
     return f"{pools_prefix()}{validate_name('pool name', pool)}"
 
 
+def profiles_prefix() -> str:
+    """Prefix of every measured throughput curve: ``/actorserve/profiles/``."""
+    return f"{ROOT}/profiles/"
+
+
+def profile_key(name: str, version: str, pool: str) -> str:
+    """Key of one version's measured curve on one pool: ``/actorserve/profiles/{name}/{version}/{pool}``
+    (tok/s against batch, TTFT against prompt length, ITL against batch; written by ``actorserve profile``)."""
+    return (f"{profiles_prefix()}{validate_name('model name', name)}/"
+            f"{validate_name('model version', version)}/{validate_name('pool name', pool)}")
+
+
+def desired_prefix() -> str:
+    """Prefix of the autoscaler's output: ``/actorserve/desired/``."""
+    return f"{ROOT}/desired/"
+
+
+def desired_key(kind: str, *parts: str) -> str:
+    """Key of one desired replica count: ``/actorserve/desired/{kind}`` for a CPU-tier kind (``validator``,
+    ``gateway``), ``/actorserve/desired/worker/{name}/{version}/{pool}`` for an accelerator pool of a version.
+    Every part must be a valid name (ValueError otherwise)."""
+    tail = "".join(f"/{validate_name('desired key part', p)}" for p in parts)
+    return f"{desired_prefix()}{validate_name('actor kind', kind)}{tail}"
+
+
+def autoscaler_prefix() -> str:
+    """Prefix of the autoscaler's own records (its decision history): ``/actorserve/autoscaler/``."""
+    return f"{ROOT}/autoscaler/"
+
+
+def autoscaler_decisions_key() -> str:
+    """Key of the bounded history of scaling decisions: ``/actorserve/autoscaler/decisions``."""
+    return f"{autoscaler_prefix()}decisions"
+
+
+def notices_prefix() -> str:
+    """Prefix of the spot preemption notices: ``/actorserve/notices/preemption/``."""
+    return f"{ROOT}/notices/preemption/"
+
+
+def preemption_notice_key(worker_id: str) -> str:
+    """Key of one worker's preemption notice: ``/actorserve/notices/preemption/{worker_id}`` (value
+    ``{"deadline": epoch s, "reason": str}``): the worker stops taking work and migrates its sequences."""
+    return f"{notices_prefix()}{validate_name('worker id', worker_id)}"
+
+
 def all_metrics_prefix() -> str:
     """Prefix of every actor's metrics endpoint key: ``/actorserve/metrics/``."""
     return f"{ROOT}/metrics/"

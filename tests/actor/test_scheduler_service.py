@@ -71,6 +71,28 @@ async def test_dispatch_only_within_credits():
     await svc.stop()
 
 
+async def test_a_resubmitted_request_is_acked_once_queued_and_dispatched_once():
+    # a validator retries a submit whose ack it did not hear (actors/validator/service.py _submit)
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    acks = [await submit(bus, req(1)) for _ in range(3)]  # no worker yet: queued once
+    assert all(a["accepted"] for a in acks) and len(svc.queue) == 1
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=4)
+    await asyncio.sleep(0.3)
+    assert (await submit(bus, req(1)))["accepted"]  # dispatched: still one copy
+    await bus.publish(subjects.done("m", "1"), CompletionRecord("r1", "t", "m", "1", "ok", "stop", 3, 4, {},
+                                                                ts=time.time()).encode())
+    await asyncio.sleep(0.1)
+    assert (await submit(bus, req(1)))["accepted"]  # finished lately: not run again
+    await asyncio.sleep(0.3)
+    assert accepted == ["r1"]
+    await svc.stop()
+
+
 async def test_worker_loss_redispatches_unstarted_and_fails_started():
     bus = MemoryBus()
     svc = SchedulerService(bus, SchedulerConfig("m", "1"))
@@ -402,4 +424,16 @@ async def test_worker_restarted_under_the_same_id_loses_the_old_processes_reques
     assert on_w1 == ["r1", "r2", "r1"]  # r1 (no token yet) re-dispatched, to the new process
     [err] = [c for c in chunks if c.request_id == "r2"]
     assert err.error["code"] == "worker_lost" and err.error["retryable"]
+    await svc.stop()
+
+
+async def test_a_resume_on_the_submit_subject_is_refused():
+    # hand-overs come only on as.int.sched.<n>.<v>.migrate, which only workers may publish (nats_roles.py)
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"))
+    await svc.start()
+    from dataclasses import replace
+    ack = await submit(bus, replace(req(1), resume={"v": 1, "from_worker": "w1", "output_ids": [5], "seq": 1}))
+    assert not ack["accepted"] and ack["error"]["status"] == 400 and ack["error"]["param"] == "resume"
+    assert len(svc.queue) == 0
     await svc.stop()

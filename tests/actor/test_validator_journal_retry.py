@@ -28,17 +28,22 @@ def refusal(code: str, status: int = 503) -> bytes:
                                                       "type": "unavailable"}})
 
 
-async def run(tiny_path: str, refusals: list[bytes], wait_s: float = 4.0) -> tuple[int, list[Chunk]]:
-    """One chat request through a validator whose scheduler answers ``refusals`` first, then accepts.
-    Returns (submit attempts the scheduler saw, reply chunks)."""
+async def run(tiny_path: str, refusals: list[bytes | None], wait_s: float = 4.0,
+              ack_s: float = 2.0) -> tuple[int, list[Chunk]]:
+    """One chat request through a validator whose scheduler answers ``refusals`` first (None: no answer,
+    as a busy scheduler whose ack comes too late), then accepts. Returns (submit attempts the scheduler
+    saw, reply chunks)."""
     bus = MemoryBus()
-    svc = ValidatorService(bus, Registry(manifest(tiny_path)), ValidatorConfig(failover_wait_s=wait_s))
+    svc = ValidatorService(bus, Registry(manifest(tiny_path)),
+                           ValidatorConfig(failover_wait_s=wait_s, scheduler_ack_s=ack_s))
     await svc.start()
     attempts, chunks, left = [0], [], list(refusals)
 
     async def scheduler(msg):
         attempts[0] += 1
-        await msg.respond(left.pop(0) if left else b'{"accepted":true}')
+        answer = left.pop(0) if left else b'{"accepted":true}'
+        if answer is not None:
+            await msg.respond(answer)
 
     async def reply(msg):
         chunks.append(Chunk.decode(msg.data))
@@ -80,3 +85,15 @@ async def test_a_refusal_hint_reaches_the_gateway_with_the_error(tiny_path):
     assert attempts == 1 and err["code"] == "deadline_unmeetable" and err["retry_after"] == 1.0
     assert (err["queue_clear_at"], err["decode_step_s"]) == (1234.5, 0.1) and "internal" not in err
     assert chunks[0].model == "m@1"  # what the gateway keys the hint by (gateway/shed.py)
+
+
+async def test_an_ack_timeout_is_retried_within_the_wait(tiny_path):
+    # the scheduler acks a request id it already holds without queueing it twice
+    # (actors/scheduler/service.py _known), so a retry after a lost or late ack is safe
+    attempts, chunks = await run(tiny_path, [None, None], ack_s=0.2)
+    assert attempts == 3 and chunks == []
+
+
+async def test_ack_timeouts_past_the_wait_reach_the_client(tiny_path):
+    attempts, chunks = await run(tiny_path, [None] * 50, wait_s=0.5, ack_s=0.2)
+    assert 2 <= attempts <= 3 and chunks and chunks[0].error["code"] == "scheduler_unavailable"

@@ -140,7 +140,7 @@ def test_actor_gateway_validator_parse(kind):
 
 
 def test_actor_unknown_kind(capsys):
-    _rejects("actor", "autoscaler", capsys=capsys)
+    _rejects("actor", "no-such-kind", capsys=capsys)
 
 
 def test_models_and_status_parse():

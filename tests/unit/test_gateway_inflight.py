@@ -25,7 +25,7 @@ async def test_in_order_chunks_pass():
     assert not t.deliver(Chunk("other", 0))
 
 
-async def test_gap_and_foreign_worker_are_errors():
+async def test_gap_and_a_handed_over_worker_are_errors():
     t = InflightTable()
     e = t.open("r", time.time() + 5, 5)
     t.deliver(ck(0))
@@ -34,12 +34,15 @@ async def test_gap_and_foreign_worker_are_errors():
     with pytest.raises(StreamError) as ei:
         await next_chunk(e)
     assert ei.value.error["code"] == "stream_gap"
+    # another worker may take the stream over at the next seq (a migrated sequence); after that the
+    # previous worker's chunks are errors, even at the expected seq
     e2 = InflightTable().open("r", time.time() + 5, 5)
-    e2.queue.put_nowait(ck(0, worker="a"))
-    e2.queue.put_nowait(ck(1, worker="b"))
-    await next_chunk(e2)
-    with pytest.raises(StreamError):
+    for c in (ck(0, worker="a"), ck(1, worker="b"), ck(2, worker="b"), ck(3, worker="a")):
+        e2.queue.put_nowait(c)
+    assert [(await next_chunk(e2)).worker_id for _ in range(3)] == ["a", "b", "b"]
+    with pytest.raises(StreamError) as ei:
         await next_chunk(e2)
+    assert ei.value.error["code"] == "stream_gap"
 
 
 async def test_error_chunk_ends_stream_regardless_of_seq():

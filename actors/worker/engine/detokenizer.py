@@ -134,3 +134,10 @@ class StopStringMatcher:
                     best = k
                     break
         return best
+
+
+def replay(detok: IncrementalDetokenizer, stop: StopStringMatcher, token_ids) -> list[str]:
+    """Bring a fresh detokenizer and stop matcher to the state they had after ``token_ids`` (a migrated
+    sequence's tokens generated so far, fed one per step as the engine fed them) and return the text each
+    token released then (already sent by the previous worker: for re-deriving state, never to re-send)."""
+    return [stop.feed(detok.add_tokens([t])) for t in token_ids]

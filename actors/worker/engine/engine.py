@@ -27,14 +27,14 @@ import torch
 
 from . import cpu_kernels
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes, replay
 from .gguf_loader import load_gguf
 from .hardware import DTYPES, resolve_dtype
 from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .kv_cache import KVCache
 from .model import BatchMetadata, LlamaModel, packed_linear_factory
-from .sampler import make_generator, sample_batch, top_logprobs
+from .sampler import generator_state, make_generator, sample_batch, set_generator_state, top_logprobs
 from .step_rates import StepRates
 from .structured import GrammarState, Structured
 from .types import EngineRequest, EngineStats, StepOutput
@@ -145,16 +145,22 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def add_request(self, req: EngineRequest, front: bool = False) -> None:
+    def add_request(self, req: EngineRequest, front: bool = False) -> list[str]:
         """Queue ``req`` (``front``: ahead of every waiting request, e.g. after ``preempt_request`` made
         room for it); ValueError if its prompt is empty, too long, has bad ids (prompt or logit_bias), or the
-        id is taken."""
-        n = len(req.prompt_token_ids)
+        id is taken.
+
+        A migrated sequence (``req.resumed_output_ids``, ``req.rng_state``) starts with those tokens generated:
+        its KV is recomputed from prompt + them in its first step (as after a recompute preemption), its
+        generator continues from ``rng_state``, and its detokenizer, stop matcher and grammar matcher are
+        replayed through them. Returns the text each resumed token released (already sent; [] otherwise)."""
+        n, done = len(req.prompt_token_ids), list(req.resumed_output_ids)
         if n == 0:
             raise ValueError("prompt_token_ids is empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt of {n} tokens does not fit max_model_len={self.max_model_len}")
-        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
+        if n + len(done) >= self.max_model_len:
+            raise ValueError(f"prompt of {n + len(done)} tokens does not fit max_model_len={self.max_model_len}")
+        ids = (*req.prompt_token_ids, *done)
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError("prompt token id out of vocabulary range")
         if req.params.logit_bias and req.params.logit_bias[-1][0] >= self.vocab_size:  # sorted by id
             raise ValueError(f"logit_bias token id {req.params.logit_bias[-1][0]} is out of vocabulary range "
@@ -162,12 +168,29 @@ class LLMEngine:
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request_id {req.request_id!r}")
         grammar = self.structured.new_state(req.params.grammar) if req.params.grammar is not None else None
-        self._requests[req.request_id] = _Request(
-            req, list(req.prompt_token_ids), make_generator(req.params.seed),
-            IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop), grammar=grammar,
-        )
-        self.scheduler.add(req.request_id, n, self._requests[req.request_id].token_ids, front=front,
-                           urgent=req.urgent, priority=req.priority)
+        generator = make_generator(req.params.seed)
+        if req.rng_state is not None:
+            set_generator_state(generator, req.rng_state)
+        r = _Request(req, list(ids), generator, IncrementalDetokenizer(self.token_bytes),
+                     StopStringMatcher(req.params.stop), output_ids=done, grammar=grammar,
+                     prompt_served=n if done else 0)  # a resumed prompt was served (and counted) elsewhere
+        texts = replay(r.detok, r.stop, done)
+        for t in done if grammar is not None else ():
+            grammar.consume(t)
+        self._requests[req.request_id] = r
+        self.scheduler.add(req.request_id, len(ids), r.token_ids, front=front, urgent=req.urgent,
+                           priority=req.priority)
+        return texts
+
+    def detach_request(self, request_id: str) -> tuple[tuple[int, ...], bytes] | None:
+        """Take a request out to migrate it (between steps): its blocks are freed (full ones stay in the
+        prefix cache) and no output is reported for it. Returns (tokens generated so far, generator state
+        bytes), None when unknown."""
+        r = self._requests.pop(request_id, None)
+        if r is None:
+            return None
+        self.scheduler.remove(request_id)
+        return tuple(r.output_ids), generator_state(r.generator)
 
     def preempt_request(self, request_id: str) -> bool:
         """Recompute-preempt a running request between steps (vLLM's recompute preemption, Kwon et al.

@@ -30,6 +30,18 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def generator_state(g: torch.Generator) -> bytes:
+    """The generator's position as bytes (``get_state()``: 5056 for the CPU Mersenne Twister), for a
+    migrated sequence (actors/worker/migration_state.py)."""
+    return g.get_state().numpy().tobytes()
+
+
+def set_generator_state(g: torch.Generator, state: bytes) -> torch.Generator:
+    """Put ``g`` at the position ``generator_state`` saved (ValueError/RuntimeError on foreign bytes); returns g."""
+    g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8).clone())
+    return g
+
+
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """Keep the ``top_k`` largest logits of [V] (others -inf); 0 or >= V keeps all."""
     if top_k <= 0 or top_k >= logits.shape[-1]:

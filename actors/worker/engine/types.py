@@ -30,6 +30,10 @@ class EngineRequest:
     priority: str = "interactive"  # priority class (bus.messages.PRIORITIES): "batch" is preempted first
     tenant: str = ""  # accounting key of the service counters (EngineStats.served)
     urgent: bool = False  # prefill priority (Dispatch.urgent): queued ahead of ordinary waiting requests
+    # a migrated sequence (actors/worker/migration_state.py): tokens another engine generated already (its KV is
+    # recomputed from prompt + these) and that engine's sampler RNG state (torch.Generator.get_state() bytes)
+    resumed_output_ids: tuple[int, ...] = ()
+    rng_state: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,404 @@
+"""The autoscaler live on ``actorserve up`` stacks (issue 19 targets), run by ``make cluster-test`` (collected
+only with ``ACTORSERVE_CLUSTER=1``). No root needed. The tiny random-weight model of the other e2e tests;
+cool-downs shortened with the autoscaler's ``--policy-set`` (through the Supervisor's ``actor_args``); every
+test prints its figures.
+
+* Desired counts written by hand (no autoscaler): the supervisor starts a worker and a validator, they
+  become ready (cold start measured: spawn -> lease, spawn -> first credits), the new worker takes traffic;
+  lowered while streams run (300 tokens, 1.5/s), the newest worker drains and every stream completes;
+  nothing restarts it.
+* Validator-bound load (``ACTORSERVE_TEST_FAULTS=1`` + ``ACTORSERVE_FAULT_VALIDATOR_DELAY_MS``: each
+  validator holds each request that long, one at a time, so the validator tier is the bottleneck; on 2
+  cores tokenization is otherwise cheaper than prefill): validators are added, no worker.
+* Accelerator-bound 3x load step (1-slot workers, long streams): a worker is added, no validator, and it
+  takes traffic within its cold start + 2 s of the step.
+* Scale-down after the 3x step stops (back to the base load, so streams run across it): 0 failed requests.
+
+Before any load each autoscaled stack idles a few seconds: the autoscaler must keep today's counts
+(its decisions in etcd are read; asserted last, after the other figures are measured). Only processes
+these stacks started are signalled (recorded pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import orjson
+import pytest
+
+from control.state.names import autoscaler_decisions_key, desired_key
+from control.state.registry import Registry
+from tests.engine_fixtures import write_tiny_llama_gguf
+
+pytestmark = [pytest.mark.cluster]
+
+MODEL = "tiny"
+# 1 slot per worker: the worker is the bottleneck of a few concurrent long streams (accelerator-bound)
+WORKER_ARGS = ["--kv-cache-bytes", "8000000", "--max-num-seqs", "1", "--no-progress", "--drain-timeout", "8"]
+# Short cool-downs and windows so that a test sees a scale-up and a scale-down within a minute.
+POLICY = ["cpu.cooldown_up_s=2", "cpu.down_window_s=3", "cpu.cooldown_down_s=4",
+          "pool.cooldown_up_s=2", "pool.down_window_s=3", "pool.cooldown_down_s=4",
+          "pool.queue_drain_high_s=0.5", "pool.queue_drain_low_s=0.1"]
+DEADLINE_MS = 30_000
+# One 1-slot worker serves ~800 tokens/s of 400-token streams here (~2 requests/s): 0.9/s is ~45 % of it,
+# the 3x step (2.7/s) ~135 %.
+BASE_RATE = 0.9
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    write_tiny_llama_gguf(path)
+    return path
+
+
+def _need_autoscaler() -> None:
+    from actors.kinds import ACTOR_MODULES
+
+    if "autoscaler" not in ACTOR_MODULES:
+        pytest.skip("the autoscaler actor (actors/autoscaler/actor.py, kind 'autoscaler') is not registered yet")
+
+
+@contextlib.contextmanager
+def live_stack(state: Path, tiny: str, *, autoscaler: bool, env: dict | None = None,
+               policy: list[str] | None = None) -> Iterator[Any]:
+    """A supervised tiny-model stack (1 gateway, validator, worker), the autoscaler on or off."""
+    from control.ops.supervisor import Supervisor
+
+    args: dict[str, list[str]] = {"worker": WORKER_ARGS}
+    if autoscaler:
+        _need_autoscaler()
+        args["autoscaler"] = ["--tick-s", "0.25", *[x for p in (policy or POLICY) for x in ("--policy-set", p)]]
+    sup = Supervisor(state, port=0, supervise=True, model_file=tiny, model_name=MODEL, workers=1,
+                     autoscaler=autoscaler, actor_args=args, env=env or {})
+    t0 = time.monotonic()
+    sup.start()
+    try:
+        sup.wait_ready(timeout=120)
+        print(f"stack ready in {time.monotonic() - t0:.1f} s ({len(sup.actors)} actors, cores {sup.cores})")
+        yield sup
+    finally:
+        sup.stop()
+
+
+# -- load ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """How one streamed request ended: ``kind`` ok | error (in-band) | http | hung | truncated."""
+
+    kind: str
+    status: int
+    code: str | None
+    t_start: float  # epoch s
+    t_end: float
+
+
+def headers_of(sup) -> dict:
+    return {"Authorization": f"Bearer {(Path(sup.state_dir) / 'dev-api-key').read_text().strip()}"}
+
+
+async def one(client: httpx.AsyncClient, sup, i: int, max_tokens: int) -> Outcome:
+    """Stream one completion and classify its end (at most its deadline + 5 s)."""
+    body = {"model": MODEL, "prompt": f"autoscaler {i}", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "deadline_ms": DEADLINE_MS}
+    t0 = time.time()
+    try:
+        async with asyncio.timeout(DEADLINE_MS / 1e3 + 5):
+            async with client.stream("POST", sup.http_url + "/v1/completions", json=body,
+                                     headers=headers_of(sup)) as r:
+                text = (await r.aread()).decode()
+    except (TimeoutError, httpx.HTTPError):
+        return Outcome("hung", 0, None, t0, time.time())
+    if r.status_code != 200:
+        err = (orjson.loads(text).get("error") or {}) if text.startswith("{") else {}
+        return Outcome("http", r.status_code, err.get("code"), t0, time.time())
+    events = [orjson.loads(x[6:]) for x in text.splitlines() if x.startswith("data: ") and x != "data: [DONE]"]
+    errors = [e["error"] for e in events if "error" in e]
+    if errors:
+        return Outcome("error", 200, errors[-1].get("code"), t0, time.time())
+    done = text.rstrip().endswith("data: [DONE]")
+    finished = any(c.get("finish_reason") == "length" for e in events for c in e.get("choices", []))
+    return Outcome("ok" if done and finished else "truncated", 200, None, t0, time.time())
+
+
+class Load:
+    """Open-loop streamed requests at ``rate`` per second until :meth:`stop`; a new ``rate`` acts within
+    20 ms (the next request is due 1/rate after the last one)."""
+
+    def __init__(self, sup, max_tokens: int, rate: float) -> None:
+        self.sup, self.max_tokens, self.rate = sup, max_tokens, rate
+        self.results: list[asyncio.Task] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=300),
+                                     timeout=DEADLINE_MS / 1e3 + 10) as c:
+            i, last = 0, 0.0
+            while not self._stop.is_set():
+                if time.monotonic() >= last + 1.0 / self.rate:  # the rate is read every 20 ms: a step acts at once
+                    last = time.monotonic()
+                    self.results.append(asyncio.create_task(one(c, self.sup, i, self.max_tokens)))
+                    i += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 0.02)
+            await asyncio.gather(*self.results)
+
+    def start(self) -> "Load":
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> list[Outcome]:
+        """Stop sending; wait for every request sent; their outcomes."""
+        self._stop.set()
+        await self._task
+        return [t.result() for t in self.results]
+
+
+def summary(results: list[Outcome]) -> str:
+    kinds: dict[str, int] = {}
+    for r in results:
+        key = r.kind if r.kind == "ok" else f"{r.kind}:{r.status}:{r.code}"
+        kinds[key] = kinds.get(key, 0) + 1
+    lat = sorted(r.t_end - r.t_start for r in results) or [0.0]
+    return f"{len(results)} requests: {kinds}; latency p50 {lat[len(lat) // 2]:.2f} s, max {lat[-1]:.2f} s"
+
+
+class CreditsWatch:
+    """Per worker id: epoch s of its first credits heartbeat and of the first one with a running sequence."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
+        self._bus = self._sub = None
+
+    async def open(self, nats_url: str) -> "CreditsWatch":
+        from bus import subjects
+        from bus.messages import Credits
+        from bus.nats_bus import NatsBus
+
+        async def on(msg) -> None:
+            c, now = Credits.decode(msg.data), time.time()
+            self.first.setdefault(c.worker_id, now)
+            if c.num_running > 0:
+                self.busy.setdefault(c.worker_id, now)
+        self._bus = await NatsBus.connect(nats_url, name="test-autoscaler-credits")
+        self._sub = await self._bus.subscribe(subjects.credits_of_version(MODEL, "1"), on)
+        return self
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        if self._bus is not None:
+            await self._bus.close()
+
+
+async def put_desired(sup, kind: str, *parts: str, count: int, reason: str) -> None:
+    async with Registry.connect(sup.etcd_url, timeout=3) as reg:
+        await reg.put_json(desired_key(kind, *parts),
+                           {"count": count, "ts": time.time(), "reason": reason, "by": "test"})
+
+
+async def decisions(sup) -> list[dict]:
+    async with Registry.connect(sup.etcd_url, timeout=3) as reg:
+        return ((await reg.get_json(autoscaler_decisions_key())) or {}).get("decisions", [])
+
+
+async def until(pred, timeout: float, what: str, step: float = 0.1) -> float:
+    """Wait (bounded) until ``pred()`` is true; returns the epoch s it became true."""
+    t_end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < t_end, f"{what}: not within {timeout:.0f} s"
+        await asyncio.sleep(step)
+    return time.time()
+
+
+def log_of(sup, action: str, kind: str | None = None) -> list[dict]:
+    return [e for e in sup.scaling_log if e["action"] == action and (kind is None or e["kind"] == kind)]
+
+
+async def idle_moves(sup, seconds: float = 4.0) -> list[dict]:
+    """Idle ``seconds``; the decisions that moved a desired count away from today's counts (there must be
+    none: with no load the autoscaler changes nothing; a decision that confirms a count, e.g. "below floor"
+    while the first worker still registers, is fine). The caller asserts, after measuring the rest."""
+    await asyncio.sleep(seconds)
+    ds = await decisions(sup)
+    today = {"validator": 1, "gateway": sup.gateways, f"worker/{MODEL}/1/{sup.pool}": sup.workers}
+    moved = [d for d in ds if d.get("desired") != today.get(d.get("target"), d.get("desired"))]
+    seen = [(d.get("target"), d.get("current"), d.get("desired")) for d in ds]
+    print(f"idle {seconds:.0f} s: {len(ds)} decision(s) {seen}, {len(moved)} away from today's counts; "
+          f"scaling log {sup.scaling_log}")
+    return moved
+
+
+# -- the tests -----------------------------------------------------------------------------------------
+
+
+def test_desired_counts_written_by_hand_are_carried_out(tmp_path, tiny):
+    """No autoscaler (``up --no-autoscaler``): the supervisor still carries out the desired records an
+    operator writes, drains the newest worker on a scale-down with no failed stream, and keeps it stopped."""
+    with live_stack(tmp_path / "state", tiny, autoscaler=False) as sup:
+        async def scenario() -> dict:
+            credits = await CreditsWatch().open(sup.nats_url)
+            try:
+                await put_desired(sup, "worker", MODEL, "1", "local", count=2, reason="test: by hand")
+                await put_desired(sup, "validator", count=2, reason="test: by hand")
+                await until(lambda: len(log_of(sup, "ready")) >= 2, 60, "worker-1 and validator-1 ready")
+                await until(lambda: "worker-1" in credits.first, 10, "worker-1 credits")
+                load = Load(sup, max_tokens=300, rate=1.5).start()
+                await until(lambda: "worker-1" in credits.busy, 30, "worker-1 running a sequence")
+                await asyncio.sleep(1.0)
+                await put_desired(sup, "worker", MODEL, "1", "local", count=1, reason="test: lower by hand")
+                await put_desired(sup, "validator", count=1, reason="test: lower by hand")
+                await until(lambda: len(log_of(sup, "exited")) >= 2, 30, "worker-1 and validator-1 gone")
+                await asyncio.sleep(1.0)
+                results = await load.stop()
+            finally:
+                await credits.close()
+            return {"results": results, "first": dict(credits.first), "busy": dict(credits.busy)}
+
+        out = asyncio.run(scenario())
+        start = {e["name"]: e["ts"] for e in log_of(sup, "start")}
+        ready = {e["name"]: e["cold_start_s"] for e in log_of(sup, "ready")}
+        exited = {e["name"]: e for e in log_of(sup, "exited")}
+        print(f"by hand: record written -> spawn "
+              f"{ {e['name']: round(e['ts'] - e['decided_at'], 3) for e in log_of(sup, 'start')} } s; "
+              f"cold start spawn -> ready {ready}; worker-1 spawn -> first credits "
+              f"{out['first']['worker-1'] - start['worker-1']:.1f} s, -> first running sequence "
+              f"{out['busy']['worker-1'] - start['worker-1']:.1f} s; drain {exited['worker-1']['drain_s']} s "
+              f"(exit {exited['worker-1']['status']}); {summary(out['results'])}")
+        assert set(start) == {"worker-1", "validator-1"}
+        assert all(r.kind == "ok" for r in out["results"]), summary(out["results"])
+        assert exited["worker-1"]["status"] == 0
+        time.sleep(1.5)  # the restart monitor's rounds: a scaled-down worker stays stopped
+        assert not sup.actor("worker-1").running and sup.actor("worker-0").running
+        stopped = json.loads((Path(sup.state_dir) / "pids.json").read_text())["stopped"]
+        assert stopped["worker-1"] == {"by": "autoscaler", "status": 0}
+        assert any("reason: test: lower by hand (by test)" in e for e in sup.events)
+
+
+def test_validator_bound_load_adds_validators_and_no_worker(tmp_path, tiny):
+    """Each validator holds each request 150 ms, one at a time (~6.7 requests/s per validator): at 10/s of
+    short streams the validators' queue wait grows; the autoscaler adds validators, never a worker."""
+    env = {"ACTORSERVE_TEST_FAULTS": "1", "ACTORSERVE_FAULT_VALIDATOR_DELAY_MS": "150"}
+    with live_stack(tmp_path / "state", tiny, autoscaler=True, env=env) as sup:
+        async def scenario() -> dict:
+            idle = await idle_moves(sup)
+            t_load = time.time()
+            load = Load(sup, max_tokens=2, rate=10.0).start()
+            try:
+                t_ready = await until(lambda: log_of(sup, "ready", "validator"), 60, "a second validator ready")
+                await asyncio.sleep(3.0)  # the added capacity shows; a wrong worker decision would too
+            finally:
+                results = await load.stop()
+            return {"t_load": t_load, "t_ready": t_ready, "results": results, "decisions": await decisions(sup),
+                    "idle": idle}
+
+        out = asyncio.run(scenario())
+        started = log_of(sup, "start")
+        v_start = started[0]["ts"] - out["t_load"] if started else None
+        print(f"validator-bound: first validator start {v_start:.1f} s after the load began, ready "
+              f"{out['t_ready'] - out['t_load']:.1f} s after (cold start {log_of(sup, 'ready')[0]['cold_start_s']} s); "
+              f"reasons {[e['reason'] for e in started]}; {summary(out['results'])}")
+        worker_moves = [d for d in out["decisions"] if str(d.get("target", "")).startswith("worker/")
+                        and d.get("desired", 0) > d.get("current", 0)]
+        assert started and all(e["kind"] == "validator" for e in started), started
+        assert worker_moves == [], f"a worker was asked for under a validator-bound load: {worker_moves}"
+        assert out["idle"] == [], f"the autoscaler moved counts with no load: {out['idle']}"
+
+
+@pytest.fixture(scope="module")
+def pool_stack(tmp_path_factory, tiny):
+    """One autoscaled stack for the accelerator-bound step and the scale-down after it (in this order)."""
+    with live_stack(tmp_path_factory.mktemp("pool"), tiny, autoscaler=True) as sup:
+        sup.shared = {}
+        yield sup
+
+
+def test_accelerator_bound_3x_step_adds_a_worker_taking_traffic_within_cold_start_plus_2s(pool_stack):
+    """1-slot workers, 400-token streams: a 3x step of the arrival rate (~45 % -> ~135 % of what one worker
+    serves) adds a worker (and no validator), which takes traffic within its cold start (spawn -> first
+    credits) + 2 s of the step."""
+    sup = pool_stack
+
+    async def scenario() -> dict:
+        idle = await idle_moves(sup)
+        credits = await CreditsWatch().open(sup.nats_url)
+        try:
+            load = Load(sup, max_tokens=400, rate=BASE_RATE).start()
+            await asyncio.sleep(6.0)
+            base_log = list(sup.scaling_log)
+            t_step = time.time()
+            load.rate = 3 * BASE_RATE
+            await until(lambda: any(w != "worker-0" for w in credits.busy), 60, "a new worker running a sequence")
+            await asyncio.sleep(2.0)
+            sup.shared["load"] = load  # the next test stops it (streams keep running into the scale-down)
+        finally:
+            await credits.close()
+        return {"t_step": t_step, "base_log": base_log, "first": dict(credits.first), "busy": dict(credits.busy),
+                "decisions": await decisions(sup), "idle": idle}
+
+    loop = asyncio.new_event_loop()
+    sup.shared["loop"] = loop
+    out = loop.run_until_complete(scenario())
+    assert [e for e in out["base_log"] if e["kind"] == "worker"] == [], f"a worker at the base load: {out['base_log']}"
+    started = log_of(sup, "start", "worker")
+    assert started, sup.scaling_log
+    new = started[0]["name"]
+    t_spawn = started[0]["ts"]
+    cold = out["first"][new] - t_spawn
+    traffic = out["busy"][new] - out["t_step"]
+    print(f"3x step: decision+actuation {t_spawn - out['t_step']:.1f} s after the step (decision record -> "
+          f"spawn {t_spawn - started[0]['decided_at']:.2f} s; reason "
+          f"{started[0]['reason']!r}); {new} cold start spawn -> first credits {cold:.1f} s (spawn -> lease "
+          f"{log_of(sup, 'ready', 'worker')[0]['cold_start_s'] if log_of(sup, 'ready', 'worker') else '?'} s); "
+          f"first running sequence {traffic:.1f} s after the step; target cold start + 2 s = {cold + 2:.1f} s")
+    val_moves = [(d.get("current"), d.get("desired"), d.get("reason")) for d in out["decisions"]
+                 if d.get("target") == "validator" and d.get("desired", 0) > d.get("current", 0)]
+    print(f"validator decisions up during the accelerator-bound load: {val_moves}")
+    assert traffic <= cold + 2.0, f"the new worker took traffic {traffic:.1f} s after the step (> {cold + 2:.1f} s)"
+    assert val_moves == [], f"a validator was asked for under an accelerator-bound load: {val_moves}"
+    assert out["idle"] == [], f"the autoscaler moved counts with no load: {out['idle']}"
+
+
+def test_scale_down_after_the_load_stops_fails_no_request(pool_stack):
+    """The 3x step stops (back to the base rate, ~45 % of one worker, so streams keep running); the
+    autoscaler lowers the count, the newest worker drains (its sequences finish or migrate) and every request
+    running at the drop or sent after it completes: 0 failed."""
+    sup = pool_stack
+    if "load" not in sup.shared:
+        pytest.skip("needs the scaled-up stack of the 3x-step test (it did not get that far)")
+    loop = sup.shared["loop"]
+
+    async def scenario() -> dict:
+        load: Load = sup.shared["load"]
+        load.rate = BASE_RATE  # the step ends; the base load goes on, so streams run while a worker drains
+        t_low = time.time()
+        t_exit = await until(lambda: log_of(sup, "exited", "worker"), 60, "a worker scaled down and gone")
+        await asyncio.sleep(1.0)
+        return {"t_low": t_low, "t_exit": t_exit, "results": await load.stop()}
+
+    try:
+        out = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    stop = log_of(sup, "stop", "worker")[0]
+    exited = log_of(sup, "exited", "worker")[0]
+    during = [r for r in out["results"] if r.t_start < exited["ts"] and r.t_end > stop["ts"]]
+    after = [r for r in out["results"] if r.t_end > out["t_low"]]  # running when the load dropped, or later
+    print(f"scale-down: {stop['name']} SIGTERM {stop['ts'] - out['t_low']:.1f} s after the load dropped "
+          f"(reason {stop['reason']!r}), drained in {exited['drain_s']} s (exit {exited['status']}); "
+          f"{len(during)} stream(s) ran across it; since the drop: {summary(after)}; whole load incl. the "
+          f"step: {summary(out['results'])}")
+    assert during, "no stream ran across the scale-down (the check would be empty)"
+    assert all(r.kind == "ok" for r in after), summary(after)
+    assert exited["status"] == 0
