@@ -182,17 +182,31 @@ class Frontend:
             raise ApiError(413, f"The request is {len(data)} bytes once wrapped for the message bus; the bus "
                            f"carries at most {limit} bytes per message. Send a smaller request.",
                            code="request_too_large")
-        try:
-            reply = await self.bus.request(subjects.VALIDATE, data, self.cfg.validator_ack_s)
-            ok = orjson.loads(reply.data).get("accepted")
-        except (NoResponders, BusTimeout, BusDisconnected):
-            ok = False
-        except (BusError, ValueError) as exc:
-            log.warning("validator hand-off failed: %s", exc)
-            ok = False
+        ok = await self._ask_validator(data, req.deadline)
         if not ok:
             raise ApiError(503, "no validator is available; retry later", type="unavailable",
                            code="validator_unavailable", retry_after=1.0)
+
+    async def _ask_validator(self, data: bytes, deadline: float) -> bool:
+        """Request-reply on ``as.int.validate``: True once a validator acknowledged. No validator at all
+        (no responders) is False at once; an ack that does not come within ``validator_ack_s`` (a stalled
+        validator loop, a NATS server reloading its users) is asked once more if the deadline allows: a
+        validator acks a request id it has seen without handling it twice, and the scheduler takes a
+        request id once (actors/scheduler/service.py ``_known``), so the retry cannot run it twice."""
+        for attempt in range(2):
+            try:
+                reply = await self.bus.request(subjects.VALIDATE, data, self.cfg.validator_ack_s)
+                return bool(orjson.loads(reply.data).get("accepted"))
+            except BusTimeout:
+                if attempt or (deadline and time.time() + self.cfg.validator_ack_s > deadline):
+                    return False
+                log.info("no validator acknowledged within %.1f s; asking again", self.cfg.validator_ack_s)
+            except (NoResponders, BusDisconnected):
+                return False
+            except (BusError, ValueError) as exc:
+                log.warning("validator hand-off failed: %s", exc)
+                return False
+        return False
 
     async def next(self, sub: Submitted, poll_s: float | None = None) -> Chunk | None:
         """``next_chunk`` of the request; when it fails (deadline, silence, gap, bus loss) the generation is

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import orjson
 
+from actors.recent import RecentIds
 from actors.validator.errors import RequestError
 from actors.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 from actors.validator.sampling import default_max_tokens, sampling_params
@@ -107,6 +108,7 @@ class ValidatorService:
         validator's load reports (``as.int.load.validator.<id>``; default ``validator-<pid>-<hex>``)."""
         self.bus, self.registry, self.cfg = bus, registry, cfg or ValidatorConfig()
         self.fault = fault
+        self._seen = RecentIds(ttl_s=60.0)  # request ids taken lately (a gateway's retried hand-off)
         self._queued: set[str] = set()  # request ids taken and not started yet (semaphore, delay fault)
         self.load = LoadReporter(bus, "validator", actor_id or new_actor_id("validator"), pending=self._backlog)
         self._assets: dict[tuple[str, str], asyncio.Future] = {}
@@ -153,6 +155,9 @@ class ValidatorService:
             return await msg.respond(orjson.dumps({"accepted": False})) if msg.reply else None
         if msg.reply:
             await msg.respond(b'{"accepted":true}')
+        if req.request_id in self._seen:  # a gateway asking again after a late ack: handled once here
+            return
+        self._seen.add(req.request_id)
         task = asyncio.create_task(tracing.traced(  # a span around the processing: the hop to the scheduler
             "validation", self._process(replace(req, marks={**req.marks, "validate_in": time.time()})),
             {"actorserve.request_id": req.request_id, "actorserve.model_version": f"{req.name}@{req.version}"}))

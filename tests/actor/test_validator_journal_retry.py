@@ -97,3 +97,27 @@ async def test_an_ack_timeout_is_retried_within_the_wait(tiny_path):
 async def test_ack_timeouts_past_the_wait_reach_the_client(tiny_path):
     attempts, chunks = await run(tiny_path, [None] * 50, wait_s=0.5, ack_s=0.2)
     assert 2 <= attempts <= 3 and chunks and chunks[0].error["code"] == "scheduler_unavailable"
+
+
+async def test_a_request_handed_over_twice_is_validated_once(tiny_path):
+    # a gateway asks again when the first ack came late (gateway/frontend.py _ask_validator)
+    bus = MemoryBus()
+    svc = ValidatorService(bus, Registry(manifest(tiny_path)), ValidatorConfig())
+    await svc.start()
+    submits: list[str] = []
+
+    async def scheduler(msg):
+        submits.append(orjson.loads(msg.data)["request_id"])
+        await msg.respond(b'{"accepted":true}')
+    await bus.subscribe(subjects.sched_submit("m", "1"), scheduler)
+    req = ApiRequest("r", "t", "m", "m", "1", "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                     "_INBOX.t.r", deadline=time.time() + 30)
+    for _ in range(2):
+        assert b'"accepted":true' in (await bus.request(subjects.VALIDATE, req.encode(), 2.0)).data
+    for _ in range(100):
+        if submits:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+    await svc.stop()
+    assert submits == ["r"]

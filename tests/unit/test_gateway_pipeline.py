@@ -290,3 +290,35 @@ async def test_started_release_is_idempotent_and_no_tenancy_admits_nothing():
 def test_request_refuses_a_mismatched_tenant():
     with pytest.raises(ValueError, match="tenant_id"):
         pipeline.Request("other", "chat", {}, "r", 1000, {}, SimpleNamespace(id="acme"))
+
+
+async def test_a_late_validator_ack_is_asked_once_more():
+    # a stalled validator loop (or a NATS server reloading its users) misses the 0.5 s ack once
+    bus = MemoryBus()
+    fe = Frontend(bus, resolver=SimpleNamespace(snapshot=Snapshot()), cfg=FrontendConfig("gw-1", validator_ack_s=0.5))
+    await fe.start()
+    asked: list[str] = []
+
+    async def validator(msg):
+        asked.append(orjson.loads(msg.data)["request_id"])
+        if len(asked) > 1:
+            await msg.respond(orjson.dumps({"accepted": True}))
+    await bus.subscribe(subjects.VALIDATE, validator)
+    tenancy = Tenancy()
+    async with pipeline.admitted(fe, request(), tenancy) as sub:
+        assert sub.request_id == "q1"
+    assert asked == ["q1", "q1"]
+
+
+async def test_no_validator_answering_twice_is_503():
+    bus = MemoryBus()
+    fe = Frontend(bus, resolver=SimpleNamespace(snapshot=Snapshot()), cfg=FrontendConfig("gw-1", validator_ack_s=0.3))
+    await fe.start()
+    asked: list[bytes] = []
+
+    async def silent(msg):
+        asked.append(msg.data)
+    await bus.subscribe(subjects.VALIDATE, silent)
+    with pytest.raises(ApiError) as ei:
+        await pipeline.start(fe, request(), Tenancy())
+    assert ei.value.code == "validator_unavailable" and len(asked) == 2
