@@ -64,3 +64,28 @@ def report_unreachable(what: str, url: str | None, exc: BaseException | None = N
     """Print :func:`unreachable_line` on stderr and return :data:`EXIT_UNREACHABLE` (3)."""
     print(unreachable_line(what, url, exc), file=sys.stderr)
     return EXIT_UNREACHABLE
+
+
+def run_on_registry(func, args, errors: tuple[type[BaseException], ...] = (ValueError,), wrap=None) -> int:
+    """Run ``await func(reg, args)`` (``wrap(reg)`` instead of ``reg`` when given) on a Registry connected to
+    the stack's etcd (``--etcd`` / ``--state-dir`` / ``ACTORSERVE_ETCD``); returns its exit status. An
+    exception of ``errors`` prints one line and exits 1; etcd not answering prints one line and exits 3."""
+    import asyncio
+
+    from actors.runtime import resolve_endpoints
+    from control.state.registry import Registry
+
+    _, etcd_url = resolve_endpoints(args, need_nats=False)
+
+    async def go() -> int:
+        async with Registry.connect(etcd_url) as reg:
+            return await func(wrap(reg) if wrap is not None else reg, args)
+    try:
+        return asyncio.run(go())
+    except errors as e:
+        print(f"actorserve: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as e:  # etcd unreachable (TimeoutError, OSError, aetcd ClientError): one line, exit 3
+        if not is_unreachable(e):
+            raise
+        return report_unreachable("etcd", etcd_url, e)

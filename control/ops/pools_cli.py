@@ -13,14 +13,12 @@ free, on demand, no preemption, 1 worker). etcd is found like every other verb (
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import sys
 from typing import Any
 
-from actors.runtime import common_arguments, resolve_endpoints
+from actors.runtime import common_arguments
 from control.ops.argtypes import non_negative_int
-from control.ops.cli_errors import is_unreachable, report_unreachable
+from control.ops.cli_errors import run_on_registry
 
 
 def _non_negative_float(value: str) -> float:
@@ -59,22 +57,7 @@ def add_pools_command(sub: Any) -> None:
 
 
 def _run(func, args: argparse.Namespace) -> int:
-    from control.state.registry import Registry
-
-    _, etcd_url = resolve_endpoints(args, need_nats=False)
-
-    async def go() -> int:
-        async with Registry.connect(etcd_url) as reg:
-            return await func(reg, args)
-    try:
-        return asyncio.run(go())
-    except ValueError as e:
-        print(f"actorserve: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # etcd unreachable: one line, exit 3
-        if not is_unreachable(e):
-            raise
-        return report_unreachable("etcd", etcd_url, e)
+    return run_on_registry(func, args)
 
 
 _FIELDS = ("accelerator", "memory_bytes", "price_on_demand_per_h", "price_spot_per_h", "market",

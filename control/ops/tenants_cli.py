@@ -17,13 +17,12 @@ A new key is printed once (stdout, alone on its line for ``create``/``keys add``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from typing import Any
 
-from actors.runtime import common_arguments, resolve_endpoints
-from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable  # noqa: F401
+from actors.runtime import common_arguments
+from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable, run_on_registry  # noqa: F401
 
 
 def _quota_value(value: str) -> int:
@@ -94,23 +93,9 @@ def add_tenant_commands(sub: Any) -> None:
 
 
 def _run(func, args: argparse.Namespace) -> int:
-    from control.state.registry import Registry
     from control.state.tenants import TenantAdmin, TenantError
 
-    _, etcd_url = resolve_endpoints(args, need_nats=False)
-
-    async def go() -> int:
-        async with Registry.connect(etcd_url) as reg:
-            return await func(TenantAdmin(reg), args)
-    try:
-        return asyncio.run(go())
-    except (TenantError, ValueError) as e:
-        print(f"actorserve: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # etcd unreachable (TimeoutError, OSError, aetcd ClientError): one line, exit 3
-        if not is_unreachable(e):
-            raise
-        return report_unreachable("etcd", etcd_url, e)
+    return run_on_registry(func, args, errors=(TenantError, ValueError), wrap=TenantAdmin)
 
 
 _HASH_FIELDS = ("hash", "nats_hash")  # never printed: the API-key hash and the NATS user's bcrypt hash

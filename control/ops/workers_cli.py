@@ -13,14 +13,13 @@ other verb (``--etcd``, ``$ACTORSERVE_ETCD``, ``<state-dir>/endpoints.json``); u
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
 from typing import Any
 
-from actors.runtime import common_arguments, resolve_endpoints
-from control.ops.cli_errors import is_unreachable, report_unreachable
+from actors.runtime import common_arguments
+from control.ops.cli_errors import run_on_registry
 
 
 def _positive(value: str) -> float:
@@ -53,22 +52,7 @@ def add_workers_commands(sub: Any) -> None:
 
 
 def _run(func, args: argparse.Namespace) -> int:
-    from control.state.registry import Registry
-
-    _, etcd_url = resolve_endpoints(args, need_nats=False)
-
-    async def go() -> int:
-        async with Registry.connect(etcd_url) as reg:
-            return await func(reg, args)
-    try:
-        return asyncio.run(go())
-    except ValueError as e:
-        print(f"actorserve: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # etcd unreachable (TimeoutError, OSError, aetcd ClientError): one line, exit 3
-        if not is_unreachable(e):
-            raise
-        return report_unreachable("etcd", etcd_url, e)
+    return run_on_registry(func, args)
 
 
 async def live_workers(reg) -> list[dict[str, Any]]:
