@@ -41,7 +41,8 @@ class RecentIds:
         now = time.monotonic() if now is None else now
         return item[1] if now - item[0] <= self.ttl_s else None
 
-    def __contains__(self, key: object) -> bool:
-        """True if ``key`` was added within ``ttl_s`` (it is kept, unlike :meth:`pop`)."""
-        item = self._items.get(key)  # type: ignore[call-overload]
-        return item is not None and time.monotonic() - item[0] <= self.ttl_s
+    def get(self, key: str, now: float | None = None):
+        """The value of ``key`` if it was added within ``ttl_s`` (it is kept, unlike :meth:`pop`), else None."""
+        item = self._items.get(key)
+        now = time.monotonic() if now is None else now
+        return item[1] if item is not None and now - item[0] <= self.ttl_s else None

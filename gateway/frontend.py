@@ -191,8 +191,8 @@ class Frontend:
         """Request-reply on ``as.int.validate``: True once a validator acknowledged. No validator at all
         (no responders) is False at once; an ack that does not come within ``validator_ack_s`` (a stalled
         validator loop, a NATS server reloading its users) is asked once more if the deadline allows: a
-        validator acks a request id it has seen without handling it twice, and the scheduler takes a
-        request id once (actors/scheduler/service.py ``_known``), so the retry cannot run it twice."""
+        validator acks a hand-off it has taken (same request id and ``gateway_out`` mark) without handling
+        it twice, so the retry cannot run it twice."""
         for attempt in range(2):
             try:
                 reply = await self.bus.request(subjects.VALIDATE, data, self.cfg.validator_ack_s)

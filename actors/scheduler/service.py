@@ -99,7 +99,7 @@ class SchedulerService(FairShareMixin):
         self.requests: dict[str, GenerateRequest] = {}  # dispatched, not done
         self._traces = tracing.ContextStore()  # trace context of each submit, parent of its queue span
         self._early_cancels = RecentIds()  # ids cancelled before their submit arrived
-        self._finished = RecentIds(ttl_s=60.0)  # ids done lately: a validator's retried submit is not re-run
+        self._taken = RecentIds(ttl_s=60.0)  # request id -> its validate_out mark, for a minute after its submit
         self._kick = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
@@ -222,7 +222,7 @@ class SchedulerService(FairShareMixin):
         if req.resume is not None:  # only workers hand over sequences, on their own subject
             return await self._ack(msg, False, error_dict(400, "resume is accepted only on the migrate subject",
                                                           param="resume"))
-        if self._known(req.request_id):  # a validator's retry after an ack it did not hear: taken once
+        if self._known(req):  # a validator's retry after an ack it did not hear: taken once
             return await self._ack(msg, True)
         if self._early_cancels.pop(req.request_id) is not None:  # cancelled on its way here: never queue it
             await self._ack(msg, True)
@@ -249,14 +249,19 @@ class SchedulerService(FairShareMixin):
                                                           type_="unavailable", code="journal_unavailable",
                                                           retryable=True, retry_after=self.cfg.retry_after_s))
         self._push(req)
+        self._taken.add(req.request_id, req.marks.get("validate_out"))
         self._traces.put(req.request_id, tracing.current())  # the validator's span (bus hook); None when off
         self._seen[req.tenant] = time.monotonic()
         await self._ack(msg, True)
         self._kick.set()
 
-    def _known(self, request_id: str) -> bool:
-        """True if ``request_id`` is queued, dispatched, or done within the last minute (a duplicate submit)."""
-        return request_id in self.requests or self.queue.contains(request_id) or request_id in self._finished
+    def _known(self, req: GenerateRequest) -> bool:
+        """True if this very submit was taken within the last minute: same request id and same validation
+        (its ``validate_out`` mark). A validator retries a submit whose ack it did not hear; a client that
+        sends a request again under the same id (an Idempotency-Key of the Responses API maps to one id) is
+        validated again, so it is a new submit and is queued."""
+        mark = req.marks.get("validate_out")
+        return mark is not None and self._taken.get(req.request_id) == mark
 
     async def recover(self) -> int:
         """Re-queue what the journal holds (a failed-over predecessor's queue). Returns how many."""
@@ -342,7 +347,6 @@ class SchedulerService(FairShareMixin):
         self._preempted.discard(rec.request_id)
         self._traces.pop(rec.request_id)
         req = self.requests.pop(rec.request_id, None)
-        self._finished.add(rec.request_id)
         served = service_tokens(rec.prompt_tokens, rec.completion_tokens)
         self.meter.add(time.monotonic(), served)
         if rec.status == "ok":

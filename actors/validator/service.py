@@ -108,7 +108,7 @@ class ValidatorService:
         validator's load reports (``as.int.load.validator.<id>``; default ``validator-<pid>-<hex>``)."""
         self.bus, self.registry, self.cfg = bus, registry, cfg or ValidatorConfig()
         self.fault = fault
-        self._seen = RecentIds(ttl_s=60.0)  # request ids taken lately (a gateway's retried hand-off)
+        self._seen = RecentIds(ttl_s=60.0)  # hand-offs taken lately ("<request id>|<gateway_out mark>")
         self._queued: set[str] = set()  # request ids taken and not started yet (semaphore, delay fault)
         self.load = LoadReporter(bus, "validator", actor_id or new_actor_id("validator"), pending=self._backlog)
         self._assets: dict[tuple[str, str], asyncio.Future] = {}
@@ -155,9 +155,10 @@ class ValidatorService:
             return await msg.respond(orjson.dumps({"accepted": False})) if msg.reply else None
         if msg.reply:
             await msg.respond(b'{"accepted":true}')
-        if req.request_id in self._seen:  # a gateway asking again after a late ack: handled once here
+        attempt = f"{req.request_id}|{req.marks.get('gateway_out')}"  # the same hand-off, not the same id
+        if self._seen.get(attempt) is not None:  # a gateway asking again after a late ack: handled once here
             return
-        self._seen.add(req.request_id)
+        self._seen.add(attempt)
         task = asyncio.create_task(tracing.traced(  # a span around the processing: the hop to the scheduler
             "validation", self._process(replace(req, marks={**req.marks, "validate_in": time.time()})),
             {"actorserve.request_id": req.request_id, "actorserve.model_version": f"{req.name}@{req.version}"}))
@@ -294,7 +295,7 @@ class ValidatorService:
         No responders (no active scheduler: a failover in progress) is retried every 0.2 s for up to
         ``failover_wait_s``, within the request's deadline: nobody received it, so a retry cannot
         duplicate it. A timeout (a busy scheduler, or its ack lost) is retried the same way: the scheduler
-        acks a request id it already holds or finished within a minute without queueing it again. A refusal with
+        acks a submit it took within a minute (same id and ``validate_out`` mark) without queueing it again. A refusal with
         a code of RETRIED_REFUSALS (the scheduler could not journal it: a JetStream leader election, e.g.
         after a partition heals) is retried the same way: the scheduler said it did not take the request."""
         give_up = min(time.time() + self.cfg.failover_wait_s, gen.deadline or float("inf"))

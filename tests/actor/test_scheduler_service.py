@@ -72,24 +72,32 @@ async def test_dispatch_only_within_credits():
 
 
 async def test_a_resubmitted_request_is_acked_once_queued_and_dispatched_once():
-    # a validator retries a submit whose ack it did not hear (actors/validator/service.py _submit)
+    # a validator retries a submit whose ack it did not hear (actors/validator/service.py _submit): same id,
+    # same validation (validate_out mark)
+    from dataclasses import replace
     bus = MemoryBus()
     svc = SchedulerService(bus, SchedulerConfig("m", "1"))
     await svc.start()
-    acks = [await submit(bus, req(1)) for _ in range(3)]  # no worker yet: queued once
+    first = replace(req(1), marks={"validate_out": 100.0})
+    acks = [await submit(bus, first) for _ in range(3)]  # no worker yet: queued once
     assert all(a["accepted"] for a in acks) and len(svc.queue) == 1
     accepted: list = []
     await fake_worker(bus, "w1", accepted)
     svc.on_worker_lease("w1", True)
     await heartbeat(bus, "w1", slots=4)
     await asyncio.sleep(0.3)
-    assert (await submit(bus, req(1)))["accepted"]  # dispatched: still one copy
+    assert (await submit(bus, first))["accepted"]  # dispatched: still one copy
     await bus.publish(subjects.done("m", "1"), CompletionRecord("r1", "t", "m", "1", "ok", "stop", 3, 4, {},
                                                                 ts=time.time()).encode())
     await asyncio.sleep(0.1)
-    assert (await submit(bus, req(1)))["accepted"]  # finished lately: not run again
+    assert (await submit(bus, first))["accepted"]  # finished lately: not run again
     await asyncio.sleep(0.3)
     assert accepted == ["r1"]
+    # the same id validated again (a client's new attempt, e.g. one Idempotency-Key of the Responses API)
+    # is a new submit: it runs
+    assert (await submit(bus, replace(req(1), marks={"validate_out": 101.0})))["accepted"]
+    await asyncio.sleep(0.3)
+    assert accepted == ["r1", "r1"]
     await svc.stop()
 
 

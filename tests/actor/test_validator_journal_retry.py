@@ -110,14 +110,17 @@ async def test_a_request_handed_over_twice_is_validated_once(tiny_path):
         submits.append(orjson.loads(msg.data)["request_id"])
         await msg.respond(b'{"accepted":true}')
     await bus.subscribe(subjects.sched_submit("m", "1"), scheduler)
-    req = ApiRequest("r", "t", "m", "m", "1", "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                     "_INBOX.t.r", deadline=time.time() + 30)
-    for _ in range(2):
-        assert b'"accepted":true' in (await bus.request(subjects.VALIDATE, req.encode(), 2.0)).data
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = ApiRequest("r", "t", "m", "m", "1", "chat", body, "_INBOX.t.r", deadline=time.time() + 30,
+                     marks={"gateway_out": 100.0})
+    again = ApiRequest("r", "t", "m", "m", "1", "chat", body, "_INBOX.t.r", deadline=time.time() + 30,
+                       marks={"gateway_out": 101.0})  # a new hand-off under the same id (a client's retry)
+    for r in (req, req, again):
+        assert b'"accepted":true' in (await bus.request(subjects.VALIDATE, r.encode(), 2.0)).data
     for _ in range(100):
-        if submits:
+        if len(submits) >= 2:
             break
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.2)
     await svc.stop()
-    assert submits == ["r"]
+    assert submits == ["r", "r"]
