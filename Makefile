@@ -50,7 +50,7 @@ sys.exit(1 if missing else 0)
 endef
 export CHECK_DEPS
 
-.PHONY: venv install install-test run test chaos cluster-test clean-stamps nats-conf
+.PHONY: venv install install-test browser run test chaos cluster-test clean-stamps nats-conf
 
 venv: $(VENV)/bin/python
 
@@ -78,7 +78,20 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 	else \
 		$(PIP) install $(PIP_FLAGS) -e '.[test,bench]'; \
 	fi
+	@$(MAKE) --no-print-directory browser
 	@touch $@
+
+# Debian's Chromium for the dashboard test (tests/e2e/test_dashboard.py drives it with playwright; it skips,
+# saying why, where Chromium is absent). Installed with apt-get when run as root; elsewhere a note only.
+browser:
+	@if command -v chromium >/dev/null 2>&1; then \
+		echo "actorserve: chromium present ($$(command -v chromium))"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+			|| echo "actorserve: apt-get could not install chromium; the dashboard browser test will skip"; \
+	else \
+		echo "actorserve: chromium not found and not root; the dashboard browser test will skip (apt-get install chromium)"; \
+	fi
 
 run: install
 	$(VENV)/bin/actorserve up $(ARGS)

@@ -26,7 +26,6 @@ samples the clocks and publishes. A failed publish (bus reconnecting) drops that
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -38,6 +37,7 @@ from typing import Any, Callable
 from bus import subjects
 from bus.base import BusError
 from bus.messages import ActorLoad
+from actors.aio import cancel_tasks
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +149,7 @@ class LoadReporter:
 
     async def stop(self) -> None:
         """Stop both tasks (bounded by their cancellation)."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_tasks(self._tasks)
         self._tasks = []
 
     async def _sample_lag(self) -> None:

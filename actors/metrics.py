@@ -71,11 +71,14 @@ def meter() -> Any:
 
 
 def render_latest() -> bytes:
-    """The Prometheus text exposition of this process's metrics (what ``/metrics`` returns)."""
-    from prometheus_client import REGISTRY, generate_latest
+    """The Prometheus text exposition of this process's metrics (what ``/metrics`` returns), with the
+    vLLM-named aliases (actors/metrics_vllm.py)."""
+    from prometheus_client import generate_latest
+
+    from actors.metrics_vllm import VllmView
 
     setup_metrics()
-    return generate_latest(REGISTRY)
+    return generate_latest(VllmView())
 
 
 def observable_gauge(name: str, description: str, unit: str,
@@ -190,6 +193,10 @@ class WorkerGauges:
             "grammar_ms": float(getattr(st, "grammar_compile_ms_total", 0.0)),
             "grammar_hits": int(getattr(st, "grammar_cache_hits", 0)),
             "grammar_misses": int(getattr(st, "grammar_cache_misses", 0)),
+            "prefix_queries": int(getattr(st, "prefix_cache_query_tokens", 0)),
+            "prefix_hits": int(getattr(st, "prefix_cache_hit_tokens", 0)),
+            "tenant_hits": dict(getattr(st, "prefix_hits_by_tenant", None) or {}),
+            "kv_reclaims": int(getattr(st, "num_kv_reclaims", 0)),
         }
         if prev is not None and now > prev["t"] and row["steps"] >= prev["steps"]:
             dt, dsteps = now - prev["t"], row["steps"] - prev["steps"]
@@ -232,6 +239,17 @@ class WorkerGauges:
         )
         for name, desc, unit, key in specs:
             observable_gauge(name, desc, unit, lambda key=key: [(r[key], r["labels"]) for r in self.rows()])
+        for name, desc, key in (  # vLLM's prefix cache counters (tokens), hit rate = rate(hits) / rate(queries)
+                ("actorserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+                ("actorserve_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", "prefix_hits")):
+            observable_counter(name, desc, "1", lambda key=key: [(r[key], r["labels"]) for r in self.rows()])
+        observable_counter("actorserve_tenant_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache, "
+                           "per tenant (a tenant hits only its own or its cache-sharing group's blocks).", "1",
+                           lambda: [(n, {**r["labels"], "tenant": t}) for r in self.rows()
+                                    for t, n in list(r["tenant_hits"].items())[:50]])
+        observable_counter("actorserve_kv_share_preemptions", "Sequences preempted to give a waiting tenant its "
+                           "weighted share of the KV blocks.", "1",
+                           lambda: [(r["kv_reclaims"], r["labels"]) for r in self.rows()])
 
 
 async def track_worker(stats_fn: Callable[[], Any], gauges: WorkerGauges, period_s: float = 1.0) -> None:
@@ -278,13 +296,16 @@ async def loop_lag_task(probe: LagProbe, period_s: float = LAG_PROBE_S) -> None:
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> tuple[Any, str]:
-    """Serve ``/metrics`` (this process's registry) on ``host:port`` in a daemon thread (0 = a free port).
+    """Serve ``/metrics`` (this process's registry and its vLLM aliases) on ``host:port`` in a daemon thread
+    (0 = a free port).
 
     Returns ``(server, url)``; ``server.shutdown()`` stops it."""
-    from prometheus_client import REGISTRY, start_http_server
+    from prometheus_client import start_http_server
+
+    from actors.metrics_vllm import VllmView
 
     setup_metrics()
-    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    server, _thread = start_http_server(port, addr=host, registry=VllmView())
     return server, f"http://{host}:{server.server_port}/metrics"
 
 

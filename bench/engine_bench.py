@@ -12,8 +12,9 @@ Measures, in one process with one thread count and a warm-up for every contender
   faster dtype per level is ``baseline_decode_tok_s``; both are in ``baseline_runs``.
 * ``prefill_tok_s`` — prompt tokens / time to first token of one request alone (128/512/2048).
 * ``matmul_gflops`` — ``torch.mm`` of two 4096x4096 matrices, best of 5, bf16 and fp32.
-* ``roofline_fraction_64`` / ``prefill_roofline_fraction_512`` — achieved FLOP/s over the bf16
-  matmul rate.  FLOPs (multiply-add = 2 FLOPs), with ``N`` = parameters of the transformer
+* ``roofline_fraction_64`` / ``prefill_roofline_fraction_512`` — achieved FLOP/s over the matmul
+  rate of the dtype the engine ran (``matmul_gflops["bf16"]`` for bfloat16, ``["fp32"]`` for float32;
+  ``roofline_peak`` names the one used).  FLOPs (multiply-add = 2 FLOPs), with ``N`` = parameters of the transformer
   layers' linear maps (q, k, v, o, gate, up, down; embeddings excluded) and ``E = vocab * d``
   (LM head):
     - one decode token at context length ``c``: ``2*N + 2*E + 4*L*H*hd*c``
@@ -24,7 +25,9 @@ Measures, in one process with one thread count and a warm-up for every contender
 * ``prefix_cache_speedup`` — time to first token of a request made of a 1,024-token prefix that an
   earlier request shared plus its own distinct 64-token suffix: cold (prefix cache cleared)
   over warm.
-* ``environment`` — CPU model, CPU flags that matter, threads, torch version, dtype/quantization.
+* ``environment`` — CPU model, CPU flags that matter, threads, torch version, dtype/quantization and
+  ``path_choice`` (why: ``--dtype auto --quantization auto``, the defaults, run the path the worker
+  would choose on this machine, actors/worker/engine/kernel_choice.py; pins are run as given).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(engine_dtype: str, quantization: str | None) -> dict:
+def environment(engine_dtype: str, quantization: str | None, path_choice: str = "") -> dict:
     import torch
 
     from actors.worker.engine.hardware import cpu_flags
@@ -95,13 +98,15 @@ def environment(engine_dtype: str, quantization: str | None) -> dict:
     return {
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpu_flags": sorted(flags & {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512f", "avx2"}),
+        "cpu_flags": sorted(flags & {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512f", "avx512_vnni",
+                                     "avx_vnni", "avx2"}),
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "loadavg_1m": os.getloadavg()[0],
         "dtype": engine_dtype,
         "quantization": quantization or "none",
+        "path_choice": path_choice,
     }
 
 
@@ -140,6 +145,11 @@ def matmul_gflops(n: int, reps: int) -> dict:
             best = min(best, time.perf_counter() - t)
         out[name] = 2 * n**3 / best / 1e9
     return out
+
+
+def roofline_peak(dtype: str) -> str:
+    """Key of ``matmul_gflops`` the roofline fractions divide by: the rate of the dtype actually run."""
+    return "bf16" if dtype == "bfloat16" else "fp32"
 
 
 # ------------------------------------------------------------------------------------ our engine
@@ -188,8 +198,20 @@ def _reset_prefix_cache(engine) -> None:
         reset()
 
 
+def choose_path(path: str, dtype: str, quantization: str | None, log):
+    """The worker's path choice for these flags (``kernel_choice.choose``; pins pass through)."""
+    from actors.worker.engine.kernel_choice import choose
+
+    choice = choose(path, os.path.basename(path), "cpu", dtype, quantization or "none")
+    log(f"  {choice.line()}")
+    return choice
+
+
 def bench_engine(path: str, sz: Sizes, dtype: str, quantization: str | None, log) -> dict:
     from actors.worker.engine.engine import EngineConfig, LLMEngine
+
+    choice = choose_path(path, dtype, quantization, log)
+    dtype, quantization = choice.dtype, choice.quantization
 
     max_len = max(max(sz.prefill), sz.prefix + sz.suffix, sz.prompt + sz.gen) + 16
     max_seqs = max(sz.levels)
@@ -208,7 +230,8 @@ def bench_engine(path: str, sz: Sizes, dtype: str, quantization: str | None, log
     cfg = EngineConfig(**kwargs, block_size=block, kv_cache_bytes=per_block * (kv_tokens // block + 2))
     engine = LLMEngine(cfg)
     rng = random.Random(0)
-    res: dict = {"dtype": str(getattr(engine, "dtype_name", cfg.dtype)), "quantization": engine.quantization}
+    res: dict = {"dtype": str(getattr(engine, "dtype_name", cfg.dtype)), "quantization": engine.quantization,
+                 "path_choice": choice.reason}
     fm = flop_model(engine.model_config)
 
     res["decode_tok_s"] = {}
@@ -310,21 +333,23 @@ def run(model: str | None = None, quick: bool = False, dtype: str = "auto", quan
     lvl, pre = str(sz.roofline_level), str(sz.roofline_prefill)
     dec_flops = eng["decode_tok_s"][lvl] * decode_flops_per_token(fm, eng.pop("_decode_ctx"))
     pre_flops = prefill_flops(fm, sz.roofline_prefill) / eng["prefill_seconds"][pre]
+    peak = roofline_peak(eng["dtype"])
     result = {
         "decode_tok_s": eng["decode_tok_s"],
         "baseline_decode_tok_s": base["baseline_decode_tok_s"],
         "baseline_runs": base["baseline_runs"],
         "prefill_tok_s": eng["prefill_tok_s"],
         "matmul_gflops": mm,
-        "roofline_fraction_64": dec_flops / (mm["bf16"] * 1e9),
-        "prefill_roofline_fraction_512": pre_flops / (mm["bf16"] * 1e9),
+        "roofline_fraction_64": dec_flops / (mm[peak] * 1e9),
+        "prefill_roofline_fraction_512": pre_flops / (mm[peak] * 1e9),
+        "roofline_peak": peak,
         "achieved_gflops": {"decode_" + lvl: dec_flops / 1e9, "prefill_" + pre: pre_flops / 1e9},
         "prefix_cache_speedup": eng["prefix_cache_speedup"],
         "prefix_cache_ttft_s": eng["prefix_cache_ttft_s"],
         "ratios": {k: eng["decode_tok_s"][k] / v for k, v in base["baseline_decode_tok_s"].items() if v > 0},
         "flop_model": {**fm, "formula": "decode token: 2N+2E+A*ctx; prefill P: 2NP+2E+A*P(P+1)/2 "
                        "(N: layer linear params, E: vocab*d, A: 4*layers*heads*head_dim)"},
-        "environment": environment(eng["dtype"], eng["quantization"]),
+        "environment": environment(eng["dtype"], eng["quantization"], eng["path_choice"]),
         "engine_stats": eng["engine_stats"],
         "sizes": sz.__dict__,
         "quick": quick,
@@ -344,8 +369,8 @@ def print_table(r: dict, log=print) -> None:
         rows.append((f"prefill tok/s @{k}", f"{v:.1f}", "", ""))
     rows += [
         ("matmul GFLOP/s bf16/fp32", f"{r['matmul_gflops']['bf16']:.0f}/{r['matmul_gflops']['fp32']:.0f}", "", ""),
-        ("roofline fraction decode", f"{r['roofline_fraction_64']:.3f}", "", ""),
-        ("roofline fraction prefill", f"{r['prefill_roofline_fraction_512']:.3f}", "", ""),
+        (f"roofline fraction decode (/{r['roofline_peak']})", f"{r['roofline_fraction_64']:.3f}", "", ""),
+        (f"roofline fraction prefill (/{r['roofline_peak']})", f"{r['prefill_roofline_fraction_512']:.3f}", "", ""),
         ("prefix cache speedup", f"{r['prefix_cache_speedup']:.2f}x", "", ""),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
@@ -364,10 +389,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, seconds)")
     p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="our engine's dtype (default: auto = bfloat16 where the CPU has bf16 matmul)")
+                   help="our engine's dtype (default: auto = the path the worker chooses on this machine, "
+                        "docs/engine.md)")
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"),
-                   help="weight-only quantization of our engine (default: auto = the GGUF's own precision: "
-                        "int4 for the shipped Q4_1 model)")
+                   help="weight-only quantization of our engine (default: auto = the worker's choice: the "
+                        "GGUF's own precision where it is the faster path here)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
 

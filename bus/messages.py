@@ -253,12 +253,22 @@ class GenerateRequest(Message):
     # actors/worker/migration_state.ResumeState.to_json() (tokens generated so far, next chunk seq, sampler RNG
     # state, ...); set only by workers, dispatched first to another worker (actors/scheduler/resume.py)
     resume: dict[str, Any] | None = None
+    # set by the scheduler when it dispatches (never from a client): the prefix-cache salt (hex of 16 bytes,
+    # actors/cache_salt.py) and the tenant's fair-share weight (the worker's KV share under contention)
+    cache_salt: str = ""
+    tenant_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"GenerateRequest.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if self.resume is not None and not isinstance(self.resume, dict):
             raise ValueError("GenerateRequest.resume must be an object or null")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) not in (0, 32) or any(
+                c not in "0123456789abcdef" for c in self.cache_salt):
+            raise ValueError("GenerateRequest.cache_salt must be '' or 32 lowercase hex digits")
+        if isinstance(self.tenant_weight, bool) or not isinstance(self.tenant_weight, (int, float)) or not (
+                self.tenant_weight > 0 and math.isfinite(self.tenant_weight)):
+            raise ValueError("GenerateRequest.tenant_weight must be a positive number")
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "GenerateRequest":
@@ -397,6 +407,9 @@ class WorkerStats(Message):
     grammar_compile_ms_total: float = 0.0  # time spent compiling grammars (ms, cache misses only)
     grammar_cache_hits: int = 0  # requests whose grammar came from the compiled-grammar LRU
     grammar_cache_misses: int = 0  # requests whose grammar was compiled
+    # prompt tokens found in the prefix cache per tenant, since the worker started: {tenant: tokens}
+    prefix_hits_by_tenant: dict = field(default_factory=dict)
+    num_kv_reclaims: int = 0  # sequences preempted to give a waiting tenant its KV share (kv_share.py)
 
 
 @dataclass(frozen=True)
@@ -446,6 +459,9 @@ class ActorLoad(Message):
     served_tokens_per_s: float = 0.0  # scheduler: tokens generated per s by its workers (their heartbeats)
     workers: int = 0  # scheduler: live (leased) workers of the version
     cold_start_waiting: int = 0  # scheduler: requests held because the version has no live worker
+    # scheduler: [[tenant, service share, weight share], ...] (fractions 0..1 over the last 60 s; the operator
+    # dashboard's "share of service against weight", gateway/dashboard_data.py); at most MAX_LOAD_TENANTS
+    tenants: tuple = ()
 
     def __post_init__(self) -> None:
         for f in ("ts", "window_s", "loop_lag_ms_p95", "loop_drift_ms_p95", "cpu_util", "pending", "wait_ms_p90",
@@ -454,6 +470,22 @@ class ActorLoad(Message):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"ActorLoad.{f} must be a finite number >= 0, got {v!r}")
+        object.__setattr__(self, "tenants", _tenant_shares(self.tenants))
+
+
+MAX_LOAD_TENANTS = 50  # ActorLoad.tenants entries at most (the scheduler's tenant label bound)
+
+
+def _tenant_shares(rows: Any) -> tuple:
+    """``ActorLoad.tenants`` checked: at most MAX_LOAD_TENANTS ``[tenant, service share, weight share]``, shares
+    in 0..1; ValueError naming the field otherwise."""
+    share = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1.000001)
+    if not isinstance(rows, (list, tuple)) or len(rows) > MAX_LOAD_TENANTS or not all(
+            isinstance(r, (list, tuple)) and len(r) == 3 and isinstance(r[0], str) and share(r[1]) and share(r[2])
+            for r in rows):
+        raise ValueError(f"ActorLoad.tenants must be at most {MAX_LOAD_TENANTS} [tenant, service share 0..1, "
+                         f"weight share 0..1] entries, got {rows!r:.200}")
+    return tuple((r[0], float(r[1]), float(r[2])) for r in rows)
 
 
 def error_dict(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,

@@ -132,6 +132,12 @@ def load_subject(kind: str, actor_id: str) -> str:
     return f"as.int.load.{_token(kind, 'actor kind')}.{_token(actor_id, 'actor id')}"
 
 
+def load_of_kind(kind: str) -> str:
+    """``as.int.load.<kind>.*``: the load reports of every actor of one kind (the gateway's operator dashboard
+    hears the schedulers': queues and tenant shares, gateway/dashboard_feed.py)."""
+    return f"as.int.load.{_token(kind, 'actor kind')}.*"
+
+
 def jobs_submit(tenant: str) -> str:
     """``as.jobs.submit.<tenant>``: one accepted job (extension of docs/architecture.md's subjects for the
     jobs stream ``AS_JOBS``; docs/architecture.md)."""

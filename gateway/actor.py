@@ -83,7 +83,7 @@ async def build(ctx: ActorContext, gid: str) -> None:
     fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms), metrics=True)
     bus = ctx.bus
     await _report_load(ctx, fe, gid)
-    tenancy = Tenancy(reg, bus.js(), gateway_id=gid)
+    tenancy = Tenancy(reg, bus.js(), gateway_id=gid, models=fe.resolver)
     await tenancy.start()
     ctx.on_stop(tenancy.stop, what="tenancy")
     drain_end: list[float] = []  # monotonic deadline of the drain, set when the stop begins

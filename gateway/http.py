@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /healthz, GET /readyz,
 GET /metrics (Prometheus text: ``Authorization: Bearer <operator token>`` when the gateway has one, else
-only series without a tenant label; no API key); with a tenancy layer on JetStream also /v1/usage, /v1/jobs and
+only series without a tenant label; no API key), GET /dashboard and /dashboard/data (the operator dashboard,
+gateway/dashboard.py, same credential); with a tenancy layer on JetStream also /v1/usage, /v1/jobs and
 /v1/responses (gateway/responses_api.py).
 Errors use the OpenAI error shape. A streamed request waits for its first chunk before sending any
 byte, so errors found by the validator (e.g. context length) are real HTTP statuses. aiohttp does not
@@ -110,7 +111,17 @@ class HttpFront:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/metrics", self.metrics)
+        self._add_dashboard(app)
         return app
+
+    def _add_dashboard(self, app: web.Application) -> None:
+        """``/dashboard`` and ``/dashboard/data`` behind the operator token (gateway/dashboard.py)."""
+        from gateway.dashboard import Dashboard
+        from gateway.dashboard_feed import DashboardFeed
+
+        workers = getattr(getattr(self.fe, "observer", None), "workers", None)
+        feed = DashboardFeed(self.fe.bus, getattr(getattr(self.fe, "resolver", None), "registry", None), workers)
+        Dashboard(feed, self.operator_token, operator_authorized).add_routes(app)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """``GET /metrics``: this process's Prometheus metrics (docs/observability.md). With an operator

@@ -195,7 +195,8 @@ def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
     worker = entry.child_worker.get(rid, "") if child else entry.worker_id
     if chunk.seq != expected or (rid, chunk.worker_id) in entry.handed_over:
         raise StreamError(error_dict(502, f"response stream broken (expected chunk {expected}, got "
-                                          f"{chunk.seq})", type_="unavailable", code="stream_gap", retryable=True))
+                                          f"{chunk.seq})", type_="unavailable", code="stream_gap", retryable=True,
+                                     retry_after=1.0))  # before the first token a retry is safe: say so in the header
     if worker and chunk.worker_id != worker:  # taken over: the previous worker stopped at this seq
         entry.handed_over.add((rid, worker))
     if child:

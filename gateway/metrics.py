@@ -8,6 +8,9 @@
 * Every other request-level metric comes from completion records (``as.int.done.*.*``), heard in the
   queue group ``gateway-metrics`` so that each record is counted by exactly one gateway: with several
   gateways, ``sum()`` over them is the deployment's total; with one, it is all of it.
+* The same records give ``actorserve_request_success_total{finished_reason}`` and the per-request prompt /
+  generated token histograms, the sources of vLLM's names (every ``/metrics`` also serves ``vllm:*``
+  aliases of these series, actors/metrics_vllm.py).
 * Worker gauges (KV cache usage, running/waiting, batch size, tokens/s) come from every worker's
   statistics (``as.int.stats.*``), one series per worker.
 * ``actorserve_gateway_shed_total{model, code}`` counts requests refused here from a refusal hint
@@ -38,6 +41,8 @@ METRICS_QUEUE = "gateway-metrics"
 TENANT_LABEL = "tenant"  # the per-tenant label that the public, token-less /metrics sums away
 _CHILD = re.compile(r"^(.+)-(\d+)$")
 MAX_PENDING = 10_000  # requests awaiting their first chunk that we remember (oldest dropped first)
+# tokens per request: the 1-2-5 series of vLLM's build_1_2_5_buckets, up to 100k
+TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(6) for m in (1, 2, 5))[:-2]
 
 
 class GatewayMetrics:
@@ -74,6 +79,15 @@ class GatewayMetrics:
                                                description="Prompt tokens of finished requests.")
         self.generation_tokens = mt.create_counter("actorserve_generation_tokens", unit="1",
                                                    description="Generated tokens of finished requests.")
+        # vLLM's request_success (by finished_reason) and per-request token histograms (actors/metrics_vllm.py)
+        self.success = mt.create_counter("actorserve_request_success", description="Finished requests by "
+                                         "finished_reason (stop, length, abort, error), as vLLM counts them.")
+        self.req_prompt = mt.create_histogram("actorserve_request_prompt_tokens", unit="1",
+                                              description="Prompt tokens per finished request.",
+                                              explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
+        self.req_generation = mt.create_histogram("actorserve_request_generation_tokens", unit="1",
+                                                  description="Generated tokens per finished request (all choices).",
+                                                  explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
         self.workers.register()
 
     async def start(self) -> None:
@@ -127,6 +141,9 @@ class GatewayMetrics:
             return
         self.requests.add(1, {**labels, "status": rec.status or "unknown"})
         self.prompt_tokens.add(max(0, int(rec.prompt_tokens or 0)), labels)
+        self.success.add(1, {**labels, "finished_reason": finished_reason(rec)})
+        self.req_prompt.record(max(0, int(rec.prompt_tokens or 0)), labels)
+        self.req_generation.record(max(0, int(rec.completion_tokens or 0)), labels)
         if rec.status != "ok":
             return  # latency histograms describe served requests only
         obs = m.record_observations(rec.timing, int(rec.completion_tokens or 0))
@@ -146,6 +163,14 @@ class GatewayMetrics:
             self.workers.update(WorkerStats.decode(msg.data))
         except (ValueError, TypeError) as exc:
             log.debug("undecodable worker stats: %s", exc)
+
+
+def finished_reason(rec: CompletionRecord) -> str:
+    """vLLM's ``finished_reason`` of a record: its finish reason (``stop``, ``length``, ...), else ``abort`` for
+    a cancelled request and ``error`` for a failed one."""
+    if rec.finish_reason:
+        return str(rec.finish_reason)
+    return {"cancelled": "abort"}.get(rec.status, "error" if rec.status != "ok" else "stop")
 
 
 _counters: dict = {}  # name -> OTel counter of the process-wide counters below (created on first use)
@@ -177,14 +202,14 @@ def count_shed(model: str, code: str) -> None:
 
 
 class _WithoutTenants:
-    """A prometheus_client collector view of the default registry with the ``tenant`` label summed
-    away: each series that differed only by tenant becomes one (counters and histogram buckets, sums
-    and counts add up exactly; a gauge with a tenant label becomes the sum over tenants)."""
+    """A prometheus_client collector view of the default registry (and its vLLM aliases) with the ``tenant``
+    label summed away: each series that differed only by tenant becomes one (counters and histogram buckets,
+    sums and counts add up exactly; a gauge with a tenant label becomes the sum over tenants)."""
 
     def collect(self):
-        from prometheus_client import REGISTRY
+        from actors.metrics_vllm import VllmView
 
-        for fam in REGISTRY.collect():
+        for fam in VllmView().collect():
             if not any(TENANT_LABEL in s.labels for s in fam.samples):
                 yield fam
                 continue

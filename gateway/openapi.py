@@ -20,6 +20,14 @@ _DEADLINE = {"type": ["integer", "null"], "minimum": 1000, "maximum": 3_600_000,
              "description": "relative budget (ms); shorter budgets are accepted but may end in 503 deadline_exceeded"}
 
 
+
+#: one server-sent event as parsed from ``text/event-stream`` (WHATWG HTML, "Server-sent events"): its ``data``
+#: (JSON text, or ``[DONE]``) and, for the Responses API, its ``event`` name. Schemathesis (ST108) checks each
+#: event of a streamed answer against this.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"},
+    "retry": {"type": "integer"}}}
+
 def _error_response(desc: str) -> dict:
     return {"description": desc, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
@@ -27,7 +35,8 @@ def _error_response(desc: str) -> dict:
 def _errors(*statuses: int) -> dict:
     names = {400: "invalid request (param names the field)", 401: "missing or unknown API key",
              404: "unknown model", 409: "idempotency key reused with a different body", 408: "request cancelled",
-             413: "body over the size limit", 429: "quota or tenant queue full", 502: "response stream broken",
+             413: "body over the size limit", 429: "quota, tenant queue full, or budget_exhausted",
+             502: "response stream broken",
              503: "overload, no capacity, or deadline"}
     return {str(s): _error_response(names[s]) for s in statuses}
 
@@ -208,7 +217,7 @@ def _generate_op(summary: str, request: dict, response_ref: str) -> dict:
             "responses": {"200": {"description": "the completion (JSON), or an SSE stream when stream is true",
                                   "headers": {"X-Request-Id": {"schema": {"type": "string"}}},
                                   "content": {"application/json": {"schema": {"$ref": response_ref}},
-                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                                              "text/event-stream": {"schema": SSE_EVENT}}},
                           **_errors(400, 401, 404, 408, 409, 413, 429, 502, 503)},
             "security": [{"bearerAuth": []}]}
 
@@ -279,7 +288,7 @@ def _responses_paths(models: list[str]) -> dict:
               "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
               "responses": {"200": {"description": "the response (JSON), or its SSE events when stream is true",
                                     "content": {"application/json": {"schema": response},
-                                                "text/event-stream": {"schema": s}}},
+                                                "text/event-stream": {"schema": SSE_EVENT}}},
                             **_errors(400, 401, 404, 408, 409, 413, 429, 502, 503)}}
     items = {"type": "object", "required": ["object", "data", "has_more"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}},
@@ -308,6 +317,27 @@ def _responses_paths(models: list[str]) -> dict:
     }
 
 
+def _usage_report() -> dict:
+    """``GET /v1/usage`` (gateway/tenancy.py): rows per model version (tokens, cost in USD) and the budget
+    of the current period (gateway.budgets.view; null without a budget)."""
+    num, count = {"type": "number", "minimum": 0}, {"type": "integer", "minimum": 0}
+    row = {"type": "object", "required": ["model", "requests", "prompt_tokens", "completion_tokens", "total_tokens",
+                                          "by_status", "cost_usd"],
+           "properties": {"model": {"type": "string"}, "requests": count, "prompt_tokens": count,
+                          "completion_tokens": count, "total_tokens": count, "by_status": {"type": "object"},
+                          "cost_usd": num}}
+    budget = {"type": "object", "required": ["budget_usd", "period", "spent_usd", "reserved_usd", "remaining_usd"],
+              "properties": {"budget_usd": num, "period": {"enum": ["day", "month", "total"]},
+                             "period_id": {"type": "string"}, "resets_at": {"type": ["number", "null"]},
+                             "spent_usd": num, "reserved_usd": num, "remaining_usd": num, "unbilled_usd": num,
+                             "in_flight": count, "by_model_usd": {"type": "object",
+                                                                  "additionalProperties": num}}}
+    return {"type": "object", "required": ["object", "tenant", "data", "cost"], "properties": {
+        "object": {"const": "usage"}, "tenant": {"type": "string"}, "data": {"type": "array", "items": row},
+        "cost": {"type": "object", "required": ["total_usd", "budget"], "properties": {
+            "total_usd": num, "budget": {"oneOf": [budget, {"type": "null"}]}}}}}
+
+
 def openapi_document(models: list[str], server_url: str | None = None) -> dict:
     """The OpenAPI 3.1 document; ``models`` become the examples of the ``model`` field."""
     models = models or ["smollm2-135m-instruct"]
@@ -325,6 +355,10 @@ def openapi_document(models: list[str], server_url: str | None = None) -> dict:
             "/v1/models": {"get": {"summary": "Registered models", "security": [{"bearerAuth": []}],
                                    "responses": {"200": {"description": "models", "content": {"application/json": {
                                        "schema": {"$ref": "#/components/schemas/ModelList"}}}}, **_errors(401)}}},
+            "/v1/usage": {"get": {"summary": "The caller's usage, cost and budget (docs/budgets.md)",
+                                  "security": [{"bearerAuth": []}], "responses": {"200": {
+                                      "description": "usage report", "content": {"application/json": {
+                                          "schema": _usage_report()}}}, **_errors(401)}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {
                 "description": "alive", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}}}}},

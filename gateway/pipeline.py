@@ -5,9 +5,11 @@ Every front runs a request the same way; only the reading of the caller and the 
 1. the front authenticates the caller and reads the body and the deadline (HTTP and NATS carry the key,
    the body and the deadline differently), then builds a :class:`Request`;
 2. :func:`start` (or the context manager :func:`admitted`) admits it through the tenancy layer (model
-   access, priority class, quotas: ApiError 404 / 429) and submits it (``Frontend.submit``: ApiError 400 /
-   404 / 413 / 503). A failed submit releases the quota slot at once; otherwise :meth:`Started.release`
-   (called by :func:`admitted` on every exit) does, exactly once;
+   access, priority class, quotas: ApiError 404 / 429), reserves its largest cost against the tenant's spend
+   budget (gateway/budget_store.py: ApiError 429 ``budget_exhausted`` / 503) and submits it
+   (``Frontend.submit``: ApiError 400 / 404 / 413 / 503). A failed submit releases the quota slot and drops
+   the reservation at once; otherwise :meth:`Started.release` (called by :func:`admitted` on every exit)
+   does, exactly once (the reservation then waits briefly for its completion records, which settle it);
 3. :func:`run` consumes the response chunks through ``Frontend.next`` (which owns the deadline, the
    inactivity limit, gap detection and bus loss), merges the choices (``gateway.merge.ChoiceMerger``) and
    hands each chunk's streaming objects to a :class:`Sink` (``emit``). It ends in an :class:`Outcome`: on a
@@ -30,6 +32,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from bus.messages import Chunk, error_dict
 from control.state.tenants import DEV_TENANT, Tenant
+from gateway.budget_store import reserve_request
 from gateway.frontend import Frontend, Submitted
 from gateway.inflight import StreamError
 from gateway.merge import ChoiceMerger
@@ -76,6 +79,9 @@ class Admitter(Protocol):
     async def release(self, admission: Any) -> None:
         """Free what ``admit`` took."""
 
+    #: a gateway.budget_store.BudgetGate (spend budgets) or None
+    budgets: Any
+
 
 @dataclass
 class Started:
@@ -84,11 +90,16 @@ class Started:
     sub: Submitted
     tenancy: Admitter | None = None
     admission: Any = None
+    budgets: Any = None  # the gateway.budget_store.BudgetGate holding ``hold``
+    hold: Any = None  # the request's budget reservation (None: none)
 
     async def release(self) -> None:
-        """Free the quota slot (idempotent: only the first call releases)."""
+        """Free the quota slot and end the budget reservation (idempotent: only the first call releases)."""
         adm, self.admission = self.admission, None
+        hold, self.hold = self.hold, None
         await _release(self.tenancy, adm)
+        if hold is not None:
+            await self.budgets.end(hold)
 
 
 async def _release(tenancy: Admitter | None, adm: Any) -> None:
@@ -96,27 +107,35 @@ async def _release(tenancy: Admitter | None, adm: Any) -> None:
         await tenancy.release(adm)
 
 
-async def start(fe: Frontend, req: Request, tenancy: Admitter | None = None) -> Started:
-    """Admit ``req`` (when ``tenancy`` and ``req.tenant`` are set) and submit it.
+async def start(fe: Frontend, req: Request, tenancy: Admitter | None = None, budgets: Any = None) -> Started:
+    """Admit ``req`` (when ``tenancy`` and ``req.tenant`` are set), reserve its cost against the tenant's
+    budget (``budgets``, else ``tenancy.budgets``: a gateway.budget_store.BudgetGate) and submit it.
 
-    Raises ApiError (404 model not allowed, 429 quota, and the submit's 400 / 404 / 413 / 503); the slot is
-    released before any exception leaves."""
-    adm = None
+    Raises ApiError (404 model not allowed, 429 quota or ``budget_exhausted``, 503 ``budget_unavailable``, and
+    the submit's 400 / 404 / 413 / 503); the slot and the reservation are released before any exception leaves."""
+    adm = hold = None
+    gate = budgets if budgets is not None else getattr(tenancy, "budgets", None)
     try:
         if tenancy is not None and req.tenant is not None:
             adm = await tenancy.admit(req.tenant, req.body, req.request_id, req.headers)
+        if gate is not None:
+            hold = await reserve_request(gate, fe.resolver.snapshot, req)
         sub = await fe.submit(tenant=req.tenant_id, endpoint=req.endpoint, body=req.body,
                               request_id=req.request_id, deadline_ms=req.deadline_ms, marks=req.marks)
     except BaseException:
         await _release(tenancy, adm)
+        if hold is not None:
+            await gate.end(hold, submitted=False)
         raise
-    return Started(sub, tenancy, adm)
+    return Started(sub, tenancy, adm, gate, hold)
 
 
 @asynccontextmanager
-async def admitted(fe: Frontend, req: Request, tenancy: Admitter | None = None) -> AsyncIterator[Submitted]:
-    """:func:`start` as a context manager: yields the Submitted request, releases its slot on every exit."""
-    started = await start(fe, req, tenancy)
+async def admitted(fe: Frontend, req: Request, tenancy: Admitter | None = None,
+                   budgets: Any = None) -> AsyncIterator[Submitted]:
+    """:func:`start` as a context manager: yields the Submitted request, releases its slot (and ends its
+    budget reservation) on every exit."""
+    started = await start(fe, req, tenancy, budgets)
     try:
         yield started.sub
     finally:

@@ -7,7 +7,9 @@ dies between applying and acking can make one record count twice; never zero tim
 
 Applying a record: the tenant's token windows are charged (``QuotaStore.charge_tokens``: prompt +
 generated tokens) and the tenant's record ``u.<tenant>`` in KV bucket ``as_usage``
-(``{"name@version": {"requests", "prompt_tokens", "completion_tokens", "by_status"}}``) grows.
+(``{"name@version": {"requests", "prompt_tokens", "completion_tokens", "by_status", "cost_pico"}}``) grows;
+``cost_pico`` is the record's cost at the version's prices (pico-USD), settled against the tenant's spend
+budget first when it has one (gateway/budget_store.py, docs/budgets.md).
 One request fanned out into ``n`` choices
 produces ``n`` records (``choice_index`` 0..n-1): it counts as one request and its prompt once.
 Streamed, non-streamed and abandoned requests all end in exactly such a record.
@@ -42,9 +44,10 @@ def charged_tokens(rec: CompletionRecord) -> int:
     return (int(rec.prompt_tokens or 0) if is_primary(rec) else 0) + int(rec.completion_tokens or 0)
 
 
-def apply_record(usage: dict | None, rec: CompletionRecord) -> dict:
+def apply_record(usage: dict | None, rec: CompletionRecord, cost_pico: int = 0) -> dict:
     """The tenant's usage value (``{"name@version": {"requests", "prompt_tokens", "completion_tokens",
-    "by_status"}}``; None = none yet) after one completion record. Pure: returns a new dict."""
+    "by_status", "cost_pico"}}``; None = none yet) after one completion record costing ``cost_pico``
+    pico-USD. Pure: returns a new dict."""
     primary = is_primary(rec)
     model = f"{rec.name}@{rec.version}"
     cur = dict((usage or {}).get(model, {}))
@@ -54,27 +57,31 @@ def apply_record(usage: dict | None, rec: CompletionRecord) -> dict:
                prompt_tokens=int(cur.get("prompt_tokens", 0)) + (int(rec.prompt_tokens or 0) if primary else 0),
                completion_tokens=int(cur.get("completion_tokens", 0)) + int(rec.completion_tokens or 0),
                by_status=by_status)
+    if cost_pico or "cost_pico" in cur:  # unpriced versions keep no cost field
+        cur["cost_pico"] = int(cur.get("cost_pico", 0)) + int(cost_pico)
     return {**(usage or {}), model: cur}
 
 
 def usage_rows(usage: dict | None) -> list[dict]:
     """API rows of a usage value: ``[{"model", "requests", "prompt_tokens", "completion_tokens",
-    "total_tokens", "by_status"}]`` sorted by model."""
+    "total_tokens", "by_status", "cost_usd"}]`` sorted by model (cost since metering began, USD)."""
     return [{"model": model, "requests": v.get("requests", 0), "prompt_tokens": v.get("prompt_tokens", 0),
              "completion_tokens": v.get("completion_tokens", 0),
              "total_tokens": v.get("prompt_tokens", 0) + v.get("completion_tokens", 0),
-             "by_status": v.get("by_status", {})} for model, v in sorted((usage or {}).items())]
+             "by_status": v.get("by_status", {}), "cost_usd": int(v.get("cost_pico", 0)) / 1e12}
+            for model, v in sorted((usage or {}).items())]
 
 
 class UsageMeter:
     """Consumes ``AS_DONE`` and keeps per-tenant, per-version usage in KV ``as_usage``.
 
     ``js``: a ``bus.jetstream.JetStream`` (a ``bus.kv.MemoryBuckets`` will do with ``consume=False``);
-    ``quotas``: a QuotaStore (token charges) or None.
+    ``quotas``: a QuotaStore (token charges) or None; ``budgets``: a gateway.budget_store.BudgetGate (cost and
+    budget settlement) or None (no cost).
     """
 
-    def __init__(self, js, quotas=None) -> None:
-        self.js, self.quotas = js, quotas
+    def __init__(self, js, quotas=None, budgets=None) -> None:
+        self.js, self.quotas, self.budgets = js, quotas, budgets
         self.kv = None
         self._task: asyncio.Task | None = None
         self._sub = None
@@ -103,28 +110,58 @@ class UsageMeter:
                 log.warning("usage fetch failed: %r", exc)
                 await asyncio.sleep(1.0)
                 continue
+            by_tenant: dict[str, list] = {}  # one fetch's records per tenant, metered together (decision 0029)
             for m in msgs:
                 try:
-                    await self.apply(CompletionRecord.decode(m.data))
+                    rec = CompletionRecord.decode(m.data)
                 except ValueError as exc:
                     log.warning("undecodable completion record: %s", exc)
+                    await self._ack(m)
+                    continue
+                by_tenant.setdefault(rec.tenant, []).append((rec, m))
+            for pairs in by_tenant.values():
+                try:
+                    await self.apply_many([rec for rec, _ in pairs])
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    log.warning("metering a record failed (%r); it will be redelivered", exc)
+                    log.warning("metering %d record(s) failed (%r); they will be redelivered", len(pairs), exc)
                     continue
-                try:
-                    await m.ack()
-                except BusError as exc:
-                    log.warning("ack failed: %r", exc)
+                for _, m in pairs:
+                    await self._ack(m)
+
+    @staticmethod
+    async def _ack(m) -> None:
+        try:
+            await m.ack()
+        except BusError as exc:
+            log.warning("ack failed: %r", exc)
 
     async def apply(self, rec: CompletionRecord) -> None:
-        """Meter one completion record: token charge (``charged_tokens``) and usage (``apply_record``)."""
-        if not rec.tenant:
+        """Meter one completion record: budget settlement and cost (``BudgetGate.settle``), token charge
+        (``charged_tokens``) and usage (``apply_record``)."""
+        await self.apply_many([rec])
+
+    async def apply_many(self, recs: list[CompletionRecord]) -> None:
+        """Meter records of one tenant as :meth:`apply` does one by one, with one compare-and-swap of the
+        usage record and of each token window for the lot (``QuotaStore.charge_many``) instead of one per
+        record: under load one fetch brings tens of records, and each KV update is a JetStream read and write
+        (decision 0029). Budget settlement stays per record (``BudgetGate.settle``: its own idempotency)."""
+        recs = [r for r in recs if r.tenant]
+        if not recs:
             return
+        tenant = recs[0].tenant
+        if any(r.tenant != tenant for r in recs):
+            raise ValueError("apply_many: records of one tenant only")
+        costs = [await self.budgets.settle(r) if self.budgets is not None else 0 for r in recs]
         if self.quotas is not None:
-            await self.quotas.charge_tokens(rec.tenant, charged_tokens(rec), now=rec.ts or time.time())
-        await self.kv.update(f"u.{rec.tenant}", lambda v: apply_record(v, rec))
+            await self.quotas.charge_many(tenant, [(charged_tokens(r), r.ts or time.time()) for r in recs])
+
+        def add_all(v):
+            for r, cost in zip(recs, costs):
+                v = apply_record(v, r, cost)
+            return v
+        await self.kv.update(f"u.{tenant}", add_all)
 
     async def usage(self, tenant_id: str) -> list[dict]:
         """Usage rows of one tenant (``usage_rows``)."""

@@ -13,6 +13,9 @@ import pytest
 import pytest_asyncio
 
 from control.ops.embedded import EmbeddedStack
+from tests import gguf_cache
+
+gguf_cache.install()  # share parsed GGUF readers of large model files in this process (tests/gguf_cache.py)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from bus.base import Msg
 from bus.messages import ActorLoad, CompletionRecord, Credits
 from control.policy.rollout import itl_ms, ttft_ms
 from control.state import names
+from actors.aio import cancel_tasks
 
 log = logging.getLogger("actorserve.autoscaler")
 
@@ -147,10 +148,7 @@ class Autoscaler:
 
     async def stop(self) -> None:
         """Stop deciding, resign (a standby takes over at once), unsubscribe."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await cancel_tasks([self._task])
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -208,7 +206,7 @@ class Autoscaler:
 
     async def become_leader(self) -> None:
         """Take over: the decision history and the desired counts of the predecessor seed the policies."""
-        self.is_leader, self.leader_since, self._refreshed = True, time.monotonic(), float("-inf")
+        self.leader_since, self._refreshed = time.monotonic(), float("-inf")
         try:
             self.log = DecisionLog.from_json(await self.registry.get_json(names.autoscaler_decisions_key()))
             desired = parse_desired(await self.registry.get_prefix_json(names.desired_prefix()))
@@ -222,6 +220,7 @@ class Autoscaler:
                 self.cpu_policy.seed(key, d.count, d.at)
             elif key.count("/") == 2:
                 self.pool_policy.seed(key, d.count, d.at)
+        self.is_leader = True  # only once seeded: a reader of is_leader sees the adopted counts
         log.info("autoscaler %s is active (%d desired counts adopted)", self.cfg.controller_id, len(desired))
 
     async def tick(self) -> list[Decision]:
@@ -308,7 +307,9 @@ class Autoscaler:
                 continue
             sched = self.loads.scheduler(now, name, version)
             demand = sched.arrivals_tokens_per_s if sched else 0.0
-            plan = plan_mix(demand, offers, self._version_limits(name, version)[1])
+            # the mix covers demand / target_util: PoolPolicy plans each pool at target_util of its capacity,
+            # so a mix sized at 100 % would clip its ceiling and leave no headroom (the simulator agrees: [14])
+            plan = plan_mix(demand / self.cfg.pools.target_util, offers, self._version_limits(name, version)[1])
             out[(name, version)] = dict(plan.workers)
         return out
 

@@ -37,7 +37,30 @@ async def build(ctx: ActorContext) -> None:
     args = ctx.args
     fe = await start_frontend(ctx, FrontendConfig(ctx.name, default_deadline_ms=3_600_000, inactivity_s=300.0))
     bus = ctx.bus
-    svc = JobsService(bus.js(), fe, concurrency=args.concurrency)
+    gate = await _budget_gate(ctx, bus.js(), fe)
+    svc = JobsService(bus.js(), fe, concurrency=args.concurrency, budgets=gate)
     await svc.start()
     ctx.on_stop(lambda: svc.stop(timeout=10.0), timeout_s=15.0, what="job runner")
     log.info("jobs actor %s ready", ctx.name)
+
+
+async def _budget_gate(ctx: ActorContext, js, fe):
+    """The spend-budget gate of job requests (gateway.budget_store.BudgetGate), fed by a tenant cache (the
+    registry's tenants, watched) and the front end's model snapshot for prices; both stop with the actor."""
+    from gateway.auth import TenantCache
+    from gateway.budget_store import BudgetGate
+
+    cache = TenantCache(ctx.registry)
+    await cache.start()
+    ctx.on_stop(cache.stop, what="tenant cache")
+
+    def budget_of(tenant_id: str):
+        t = cache.tenants.get(tenant_id)
+        return t.budget if t is not None else None
+
+    async def manifests(name: str, version: str):
+        return fe.resolver.snapshot.versions.get(name, {}).get(version)
+
+    gate = BudgetGate(js, budget_of=budget_of, manifests=manifests)
+    await gate.open()
+    return gate

@@ -28,6 +28,7 @@ log = logging.getLogger("actorserve.jobs")
 
 CANCEL_CHECK_S = 0.5
 RETRY_STATUSES = (429, 503)  # queue full, no capacity: retried after Retry-After until the job's deadline
+FINAL_CODES = ("budget_exhausted",)  # 429s that waiting does not cure within a job's life: the job fails
 BUS_RETRY_S = 1.0  # a job whose store calls failed with the bus (timeout, disconnect) runs again after this (s)
 BUS_RETRIES = 5  # ... this many times in this process; then it is left to the redelivery (ack wait)
 
@@ -40,10 +41,12 @@ async def _backoff(job_id: str, request_id: str, err: ApiError) -> None:
 
 class JobsService:
     """Consumes ``AS_JOBS`` with at most ``concurrency`` jobs at a time. ``js``: a bus.jetstream.JetStream;
-    ``frontend``: a started gateway.frontend.Frontend (its own reply subjects)."""
+    ``frontend``: a started gateway.frontend.Frontend (its own reply subjects); ``budgets``: a
+    gateway.budget_store.BudgetGate (job requests reserve against their tenant's spend budget like the
+    gateway's, docs/budgets.md) or None."""
 
-    def __init__(self, js, frontend, concurrency: int = 4) -> None:
-        self.js, self.fe, self.concurrency = js, frontend, concurrency
+    def __init__(self, js, frontend, concurrency: int = 4, budgets=None) -> None:
+        self.js, self.fe, self.concurrency, self.budgets = js, frontend, concurrency, budgets
         self.kv = self.obj = None
         self._sub = None
         self._loop_task: asyncio.Task | None = None
@@ -192,10 +195,10 @@ class JobsService:
             req = pipeline.Request(tenant, endpoint, body, new_request_id(), min(left_ms, 3_600_000),
                                    {"gateway_in": now, "auth_done": now})
             try:
-                async with pipeline.admitted(self.fe, req) as sub:
+                async with pipeline.admitted(self.fe, req, budgets=self.budgets) as sub:
                     out = await self._attempt(sub, body, tenant, job_id)
             except ApiError as err:  # not submitted
-                if err.status in RETRY_STATUSES:
+                if err.status in RETRY_STATUSES and err.code not in FINAL_CODES:
                     await _backoff(job_id, req.request_id, err)
                     continue
                 return err.status, err.body()

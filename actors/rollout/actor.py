@@ -34,6 +34,7 @@ from control.state.election import campaign
 from control.policy.rollout import (Decision, PolicyConfig, Sample, VersionWindow, analyse,
                                     sample_from_record)
 from control.state.routing import RoutingTable, promote, rollback, set_weight
+from actors.aio import cancel_tasks
 
 log = logging.getLogger("actorserve.rollout")
 
@@ -76,10 +77,7 @@ class RolloutController:
 
     async def stop(self) -> None:
         """Stop analysing, resign leadership (a standby takes over at once), unsubscribe."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await cancel_tasks([self._task])
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

@@ -20,6 +20,7 @@ import time
 
 import orjson
 
+from actors.cache_salt import tenant_cache_groups
 from actors.scheduler.service import SchedulerConfig, SchedulerService
 from actors.serve import ActorContext, serve
 from bus import subjects
@@ -68,7 +69,8 @@ async def sync_workers(reg, svc: SchedulerService, name: str, version: str, peri
     from control.state.names import workers_prefix
 
     async def relist() -> None:
-        svc.weights = tenant_weights(await reg.list_tenants())
+        tenants = await reg.list_tenants()
+        svc.weights, svc.cache_groups = tenant_weights(tenants), tenant_cache_groups(tenants)
         listed = await reg.list_workers(name, version)
         live = set(listed)
         known = {w for w, v in svc.table.workers.items() if v.leased}

@@ -6,7 +6,8 @@ actors/autoscaler/curves.py): ``queue_tokens`` / ``queue_len`` (completion token
 expected to generate, by the scheduler's output-length model; requests), ``arrivals_tokens_per_s`` (the
 same of every submit over the last :data:`RATE_WINDOW_S` seconds, refused ones included: they are demand),
 ``served_tokens_per_s`` (tokens its workers generated, from their heartbeats, over the same window),
-``workers`` (leased, not draining) and ``cold_start_waiting`` (requests queued while there is no such worker).
+``workers`` (leased, not draining), ``cold_start_waiting`` (requests queued while there is no such worker) and
+``tenants`` (each tenant's share of service against its weight's share, for the operator dashboard).
 
 **Scale from zero.** With no live worker a request is queued as always and waits for one, bounded by its
 deadline minus its predicted service time (the dispatch loop's ``cannot_finish`` check and the deadline
@@ -23,15 +24,16 @@ there would turn a short outage into failures (docs/autoscaling.md). A term youn
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
 from collections import deque
 from typing import Any
 
+from actors.aio import cancel_tasks
 from actors.load_report import LoadReporter, new_actor_id
-from bus.messages import GenerateRequest, error_dict
+from actors.scheduler.policy import weight_share
+from bus.messages import MAX_LOAD_TENANTS, GenerateRequest, error_dict
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +170,20 @@ class SchedulerLoad:
                 "queue_tokens": float(sum(self.tokens_of(r) for r in queued)), "queue_len": len(queued),
                 "arrivals_tokens_per_s": round(self._arrivals.rate(now), 3),
                 "served_tokens_per_s": round(self._served.rate(now), 3), "workers": live,
-                "cold_start_waiting": len(queued) if live == 0 else 0}
+                "cold_start_waiting": len(queued) if live == 0 else 0, "tenants": self.tenant_shares(now)}
+
+    def tenant_shares(self, now: float) -> list[list]:
+        """``[[tenant, service share, weight share], ...]``: each tenant's share of the weighted service over the
+        ledger's window (``actorserve_tenant_service_share``) against its weight's share among the active
+        tenants (``actorserve_tenant_weight_share``), largest first, at most ``MAX_LOAD_TENANTS`` (the operator
+        dashboard shows them, gateway/dashboard_data.py)."""
+        svc = self.svc
+        shares = svc.ledger.shares(now)
+        weights = {t: svc.weights.get(t, 1.0) for t in svc._active_tenants()}
+        rows = [[t, round(min(1.0, shares.get(t, 0.0)), 4), round(min(1.0, weight_share(t, weights)), 4)]
+                for t in {*shares, *weights}]
+        rows.sort(key=lambda r: (-max(r[1], r[2]), r[0]))
+        return rows[:MAX_LOAD_TENANTS]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -186,11 +201,7 @@ class SchedulerLoad:
     async def stop(self) -> None:
         """Stop the report and the checks."""
         await self.reporter.stop()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_tasks(self._tasks)
         self._tasks = []
 
     async def _check_loop(self) -> None:

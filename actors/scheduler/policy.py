@@ -62,17 +62,19 @@ class ThroughputMeter:
         self.window_s, self.min_records = window_s, min_records
         self.started = started  # first observation time (s); the rate divides by min(window, time since)
         self._events: deque[tuple[float, int]] = deque()
+        self._sum = 0  # tokens of the events in the window (kept with them: no sum per call, decision 0029)
 
     def add(self, now: float, tokens: int) -> None:
         """Record ``tokens`` (prompt + completion) finished at ``now`` (s, monotonic)."""
         if self.started is None:
             self.started = now
         self._events.append((now, tokens))
+        self._sum += tokens
         self._trim(now)
 
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
+            self._sum -= self._events.popleft()[1]
 
     def tokens_per_s(self, now: float) -> float | None:
         """Measured rate, or None with fewer than ``min_records`` records in the window (unknown)."""
@@ -80,7 +82,7 @@ class ThroughputMeter:
         if len(self._events) < self.min_records:
             return None
         span = min(self.window_s, max(1.0, now - (self.started if self.started is not None else now)))
-        return sum(t for _, t in self._events) / span
+        return self._sum / span
 
 
 class WorkerTable:

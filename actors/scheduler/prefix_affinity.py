@@ -14,9 +14,11 @@ from collections import OrderedDict
 from typing import Sequence
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 256) -> list[int]:
-    """Chained hashes of the first ``max_blocks`` full blocks of ``token_ids`` (a partial tail is ignored)."""
-    out, prev = [], 0
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 256, salt: bytes = b"") -> list[int]:
+    """Chained hashes of the first ``max_blocks`` full blocks of ``token_ids`` (a partial tail is ignored), the
+    chain rooted at the request's prefix-cache ``salt`` (actors/cache_salt.py) as in the workers' block manager:
+    the same tokens under another tenant's salt match nothing."""
+    out, prev = [], hash(salt) if salt else 0
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         prev = hash((prev, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         out.append(prev)

@@ -26,6 +26,7 @@ from actors.scheduler.policy import ThroughputMeter, WorkerTable
 from actors.scheduler.sharing import FairShareMixin
 from actors.scheduler.vtc import (OutputLengthModel, ServiceLedger, ServiceTimeCalibration, cannot_finish,
                                   predict_service_s, slot_wait_s)
+from actors.cache_salt import cache_salt, cache_scope
 from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
 from actors.scheduler import resume
 from bus import subjects, tracing
@@ -85,6 +86,7 @@ class SchedulerService(FairShareMixin):
         self.queue: FairQueue[GenerateRequest] = FairQueue(FairQueueConfig(
             config.max_queue_len, config.max_queue_per_tenant, config.fcfs))
         self.weights: dict[str, float] = {}  # tenant -> fair-share weight (tenant records; default 1)
+        self.cache_groups: dict[str, str] = {}  # tenant -> prefix-cache sharing group (tenant records; absent: none)
         self.meter = ThroughputMeter(window_s=10.0, started=time.monotonic())  # weighted service tokens/s
         self.ledger = ServiceLedger()  # tokens served per tenant (workers' heartbeats): metrics and shares
         self.lengths = OutputLengthModel()  # expected completion tokens, from natural ends
@@ -294,8 +296,10 @@ class SchedulerService(FairShareMixin):
 
     def _slot_wait_s(self) -> float:
         """Predicted seconds until a slot frees when every worker's slots are taken (0 with a free one)."""
-        now, margin = time.time(), self.calibration.margin_s
         free = sum(w.free_slots for w in self.table.workers.values() if w.leased)
+        if free > 0:  # slot_wait_s is 0 then: skip the list over every running request (decision 0029)
+            return 0.0
+        now, margin = time.time(), self.calibration.margin_s
         return slot_wait_s(now, [t + raw + margin for t, raw in self._eta.values()], free)
 
     def _refusal(self, verdict: str) -> dict:
@@ -424,6 +428,11 @@ class SchedulerService(FairShareMixin):
             log.info("dispatched %s (tenant %s) preempting %s", req.request_id, req.tenant, victim)
         return True
 
+    def cache_salt(self, req: GenerateRequest) -> bytes:
+        """The request's prefix-cache salt, derived here from its version, tenant (or the tenant's cache-sharing
+        group) and adapter, never from the request body (actors/cache_salt.py)."""
+        return cache_salt(req.model_ref, cache_scope(req.tenant, self.cache_groups), req.adapter)
+
     def _route(self, req: GenerateRequest):
         """(worker or None, prompt block hashes) by the configured routing policy."""
         now, n = time.monotonic(), len(req.prompt_token_ids)
@@ -432,11 +441,12 @@ class SchedulerService(FairShareMixin):
         if self.cfg.routing == "least_loaded":
             return self.table.pick(n, now), []
         bs = next((w.block_size for w in self.table.workers.values()), 16)
-        hashes = block_hashes(req.prompt_token_ids, bs)
+        hashes = block_hashes(req.prompt_token_ids, bs, salt=self.cache_salt(req))
         return self.table.pick(n, now, lambda w: self.prefixes.matched_blocks(hashes, w.worker_id)), hashes
 
     async def _send(self, worker_id: str, req: GenerateRequest, preempt: str = "", urgent: bool = False) -> bool:
-        req = replace(req, marks={**req.marks, "dispatch": time.time()})
+        req = replace(req, marks={**req.marks, "dispatch": time.time()}, cache_salt=self.cache_salt(req).hex(),
+                      tenant_weight=self.weights.get(req.tenant, 1.0))
         self.requests[req.request_id] = req
         data = Dispatch(req, self.cfg.scheduler_id, preempt, urgent).encode()
         parent = self._traces.get(req.request_id)  # None: tracing off, or replayed from the journal (no trace)
@@ -453,7 +463,8 @@ class SchedulerService(FairShareMixin):
             ok = False
         if ok:
             self.num_dispatched += 1
-            self._eta[req.request_id] = (req.marks["dispatch"], self._own_service_s(req, calibrated=False))
+            if req.request_id in self.requests:  # its completion record may have come before this ack (decision 0029)
+                self._eta[req.request_id] = (req.marks["dispatch"], self._own_service_s(req, calibrated=False))
             await self.journal.remove(req.request_id)
         else:
             self.requests.pop(req.request_id, None)

@@ -35,6 +35,31 @@ RETRIED_REFUSALS = frozenset({"journal_unavailable"})  # scheduler refusals the 
 # refusal fields passed on to the gateway: shedding hints (gateway/shed.py) and the scheduler's Retry-After
 # (a cold start's, actors/scheduler/load.py)
 HINT_FIELDS = ("queue_clear_at", "decode_step_s", "retry_after")
+# requests prepared on the event loop instead of a thread (decision 0029): prompt text of at most INLINE_CHARS
+# characters and none of the fields whose checks can take long (grammar compilation, tool prompts)
+INLINE_CHARS = 2000
+SLOW_FIELDS = ("tools", "functions", "response_format", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "guided_decoding_backend")
+
+
+def prepare_inline(body: dict) -> bool:
+    """True for a short plain request: its messages' string contents (or its string prompt) total at most
+    ``INLINE_CHARS`` characters and it has none of ``SLOW_FIELDS``. Preparing such a request (template,
+    tokenizer: tens of µs) costs less than the thread hand-off and wake-up of ``asyncio.to_thread``."""
+    if not isinstance(body, dict) or any(k in body for k in SLOW_FIELDS):
+        return False
+    if isinstance(body.get("prompt"), str):
+        return len(body["prompt"]) <= INLINE_CHARS
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or "prompt" in body:
+        return False
+    total = 0
+    for m in msgs:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, str):
+            return False
+        total += len(content)
+    return total <= INLINE_CHARS
 
 
 def _refusal_code(ack: dict) -> str | None:
@@ -239,6 +264,8 @@ class ValidatorService:
             raise RequestError(503, "the request's deadline passed before validation", code="deadline_exceeded",
                                type="timeout")
         assets = await self.assets(req.name, req.version)
+        if self.cfg.test_delay_ms <= 0 and prepare_inline(req.body):
+            return self._prepare_sync(req, assets)
         return await asyncio.to_thread(self._prepare_sync, req, assets)
 
     def _prepare_sync(self, req: ApiRequest, assets: ModelAssets) -> list[GenerateRequest]:

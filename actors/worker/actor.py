@@ -19,9 +19,11 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 
 from actors.serve import ActorContext, serve
+from actors.worker.load_phases import LoadTimeline
 from actors.worker.service import WorkerConfig, WorkerService
 
 log = logging.getLogger("actorserve.worker")
@@ -34,18 +36,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024, help="KV cache budget (bytes)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequence slots in the running batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                        help="compute dtype (auto: bfloat16 where the device multiplies bf16 fast, else float32)")
-    parser.add_argument("--quantization", default="none", choices=["none", "auto", "int8", "int4"],
-                        help="weight-only quantization of the projections (auto: the GGUF's own precision, "
-                        "int4 for a Q4 file; docs/decisions/0006-engine-speed.md)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="compute dtype (default auto: the fastest correct path for this CPU and model, "
+                        "chosen with --quantization; docs/engine.md, docs/decisions/0028-default-kernel-choice.md)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="weight-only quantization of the projections (default auto: the model manifest's "
+                        "pin if it names int8/int4/none, else the GGUF's own precision where that path is "
+                        "the faster one here, else none)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--lease-ttl", type=int, default=3, help="etcd lease TTL in seconds (<= 5)")
     parser.add_argument("--no-progress", action="store_true", help="hide the model loading progress bar")
+    parser.add_argument("--no-weights-cache", dest="weights_cache", action="store_false",
+                        help="read the GGUF on every load instead of the converted-weights cache "
+                        "($ACTORSERVE_CACHE_DIR/weights, default ~/.cache/actorserve/weights; docs/model-loading.md)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="advertise credits without the warm-up pass (a few prefill and decode shapes run "
+                        "before the first request; docs/model-loading.md)")
     parser.add_argument("--drain-timeout", type=float, default=10.0, metavar="S",
                         help="on SIGTERM: seconds running requests may take to finish before they are ended "
                         "with a retryable 503 (default 10); with another live worker of the version they "
                         "move there instead")
+    parser.add_argument("--engine", default="torch", choices=["torch", "zero-compute"],
+                        help="torch: the model (default); zero-compute: NO model compute, deterministic tokens, "
+                        "only to measure the platform (actorserve bench platform; actors/worker/zero_compute.py)")
+    parser.add_argument("--zero-compute-step-ms", type=float, default=0.0, metavar="MS",
+                        help="with --engine zero-compute: sleep per step standing for a forward pass (default 0)")
     parser.add_argument("--pool", default="default", help="accelerator pool this worker belongs to (its etcd "
                         "record's \"pool\"; the pool records of `actorserve pools`)")
 
@@ -56,18 +71,47 @@ def default_worker_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:4]}".lower()
 
 
+def choose_path(manifest: dict, args: argparse.Namespace):
+    """``kernel_choice.Choice`` for the worker's ``--dtype`` / ``--quantization`` (auto or pins) on
+    ``manifest``'s GGUF; logged and printed on stderr as one line (the choice and why)."""
+    import sys
+
+    from actors.worker.engine.kernel_choice import choose
+
+    version = getattr(args, "model", None) or f"{manifest.get('name', '')}@{manifest.get('version', '')}"
+    choice = choose(manifest["artifact"], version, device=args.device, dtype=getattr(args, "dtype", "auto"),
+                    quantization=getattr(args, "quantization", "auto"),
+                    manifest_quantization=manifest.get("quantization"))
+    log.info("%s", choice.line())
+    print(f"worker: {choice.line()}", file=sys.stderr, flush=True)
+    return choice
+
+
 def build_engine(manifest: dict, args: argparse.Namespace):
-    """Load the engine for ``manifest`` (blocking; run in a thread). ValueError on unsupported formats."""
+    """Load the engine for ``manifest`` (blocking; run in a thread) on the path ``choose_path`` resolves.
+    ValueError on unsupported formats."""
     from actors.worker.engine.engine import EngineConfig, LLMEngine
     if manifest.get("format", "gguf") != "gguf":
         raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
-    quant = getattr(args, "quantization", "none")
-    cfg = EngineConfig(model_path=manifest["artifact"], dtype=args.dtype, device=args.device,
-                       quantization=None if quant == "none" else quant,
+    if getattr(args, "engine", "torch") == "zero-compute":  # only when asked for: no model compute
+        from actors.worker.zero_compute import ZeroComputeConfig, ZeroComputeEngine
+        return ZeroComputeEngine(ZeroComputeConfig(
+            manifest["artifact"], kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=manifest.get("context_length") or None,
+            step_ms=getattr(args, "zero_compute_step_ms", 0.0)))
+    t0 = time.monotonic()
+    choice = choose_path(manifest, args)
+    choose_s = time.monotonic() - t0
+    cfg = EngineConfig(model_path=manifest["artifact"], dtype=choice.dtype, device=args.device,
+                       quantization=choice.quantization,
                        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=manifest.get("context_length") or None, progress=not args.no_progress)
-    return LLMEngine(cfg)
+                       max_model_len=manifest.get("context_length") or None, progress=not args.no_progress,
+                       weights_cache=getattr(args, "weights_cache", True))
+    engine = LLMEngine(cfg)
+    engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
+    engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included
+    return engine
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -85,27 +129,93 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
     """Load the engine, connect the bus, start the service, take the etcd lease and keep it until
     cancelled; on stop the worker drains (see :func:`_drain`) before the service and the bus close."""
     args, reg = ctx.args, ctx.registry
+    timeline = LoadTimeline(start=time.monotonic() - process_age_s())
     manifest = await reg.get_model_version(ref.name, ref.version)
     if manifest is None:
         raise SystemExit(f"model version {ref.name}@{ref.version} is not registered")
+    timeline.mark("registry")
     engine = await asyncio.to_thread(build_engine, manifest, args)
+    _add_engine_phases(timeline, getattr(engine, "load_phases", {}))
     log.info("worker %s loaded %s@%s; %s", worker_id, ref.name, ref.version,
-             engine.kv.describe() if hasattr(engine, "kv") else "?")
+             engine.kv.describe() if hasattr(engine, "kv") else getattr(engine, "describe", lambda: "?")())
     bus = await ctx.connect_bus()
     from actors.worker.faults import from_manifest as faults_from_manifest
     svc = WorkerService(bus, engine, WorkerConfig(worker_id, ref.name, ref.version),
                         faults=faults_from_manifest(manifest))  # None unless ACTORSERVE_TEST_FAULTS=1
+    if getattr(args, "warmup", True) and hasattr(engine, "load_phases"):  # a model engine (not zero-compute)
+        from actors.worker.engine.warmup import warm_up
+        await svc.run_on_engine_thread(warm_up, engine)  # the thread whose OpenMP team serves the steps
+        timeline.mark("warmup")
     await svc.start()
+    timeline.mark("credits")
     ctx.on_stop(svc.stop, timeout_s=10.0, what="worker service")
     _track_gauges(ctx, svc)
+    _track_load(timeline, f"{ref.name}@{ref.version}")
     info = {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
-            "device": args.device, "dtype": args.dtype, "quantization": getattr(engine, "quantization", None),
-            "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": getattr(args, "pool", "default")}
+            "device": args.device, "dtype": getattr(engine, "dtype_name", args.dtype),
+            "quantization": getattr(engine, "quantization", None),
+            "path": getattr(getattr(engine, "path_choice", None), "reason", None),
+            "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": getattr(args, "pool", "default"),
+            "engine": getattr(args, "engine", "torch")}
+    info.update(load_phases=timeline.as_dict(), load_s=round(timeline.ready_s, 3))
     holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
+    timeline.mark("register")
+    log.info("worker %s %s", worker_id, timeline.line())
+    _record_load(svc, reg, holder, info, timeline)
     _watch_notices(ctx, reg, svc, ref, worker_id)
     drain_timeout = getattr(args, "drain_timeout", 10.0)
     ctx.on_stop(lambda: _drain(holder, svc, drain_timeout), timeout_s=drain_timeout + 5.0, what="drain")
     await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (``/proc/self/stat`` start time against CLOCK_BOOTTIME); 0.0
+    where /proc cannot say."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def _add_engine_phases(timeline: LoadTimeline, phases: dict) -> None:
+    """The engine's own phases; what else the load took (tokenizer tables, grammar set-up) counts as reading
+    the artifact."""
+    now = time.monotonic()
+    rest = max(0.0, now - timeline.last - sum(phases.values()))
+    timeline.add_all({**phases, "artifact_read": phases.get("artifact_read", 0.0) + rest}, now=now)
+
+
+def _track_load(timeline: LoadTimeline, model: str) -> None:
+    """``actorserve_model_load_seconds{phase, model}`` on this worker's /metrics."""
+    from actors.metrics import observable_gauge
+
+    observable_gauge("actorserve_model_load_seconds", "Seconds of the worker's model load by phase (registry, "
+                     "artifact_read, convert, kernels, quantize, warmup, credits, register, first_token; "
+                     "docs/model-loading.md).", "s",
+                     lambda: [(v, {"phase": k, "model": model}) for k, v in timeline.as_dict().items()])
+
+
+def _record_load(svc: WorkerService, reg, holder: list, info: dict, timeline: LoadTimeline) -> None:
+    """Write the load phases into the worker's etcd record now (``register`` included) and again at the
+    worker's first token (``first_token``: seconds from registration), logging the whole load then."""
+    pending: list = []  # the writes, referenced until done
+
+    def put() -> None:
+        info.update(load_phases=timeline.as_dict(), load_s=round(timeline.ready_s, 3))
+
+        async def write() -> None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(3.0):
+                    await reg.put_json(holder[0].key, info, lease=holder[0].lease_id)
+        pending.append(asyncio.get_running_loop().create_task(write()))
+
+    def first() -> None:
+        timeline.mark("first_token")
+        log.info("first token %.2f s after registration; %s", timeline.phases["first_token"], timeline.line())
+        put()
+    put()
+    svc.on_first_token = first
 
 
 def _watch_notices(ctx: ActorContext, reg, svc: WorkerService, ref, worker_id: str) -> None:

@@ -71,7 +71,8 @@ def engine_request(req: GenerateRequest, urgent: bool) -> EngineRequest:
     malformed ``resume``)."""
     st = resume_of(req.resume)
     return EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling, arrival_time=time.monotonic(),
-                         priority=req.priority, tenant=req.tenant, urgent=urgent,
+                         priority=req.priority, tenant=req.tenant, urgent=urgent, tenant_weight=req.tenant_weight,
+                         cache_salt=bytes.fromhex(req.cache_salt),
                          resumed_output_ids=st.output_ids if st else (), rng_state=st.rng_state if st else None)
 
 

@@ -1,11 +1,14 @@
 """Pieces of the worker's output path kept out of the service shell (actors/worker/service.py): the
-receiver probe and the OpenAI-shaped logprobs of one engine step."""
+receiver probe, the OpenAI-shaped logprobs of one engine step and the worker's stats message."""
 
 from __future__ import annotations
+
+import time
 
 import orjson
 
 from bus.base import Bus, BusError, NoResponders
+from bus.messages import WorkerStats
 
 
 async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float = 1.0) -> bool:
@@ -46,3 +49,16 @@ def step_logprobs(engine, sampling, out) -> list[dict] | None:
         e["top_logprobs"] = [token_entry(engine, i, v) for i, v in top]
         entries.append(e)
     return entries
+
+
+def worker_stats(st, cfg, num_finished: int, num_aborted: int, max_cancel_steps: int) -> WorkerStats:
+    """The ``WorkerStats`` message of an engine's ``EngineStats`` ``st`` and the service's counters;
+    ``cfg``: the service's ``WorkerConfig`` (worker id, model name, version)."""
+    x = st.extra
+    return WorkerStats(cfg.worker_id, cfg.name, cfg.version, st.num_steps, st.num_generated_tokens,
+                       st.num_prompt_tokens, st.num_running, st.num_waiting, st.num_free_blocks, st.num_total_blocks,
+                       st.max_batch_size_seen, num_finished, num_aborted, time.time(), max_cancel_steps,
+                       int(x.get("prefix_cache_hit_tokens", 0)), int(x.get("prefix_cache_query_tokens", 0)),
+                       int(x.get("num_constrained_steps", 0)), float(x.get("grammar_compile_ms_total", 0.0)),
+                       int(x.get("grammar_cache_hits", 0)), int(x.get("grammar_cache_misses", 0)),
+                       dict(x.get("prefix_hits_by_tenant", {})), int(x.get("num_kv_reclaims", 0)))

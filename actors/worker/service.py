@@ -2,8 +2,9 @@
 
 Thin shell around an engine with the LLMEngine interface (``add_request``, ``abort_request``,
 ``step``, ``stats``, ``credits``, ``has_unfinished``). The engine is mutated only from the step loop
-task: dispatches and cancels are queued and applied between steps, and ``step()`` itself runs in a
-worker thread so heartbeats and NATS I/O continue while the forward pass computes.
+task: dispatches and cancels are queued and applied between steps, and ``step()`` itself runs on one
+dedicated thread so heartbeats and NATS I/O continue while the forward pass computes; a step's outputs
+are published while the next step computes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from actors.aio import wait_event
@@ -19,7 +21,7 @@ from actors.text.tool_calls import HermesParser, make_parser, parse_step
 from actors.worker.engine.step_rates import served_delta
 from actors.worker.engine.types import StepOutput
 from actors.worker.migration import Migrator, engine_request, restore_live
-from actors.worker.outputs import probe_receiver, step_logprobs
+from actors.worker.outputs import probe_receiver, step_logprobs, worker_stats
 from actors import content_log
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
@@ -89,8 +91,16 @@ class WorkerService:
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
         self.migration = Migrator(self)  # preemption notices and drains: running sequences move (migration.py)
+        # every step on one thread: torch's OpenMP team (and its thread count) belongs to the calling thread,
+        # so a pool of step threads would each start and spin their own team on the same cores
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self.on_first_token = None  # called once, at this worker's first generated token (load timing)
 
     # ---- lifecycle -------------------------------------------------------------------------
+    async def run_on_engine_thread(self, fn, *args):
+        """``fn(*args)`` on the thread that runs the engine's steps (a warm-up warms that thread's OpenMP team)."""
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+
     async def start(self) -> None:
         """Subscribe to dispatch and cancel subjects and start the step and heartbeat loops."""
         self._subs += [await self.bus.subscribe(subjects.work(self.cfg.worker_id), self._on_dispatch),
@@ -123,6 +133,7 @@ class WorkerService:
         _, pending = await asyncio.wait(self._tasks, timeout=5.0)
         for t in pending:
             log.warning("task did not stop within 5 s: %s", t.get_stack())
+        self._engine_thread.shutdown(wait=False)
 
     async def __aenter__(self) -> "WorkerService":
         await self.start()
@@ -258,30 +269,56 @@ class WorkerService:
                 self._aborts.append((rid, "deadline"))
 
     async def _step_loop(self) -> None:
+        """Apply queued work, run one engine step on the engine thread, repeat. The outputs of step N are
+        published while step N+1 computes (the loop's publishing overlaps the forward pass instead of
+        adding to every token's interval; docs/decisions/0030-served-vs-offline.md)."""
+        unpublished: list[StepOutput] = []  # outputs of the previous step, not yet published
         while True:
             t_iter = time.perf_counter()
             self._expire_deadlines()
             for lv, why in self._apply_pending():
                 await self._finish_error(lv, error_dict(400, why, param="messages"))
             await self._flush_aborted()
+            if unpublished and (self.migration.wanted or self.migration.deadline):
+                unpublished = await self._publish_now(unpublished)  # a hand-over sends lv.seq: chunks first
             await self.migration.between_steps()  # hand sequences over / end them at the notice deadline
             if not self.engine.has_unfinished():
+                if unpublished:  # the last step's outputs; then look again for work queued meanwhile
+                    unpublished = await self._publish_now(unpublished)
+                    continue
                 self._wake.clear()
                 await wait_event(self._wake, self.cfg.idle_wait_s * 20)
                 continue
+            t_step = time.perf_counter()
+            step = asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.step)
+            unpublished = await self._publish_now(unpublished)  # overlaps the step computing
             try:
-                t_step = time.perf_counter()
-                outputs = await asyncio.to_thread(self.engine.step)
-                t_step = time.perf_counter() - t_step
+                outputs = await step
             except Exception as exc:  # an engine bug must end the batch with an error, never stall the worker
                 log.exception("engine step failed; ending the %d requests in the batch", len(self.live))
                 await self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
                 continue
+            t_step = time.perf_counter() - t_step
             self.num_steps += 1
             self._apply_aborts()  # cancels heard during the step win over its outputs (the client is gone)
-            await self._publish_outputs(outputs)
-            # the loop's own share of a token's interval (adds, publishing), on top of the engine's step
+            self._count_aborted(outputs)
+            unpublished = outputs
+            # the loop's own share of a token's interval (adds, aborts), on top of the engine's step
             self._host_ms += 0.2 * ((time.perf_counter() - t_iter - t_step) * 1e3 - self._host_ms)
+
+    def _count_aborted(self, outputs: list[StepOutput]) -> None:
+        """Tokens computed for aborted requests by the step that finished them (their end is sent by
+        ``_flush_aborted`` before these outputs are published)."""
+        for out in outputs:
+            lv = self.live.get(out.request_id)
+            if lv is not None and lv.aborted and out.finished:
+                lv.num_generated = max(lv.num_generated, out.num_generated_tokens)
+
+    async def _publish_now(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Publish ``outputs`` (a step's, possibly empty); returns the empty list left to publish."""
+        if outputs:
+            await self._publish_outputs(outputs)
+        return []
 
     async def _fail_all(self, message: str) -> None:
         """Abort every live request in the engine and end each with a retryable 500."""
@@ -294,7 +331,7 @@ class WorkerService:
             await self._finish_error(lv, error_dict(500, message, type_="server_error", code="engine_error",
                                                     retryable=True, retry_after=1.0))
         try:  # drain the abort notices the engine queued, so they do not reach the next batch
-            await asyncio.to_thread(self.engine.step)
+            await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.step)
         except Exception:
             log.exception("engine step after failure failed")
 
@@ -325,6 +362,9 @@ class WorkerService:
         first = not lv.t_first and out.new_token_ids
         if first:
             lv.t_first = now
+            if self.on_first_token is not None:
+                hook, self.on_first_token = self.on_first_token, None
+                hook()
             await self._safe_publish(subjects.sched_events(lv.req.name, lv.req.version),
                                      b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
         text, calls = parse_step(lv.tools, out.text, out.finished)  # tool calls out of the text (docs/tools.md)
@@ -448,19 +488,10 @@ class WorkerService:
             await self._publish_credits()
 
     def stats_msg(self) -> WorkerStats:
-        """Engine statistics plus this worker's finished/aborted counters."""
-        st = self.engine.stats()
-        return WorkerStats(self.cfg.worker_id, self.cfg.name, self.cfg.version, st.num_steps,
-                           st.num_generated_tokens, st.num_prompt_tokens, st.num_running, st.num_waiting,
-                           st.num_free_blocks, st.num_total_blocks, st.max_batch_size_seen, self.num_finished,
-                           self.num_aborted, time.time(), self.max_cancel_steps,
-                           int(st.extra.get("prefix_cache_hit_tokens", 0)),
-                           int(st.extra.get("prefix_cache_query_tokens", 0)),
-                           int(st.extra.get("num_constrained_steps", 0)),
-                           float(st.extra.get("grammar_compile_ms_total", 0.0)),
-                           int(st.extra.get("grammar_cache_hits", 0)), int(st.extra.get("grammar_cache_misses", 0)))
+        """Engine statistics plus this worker's finished/aborted counters (outputs.worker_stats)."""
+        return worker_stats(self.engine.stats(), self.cfg, self.num_finished, self.num_aborted, self.max_cancel_steps)
 
     async def _stats_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.stats_interval_s)
+        while True:  # first message at once: a fast start-up must not leave the gauges empty for a whole interval
             await self._safe_publish(subjects.stats(self.cfg.worker_id), self.stats_msg().encode())
+            await asyncio.sleep(self.cfg.stats_interval_s)

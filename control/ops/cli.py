@@ -13,6 +13,8 @@ Verbs::
     actorserve pools {set,list} ...   (control/ops/pools_cli.py)
     actorserve profile NAME@VERSION [--pool P] [--batches ...] [--prompts ...]   (control/ops/profile_cli.py)
     actorserve workers {list,preempt WORKER_ID [--in-s S]}   (control/ops/workers_cli.py)
+    actorserve simulate [--inputs F] [--days 7] [--seed 0] [--policies NAMES] [--json PATH] [--plots DIR]
+                                                    (control/ops/simulate_cli.py)
 
 Exit statuses (control/ops/cli_errors.py): 0 done, 1 error, 2 usage or a refused edit, 3 stack
 unreachable (no endpoint, or etcd / NATS / the metrics endpoints did not answer: one line on stderr, no
@@ -173,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_command(sub)
     from control.ops.workers_cli import add_workers_commands  # D: `actorserve workers list / preempt`
     add_workers_commands(sub)
+    from control.ops.usage_cli import add_usage_command  # B: `actorserve usage` (docs/budgets.md)
+    add_usage_command(sub)
+    from control.ops.plan_cli import add_plan_command  # [14] S2: `actorserve plan --rate R ...`
+    add_plan_command(sub)
+    from control.ops.simulate_cli import add_simulate_command  # [14] S1: `actorserve simulate`
+    add_simulate_command(sub)
     _add_status_command(sub)
     _add_bench_commands(sub)
     return parser
@@ -284,6 +292,28 @@ def _add_bench_commands(sub: Any) -> None:
     from bench.structured_bench import add_arguments as _structured_arguments
     _structured_arguments(bs)
     bs.set_defaults(func=_cmd_bench_structured)
+    bc = bsub.add_parser(  # [14] S2: the simulator's latency model against the live stack
+        "sim-check", help="simulated vs measured TTFT / TPOT on this machine (starts a stack; target +-20 %)",
+        description="Starts a 1-worker stack, profiles this machine, runs Poisson loads; see bench/sim_check.py.",
+    )
+    from bench.sim_check import add_arguments as _sim_check_arguments, main as _sim_check_main
+    _sim_check_arguments(bc)
+    bc.set_defaults(func=_sim_check_main)
+    bpl = bsub.add_parser(  # issue 15 item 6: docs/bench.md, decision 0029
+        "platform", help="what the platform costs: CPU per request / per token, req/s (zero-compute worker)",
+        description="Starts `up` with a zero-compute worker; see bench/platform_bench.py and docs/bench.md.",
+    )
+    from bench.platform_bench import add_arguments as _platform_arguments, main as _platform_main
+    _platform_arguments(bpl)
+    bpl.set_defaults(func=_platform_main)
+    bsv = bsub.add_parser(  # issue 15 item 4: docs/bench.md
+        "serve", help="the whole platform vs llama.cpp's llama-server (or --peer-url): tok/s, TTFT, ITL at "
+                      "1-64 streams (table + JSON + PNG)",
+        description="Starts `up` (as make run), then the peer on the same GGUF; see bench/serve_bench.py.",
+    )
+    from bench.serve_bench import add_arguments as _serve_arguments, main as _serve_main
+    _serve_arguments(bsv)
+    bsv.set_defaults(func=_serve_main)
 
 
 def _cmd_bench_structured(args: argparse.Namespace) -> int:
@@ -413,8 +443,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for name, versions in sorted(report["models"].items()):
         for version in sorted(versions, key=lambda v: (len(v), v)):
             ws = report["workers"].get(f"{name}@{version}", {})
-            print(f"  {name}@{version}: {len(ws)} live worker(s){': ' + ', '.join(sorted(ws)) if ws else ''}")
+            labels = [w + (" [engine zero-compute: NO MODEL]" if isinstance(ws[w], dict) and ws[w].get("engine")
+                           == "zero-compute" else "") for w in sorted(ws)]
+            print(f"  {name}@{version}: {len(ws)} live worker(s){': ' + ', '.join(labels) if ws else ''}")
+            for w in sorted(ws):
+                if line := _worker_detail(ws[w]):
+                    print(f"    {w}: {line}")
     return 0
+
+
+def _worker_detail(info: Any) -> str:
+    """``"float32+int4, loaded in 8.1 s (registry 0.9, ...), first token 0.4 s after"`` from a worker's
+    etcd record (engine path, docs/engine.md; load phases, docs/model-loading.md); "" when it has neither."""
+    from actors.worker.load_phases import describe
+
+    if not isinstance(info, dict):
+        return ""
+    dtype, quant = info.get("dtype"), info.get("quantization")
+    path = f"{dtype}{'+' + quant if quant else ''}" if dtype and info.get("engine") != "zero-compute" else ""
+    return ", ".join(p for p in (path, describe(info.get("load_phases") or {}, info.get("load_s"))) if p)
 
 
 def _print_table(rows: list[tuple[str, ...]]) -> None:

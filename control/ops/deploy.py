@@ -182,9 +182,9 @@ def _run_coro(coro: Any) -> Any:
 
 
 def manifest_fingerprint(manifest: Mapping[str, Any]) -> str:
-    """A stable digest of a manifest (all keys but ``status``): a change means the version's
-    processes must be restarted to pick it up."""
-    data = {k: v for k, v in manifest.items() if k != "status"}
+    """A stable digest of a manifest (all keys but ``status`` and ``pricing``, which only the gateways
+    read, live: docs/budgets.md): a change means the version's processes must be restarted to pick it up."""
+    data = {k: v for k, v in manifest.items() if k not in ("status", "pricing")}
     return json.dumps(data, sort_keys=True, default=str)
 
 

@@ -9,11 +9,13 @@ reading each actor's registry calls:
 =========  =====================================================================================
 role       permissions (R: read, RW: read and write; every range is a prefix)
 =========  =====================================================================================
-gateway    R models/ (manifests, routing; watched), R tenants/ (watched), R workers/, RW metrics/gateway/
+gateway    R models/ (manifests, routing; watched), R tenants/ (watched), R workers/, R desired/, R autoscaler/,
+           R notices/ (operator dashboard), RW metrics/gateway/
 validator  R models/, RW metrics/validator/
 scheduler  R tenants/, R workers/ (watched), RW schedulers/ (its election), RW metrics/scheduler/
 worker     R models/, RW workers/ (its leased registration), R notices/preemption/, RW metrics/worker/
-jobs       R models/, R workers/ (its model resolver, like the gateway's), RW metrics/jobs/
+jobs       R models/, R workers/ (its model resolver, like the gateway's), R tenants/ (spend budgets),
+           RW metrics/jobs/
 control    RW models/ (routing tables of rollouts), R workers/, R tenants/, RW controllers/ (election),
            RW pools/, RW desired/, RW autoscaler/ (decision history), R profiles/, R notices/ (autoscaler),
            RW metrics/rollout/, RW metrics/autoscaler/
@@ -71,11 +73,13 @@ def role_permissions() -> dict[str, list[tuple[str, str]]]:
     """``{role: [(READ | READWRITE, key prefix), ...]}`` for every internal role (module docstring)."""
     models, tenants, workers = names.models_prefix(), names.tenants_prefix(), names.all_workers_prefix()
     table = {
-        "gateway": [(READ, models), (READ, tenants), (READ, workers)],
+        "gateway": [(READ, models), (READ, tenants), (READ, workers),
+                    (READ, names.desired_prefix()), (READ, names.autoscaler_prefix()),
+                    (READ, names.notices_prefix())],  # the operator dashboard (gateway/dashboard_feed.py)
         "validator": [(READ, models)],
         "scheduler": [(READ, tenants), (READ, workers), (READWRITE, names.schedulers_prefix())],
         "worker": [(READ, models), (READWRITE, workers), (READ, names.notices_prefix())],  # + its preemption notice
-        "jobs": [(READ, models), (READ, workers)],
+        "jobs": [(READ, models), (READ, workers), (READ, tenants)],  # tenants: budgets of job requests
         "control": [(READWRITE, models), (READ, workers), (READ, tenants),
                     (READWRITE, names.controllers_prefix()), (READWRITE, names.pools_prefix()),
                     (READWRITE, names.desired_prefix()), (READWRITE, names.autoscaler_prefix()),

@@ -37,7 +37,7 @@ PROG = "actorserve"
 
 #: manifest fields set by their own options; ``--option`` may not set them
 _MANIFEST_FIELDS = ("name", "version", "artifact", "format", "quantization", "context_length", "memory_bytes",
-                    "tokenizer", "chat_template", "defaults", "status", "extra")
+                    "tokenizer", "chat_template", "defaults", "status", "extra", "pricing")
 _OPTION_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 
@@ -107,6 +107,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     ``--chat-template @FILE`` reads the template from FILE. Raises :class:`RegistryCommandError`
     (status 2) naming the field at fault: unsupported format, missing artifact, bad defaults, ...
     """
+    from control.ops.usage_cli import pricing_fields
     from control.state.registry import ModelManifest
 
     fmt = args.format
@@ -124,6 +125,10 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         "memory_bytes": args.memory_bytes, "tokenizer": args.tokenizer, "chat_template": template,
         "defaults": dict(args.default or []), "status": "active",
     })
+    try:  # --prompt-per-1m / --completion-per-1m (control/ops/usage_cli.py)
+        data.update(pricing_fields(args))
+    except ValueError as e:
+        raise RegistryCommandError(str(e)) from None
     try:
         ModelManifest.from_dict(data)  # names, format, types: clear errors before touching the file
     except ValueError as e:
@@ -221,6 +226,9 @@ def add_models_commands(sub: Any) -> None:
                       help="extra manifest key, e.g. workers=2 (processes `up` starts) or "
                       "test_faults='{\"error_rate\":0.5}'; repeatable")
     mreg.add_argument("--replace", action="store_true", help="overwrite a different manifest of the same version")
+    from control.ops.usage_cli import add_price_arguments, add_price_command  # B: prices (docs/budgets.md)
+    add_price_arguments(mreg)
+    add_price_command(msub)
     mreg.set_defaults(func=_cmd_models_register)
 
     ms = msub.add_parser("show", help="one model: its versions (manifest, status, live workers) and routing table")
@@ -299,6 +307,8 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
     async def go(reg) -> int:
         for _ in range(20):  # compare-and-swap: a concurrent edit makes us re-read
             old, rev = await reg.get_json_rev(key)
+            if isinstance(old, Mapping) and "pricing" in old and "pricing" not in manifest:
+                manifest["pricing"] = old["pricing"]  # prices set by `models price` outlive a re-register
             if isinstance(old, Mapping):
                 changed = manifest_changes(old, manifest)
                 if changed and not args.replace:

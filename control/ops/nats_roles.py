@@ -10,7 +10,8 @@ Roles and what they do on NATS (read from actors/*, gateway/*, bus/*, control/*)
 
 * ``gateway``: requests ``as.int.validate``; publishes cancels, replies into tenant inboxes (NATS API),
   job submissions; subscribes its reply subjects ``_INBOX.*.gw.*.*``, the public API subjects, completion
-  records and worker statistics (metrics); JetStream (usage stream + KV buckets, quota, idempotency, jobs, responses).
+  records and worker statistics (metrics), the schedulers' load reports (operator dashboard); JetStream
+  (usage stream + KV buckets, quota, idempotency, jobs, responses).
 * ``validator``: serves ``as.int.validate``; requests scheduler submits; publishes cancels and error chunks
   to gateway reply subjects.
 * ``scheduler``: serves its submit subject; dispatches (request) to ``as.int.work.*``; hears credits,
@@ -33,7 +34,8 @@ reply to the reply subject of each request it received, whoever sent it). JetStr
 ``$JS.API.STREAM.INFO.<stream>``, ``$JS.API.CONSUMER.*.<stream>...``, ``$JS.API.DIRECT.GET.KV_<bucket>.>``,
 ...; no ``$JS.API.INFO``, which nats-py does not need here), plus ``$JS.ACK.<stream>.>``, ``$JS.FC.>``,
 ``$KV.<bucket>.>``, ``$O.<bucket>.>``: the gateway AS_DONE, AS_JOBS, its five KV buckets and the job
-object store; jobs AS_JOBS, ``as_jobs`` and the object store; the scheduler its journals
+object store; jobs AS_JOBS, ``as_jobs``, ``as_quota`` (spend-budget reservations) and the object store;
+the scheduler its journals
 ``SCHED_<name>_<version>`` — any stream name, since a name prefix is no NATS wildcard, but every platform
 stream of :func:`platform_streams` denied (what remains: a scheduler could create and read streams of
 other names). Tenant users are unchanged (control/ops/nats_auth.py).
@@ -137,7 +139,8 @@ def _spec() -> dict[str, dict[str, Any]]:
                          objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,), streams_used=(JOBS_STREAM,)),
             "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
                           *subjects.API_RESPONSES_OPS, gw_replies, done, any_of(subjects.stats),
-                          any_of(subjects.gateway_cancel)],  # cancel look-ups between gateways
+                          any_of(subjects.gateway_cancel),  # cancel look-ups between gateways
+                          subjects.load_of_kind("scheduler")],  # queues and tenant shares (operator dashboard)
             "responses": True,  # reply-subject probes from workers, NATS API request acks
         },
         "validator": {
@@ -163,7 +166,7 @@ def _spec() -> dict[str, dict[str, Any]]:
         },
         "jobs": {
             "publish": [subjects.VALIDATE, cancel]
-            + _jetstream(buckets=(JOBS_BUCKET,), objects=(JOBS_OBJECTS,), acks=(JOBS_STREAM,)),
+            + _jetstream(buckets=(JOBS_BUCKET, QUOTA_BUCKET), objects=(JOBS_OBJECTS,), acks=(JOBS_STREAM,)),  # quota: budgets
             "subscribe": [gw_replies],
             "responses": True,  # reply-subject probes from workers
         },

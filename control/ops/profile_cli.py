@@ -1,7 +1,7 @@
 """``actorserve profile MODEL@VERSION``: measure a version's throughput curve on this machine and store it.
 
     actorserve profile NAME@VERSION [--pool local] [--batches 1,2,4,8,16] [--prompts 32,128,512]
-                       [--decode-prompt-tokens 64] [--decode-tokens 32] [--dtype float32] [--quantization none]
+                       [--decode-prompt-tokens 64] [--decode-tokens 32] [--dtype auto] [--quantization auto]
                        [--device cpu] [--kv-cache-bytes N]
                        [--threads N] [--repeats 2] [--json PATH] [--no-store]
 
@@ -64,10 +64,11 @@ def add_profile_command(sub: Any) -> None:
                    help="prompt length of the decode runs (default: 64)")
     p.add_argument("--decode-tokens", type=positive_int, default=32, metavar="N",
                    help="tokens generated per sequence in the decode runs (>= 4; default: 32)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
-                   help="compute dtype (default: float32, the worker's default)")
-    p.add_argument("--quantization", default="none", choices=("none", "auto", "int8", "int4"),
-                   help="weight-only quantization (default: none, the worker's default)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype (default: auto, the worker's default: the path it chooses here, "
+                        "docs/engine.md)")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="weight-only quantization (default: auto, the worker's default)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu, as the worker)")
     p.add_argument("--kv-cache-bytes", type=positive_int, default=256 * 1024 * 1024, metavar="N",
                    help="KV cache budget (default: 256 MiB, the worker's default)")

@@ -9,6 +9,8 @@
     actorserve tenants allow-models NAME M1,M2
     actorserve tenants priority NAME interactive|batch
     actorserve tenants set-weight NAME W
+    actorserve tenants budget NAME --usd X [--period day|month|total] | --clear
+    actorserve tenants cache-group NAME GROUP | --clear
 
 etcd is found like every other verb (``--etcd``, ``$ACTORSERVE_ETCD``, ``<state-dir>/endpoints.json``).
 A new key is printed once (stdout, alone on its line for ``create``/``keys add``) and never again.
@@ -90,6 +92,17 @@ def add_tenant_commands(sub: Any) -> None:
     p = cmd("set-weight", "set the tenant's fair-share weight", _set_weight)
     p.add_argument("name")
     p.add_argument("weight", type=float)
+    p = cmd("budget", "set or clear the tenant's spend budget (USD per period; docs/budgets.md)", _budget)
+    p.add_argument("name")
+    p.add_argument("--usd", type=float, default=None, metavar="X", help="budget in USD per period")
+    p.add_argument("--period", choices=("day", "month", "total"), default="month",
+                   help="UTC day, UTC month, or no reset (default: month)")
+    p.add_argument("--clear", action="store_true", help="remove the budget (no limit)")
+    p = cmd("cache-group", "share the prefix cache with the other tenants of GROUP, or --clear (docs/tenants.md)",
+            _cache_group)
+    p.add_argument("name")
+    p.add_argument("group", nargs="?", default=None)
+    p.add_argument("--clear", action="store_true", help="the tenant's prefix cache is its own again (default)")
 
 
 def _run(func, args: argparse.Namespace) -> int:
@@ -103,7 +116,8 @@ _HASH_FIELDS = ("hash", "nats_hash")  # never printed: the API-key hash and the 
 
 def _summary(t) -> dict[str, Any]:
     return {"id": t.id, "priority": t.priority, "weight": t.weight, "quotas": t.quotas,
-            "allowed_models": list(t.allowed_models),
+            "allowed_models": list(t.allowed_models), "budget": t.budget.to_record() if t.budget else None,
+            "cache_group": t.cache_group or None,
             "keys": {kid: {k: v for k, v in e.items() if k not in _HASH_FIELDS} for kid, e in t.keys.items()}}
 
 
@@ -168,4 +182,25 @@ async def _priority(adm, args) -> int:
 async def _set_weight(adm, args) -> int:
     t = await adm.set_weight(args.name, args.weight)
     print(f"{t.id} weight: {t.weight:g}")
+    return 0
+
+
+async def _cache_group(adm, args) -> int:
+    from control.state.tenants import TenantError
+
+    if args.clear == (args.group is not None):
+        raise TenantError("cache-group: give GROUP or --clear")
+    t = await adm.set_cache_group(args.name, None if args.clear else args.group)
+    print(f"{t.id} prefix cache: " + (f"shared in group {t.cache_group}" if t.cache_group else "its own"))
+    return 0
+
+
+async def _budget(adm, args) -> int:
+    from control.state.tenants import TenantError
+
+    if args.clear == (args.usd is not None):
+        raise TenantError("budget: give --usd X (with --period) or --clear")
+    t = await adm.set_budget(args.name, None if args.clear else args.usd, args.period)
+    b = t.budget
+    print(f"{t.id} budget: " + ("none" if b is None else f"{b.usd:g} USD per {b.period}"))
     return 0

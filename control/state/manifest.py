@@ -17,6 +17,29 @@ from control.state import names
 SUPPORTED_FORMATS = ("gguf",)
 SUPPORTED_TOKENIZERS = ("gguf",)
 MANIFEST_STATUSES = ("active", "disabled", "retired")
+PRICING_FIELDS = ("prompt_per_1m", "completion_per_1m")  # USD per 1M tokens (docs/budgets.md)
+MAX_PRICE_PER_1M = 1_000_000.0  # USD per 1M tokens: a sanity cap (1 USD per token)
+
+
+def check_pricing(value: Any) -> dict[str, float] | None:
+    """The validated ``pricing`` of a manifest: None (free) or ``{"prompt_per_1m": USD, "completion_per_1m":
+    USD}``, USD per 1M prompt / completion tokens, each a finite number 0..MAX_PRICE_PER_1M. ValueError naming
+    the field (``pricing.prompt_per_1m``) otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"pricing must be an object with {' and '.join(PRICING_FIELDS)} or null, got {value!r}")
+    unknown = sorted(set(value) - set(PRICING_FIELDS))
+    if unknown:
+        raise ValueError(f"pricing.{unknown[0]} is not a pricing field (known: {', '.join(PRICING_FIELDS)})")
+    out = {}
+    for k in PRICING_FIELDS:
+        v = value.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_PRICE_PER_1M:
+            raise ValueError(f"pricing.{k} must be a number of USD per 1M tokens between 0 and "
+                             f"{MAX_PRICE_PER_1M:g}, got {v!r}")
+        out[k] = float(v)
+    return out
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,9 @@ class ModelManifest:
     * ``tool_call_format``: how this model writes tool calls and reads tools and results
       (``actors.text.tool_calls.FORMATS``: ``"hermes"``; docs/tools.md), the parser the worker runs on its
       output; None: the model takes no ``tools`` (a request offering them answers 400).
+    * ``pricing``: USD per 1M prompt and completion tokens (:func:`check_pricing`), charged to tenants'
+      budgets (gateway/budgets.py, docs/budgets.md); None: free. Read by the gateways only: a price change
+      needs no process restart.
     * ``extra``: unknown keys met by from_dict, kept so that a round trip loses nothing.
     """
 
@@ -55,6 +81,7 @@ class ModelManifest:
     defaults: dict[str, Any] = field(default_factory=dict)
     status: str = "active"
     tool_call_format: str | None = None
+    pricing: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -84,6 +111,7 @@ class ModelManifest:
         if self.tool_call_format is not None and self.tool_call_format not in TOOL_CALL_FORMATS:
             raise ValueError(f"tool_call_format must be null or one of {', '.join(TOOL_CALL_FORMATS)}, "
                              f"got {self.tool_call_format!r}")
+        object.__setattr__(self, "pricing", check_pricing(self.pricing))
         if not isinstance(self.extra, Mapping):
             raise ValueError("extra must be an object")
         # Private copies so that callers cannot mutate a frozen manifest through their dicts.
@@ -96,10 +124,10 @@ class ModelManifest:
         return names.ModelRef(self.name, self.version)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (unknown keys from ``extra`` merged back at top level)."""
+        """JSON-ready dict (unknown keys from ``extra`` merged back at top level; ``pricing`` only when set)."""
         d: dict[str, Any] = dict(self.extra)
         for f in dataclasses.fields(self):
-            if f.name != "extra":
+            if f.name != "extra" and not (f.name == "pricing" and self.pricing is None):
                 v = getattr(self, f.name)
                 d[f.name] = dict(v) if isinstance(v, dict) else v
         return d

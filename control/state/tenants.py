@@ -6,7 +6,11 @@ A tenant record (JSON object) holds::
      "keys": {"k1a2b3c4d5e6": {"hash": "sha256:<hex>", "prefix": "sk-as-AbCd", "created": ..., "revoked": null}},
      "quotas": {"rpm": 100, "tpm": null, "concurrency": 4, "daily_tokens": null},   # null = unlimited
      "priority": "interactive", "weight": 1.0,
-     "allowed_models": ["smollm2-135m-instruct"]}                                  # [] = none
+     "allowed_models": ["smollm2-135m-instruct"],                                  # [] = none
+     "budget": {"usd": 25.0, "period": "month"}}                                   # null = no budget
+
+A budget caps what the tenant's requests may cost per UTC day, UTC month or in total, at the model
+versions' prices (manifest ``pricing``); gateways enforce it (gateway/budgets.py, docs/budgets.md).
 
 API keys are ``sk-as-`` + 43 url-safe characters (256 random bits from ``secrets``). Only their SHA-256
 is stored: a key has far too much entropy to be brute-forced from its hash, so a slow password hash
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -33,11 +38,14 @@ from control.state import names
 
 PRIORITY_CLASSES = ("interactive", "batch")
 QUOTA_FIELDS = ("rpm", "tpm", "concurrency", "daily_tokens")
+_GROUP_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a prefix-cache sharing group name (set_cache_group)
 KEY_PREFIX = "sk-as-"
 DEV_TENANT = "dev"
 DEV_KEY_FILE = "dev-api-key"
 DEV_NATS_USER_FILE = "dev-nats-user"  # NATS user name (= key id) of the dev key, for the NATS API
 NATS_BCRYPT_COST = 10  # ~50 ms per NATS connect; the key itself has 256 random bits
+BUDGET_PERIODS = ("day", "month", "total")  # UTC day, UTC calendar month, no reset
+MAX_BUDGET_USD = 1e9  # sanity cap; micro-dollars stay exact in a float (< 2**53)
 
 
 class TenantError(ValueError):
@@ -66,6 +74,38 @@ def parse_bearer(header: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A tenant's spend budget: ``usd`` (USD, 0..MAX_BUDGET_USD) per ``period`` (BUDGET_PERIODS).
+    ValueError naming the field otherwise."""
+
+    usd: float
+    period: str = "month"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.usd, bool) or not isinstance(self.usd, (int, float)) or not 0 <= self.usd <= MAX_BUDGET_USD:
+            raise ValueError(f"budget.usd must be a number of USD between 0 and {MAX_BUDGET_USD:g}, got {self.usd!r}")
+        if self.period not in BUDGET_PERIODS:
+            raise ValueError(f"budget.period must be one of {', '.join(BUDGET_PERIODS)}, got {self.period!r}")
+
+    @property
+    def micro_usd(self) -> int:
+        """The budget in integer micro-dollars (the unit of the spend records)."""
+        return round(self.usd * 1_000_000)
+
+    @classmethod
+    def from_record(cls, rec: Any) -> "Budget | None":
+        """From the record's ``budget`` value (None: no budget); ValueError if malformed."""
+        if rec is None:
+            return None
+        if not isinstance(rec, Mapping):
+            raise ValueError(f"budget must be an object {{usd, period}} or null, got {rec!r}")
+        return cls(rec.get("usd"), rec.get("period", "month"))
+
+    def to_record(self) -> dict[str, Any]:
+        return {"usd": float(self.usd), "period": self.period}
+
+
+@dataclass(frozen=True)
 class Tenant:
     """Parsed tenant record (see the module docstring). Quota values are None for unlimited."""
 
@@ -76,6 +116,8 @@ class Tenant:
     weight: float = 1.0
     allowed_models: tuple[str, ...] = ()
     created: float = 0.0
+    budget: Budget | None = None
+    cache_group: str = ""  # prefix-cache sharing group ("" = the tenant's cache is its own; actors/cache_salt.py)
 
     @classmethod
     def from_record(cls, tenant_id: str, rec: Mapping[str, Any]) -> "Tenant":
@@ -89,14 +131,23 @@ class Tenant:
         prio = rec.get("priority", "interactive")
         if prio not in PRIORITY_CLASSES:
             raise TenantError(f"tenant {tenant_id}: priority must be one of {', '.join(PRIORITY_CLASSES)}")
-        return cls(id=tenant_id, keys={k: dict(v) for k, v in (rec.get("keys") or {}).items()}, quotas=quotas,
+        try:
+            budget = Budget.from_record(rec.get("budget"))
+        except ValueError as exc:
+            raise TenantError(f"tenant {tenant_id}: {exc}") from None
+        group = rec.get("cache_group") or ""
+        if not isinstance(group, str):
+            raise TenantError(f"tenant {tenant_id}: cache_group must be a string")
+        return cls(id=tenant_id, keys={k: dict(v) for k, v in (rec.get("keys") or {}).items()}, quotas=quotas, cache_group=group,
                    priority=prio, weight=float(rec.get("weight", 1.0)),
-                   allowed_models=tuple(rec.get("allowed_models") or ()), created=float(rec.get("created", 0.0)))
+                   allowed_models=tuple(rec.get("allowed_models") or ()), created=float(rec.get("created", 0.0)),
+                   budget=budget)
 
     def to_record(self) -> dict[str, Any]:
         """The JSON object stored in etcd."""
         return {"id": self.id, "created": self.created, "keys": self.keys, "quotas": dict(self.quotas),
-                "priority": self.priority, "weight": self.weight, "allowed_models": list(self.allowed_models)}
+                "priority": self.priority, "weight": self.weight, "allowed_models": list(self.allowed_models),
+                "budget": self.budget.to_record() if self.budget is not None else None}
 
     def active_key_hashes(self) -> dict[str, str]:
         """``{hash: key_id}`` of the keys that are not revoked."""
@@ -224,6 +275,30 @@ class TenantAdmin:
         if not weight > 0:
             raise TenantError("weight must be > 0")
         return await self.update(tenant_id, lambda r: r.__setitem__("weight", float(weight)))
+
+    async def set_cache_group(self, tenant_id: str, group: str | None) -> Tenant:
+        """Put the tenant in prefix-cache sharing group ``group`` (None or "": its own cache again). Tenants of
+        one group hit each other's cached prompt blocks (and can time each other's prompts); others never do.
+        TenantError for a malformed name (1-64 characters of letters, digits, ``._-``)."""
+        group = group or ""
+        if group and not _GROUP_RE.fullmatch(group):
+            raise TenantError("cache_group must be 1-64 characters of letters, digits, '.', '_' or '-'")
+
+        def put(r: dict) -> None:
+            if group:
+                r["cache_group"] = group
+            else:
+                r.pop("cache_group", None)
+        return await self.update(tenant_id, put)
+
+    async def set_budget(self, tenant_id: str, usd: float | None, period: str = "month") -> Tenant:
+        """Set the spend budget (``usd`` USD per ``period``: day, month or total); ``usd`` None clears it.
+        TenantError naming the field for a bad value."""
+        try:
+            budget = None if usd is None else Budget(usd, period).to_record()
+        except ValueError as exc:
+            raise TenantError(str(exc)) from None
+        return await self.update(tenant_id, lambda r: r.__setitem__("budget", budget))
 
     async def ensure_dev_tenant(self, state_dir: str | os.PathLike[str], models: list[str]) -> str:
         """Make sure tenant ``dev`` exists, allows ``models`` (added to its list) and accepts the key in

@@ -241,7 +241,8 @@ async def test_a_pool_mix_starts_workers_where_the_mix_wants_them():
     made = await scaler.tick()
     offers = [PoolOffer.from_record(PoolRecord.from_json(p, r), ThroughputCurve.from_json(curve_json(p)))
               for p, r in records.items()]
-    plan = plan_mix(100.0, offers, scaler.cfg.pools.default_slo).workers
+    # the mix covers demand / target_util: the pool policy keeps its headroom under the mix's ceilings
+    plan = plan_mix(100.0 / scaler.cfg.pools.target_util, offers, scaler.cfg.pools.default_slo).workers
     assert scaler.mixes == {("m", "1"): dict(plan)} and sum(plan.values()) >= 2
     want = {f"worker/m/1/{p}": n for p, n in plan.items() if n > 0}
     assert {d.target: d.desired for d in made} == want  # each mix pool from zero to its count, nothing else

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 import time
 
 import httpx
@@ -106,7 +108,8 @@ async def test_gateway_ttft_histogram_matches_client(metrics_stack):
             fams = families((await client.get(sup.http_url + "/metrics", headers=operator)).text)
             _, n_e2e, _ = histogram(fams, "actorserve_e2e_request_latency_seconds") \
                 if "actorserve_e2e_request_latency_seconds" in fams else ([], 0, 0)
-            if n_e2e >= N_REQUESTS:
+            # worker gauges come from the workers' stats messages (every stats interval): wait for one too
+            if n_e2e >= N_REQUESTS and "actorserve_kv_cache_usage_perc" in fams:
                 break
             await asyncio.sleep(0.2)
 
@@ -153,8 +156,34 @@ async def test_every_actor_registers_its_metrics_endpoint(metrics_stack):
                     kv = [s for s in fams["actorserve_kv_cache_usage_perc"].samples]
                     assert kv and all(0.0 <= s.value <= 1.0 for s in kv), kv
                     assert "actorserve_generation_tokens_per_second" in fams
+                    load = {s.labels["phase"]: s.value for s in fams["actorserve_model_load_seconds"].samples}
+                    assert {"registry", "artifact_read", "convert", "kernels", "quantize", "warmup",
+                            "credits", "register"} <= set(load) and all(v >= 0 for v in load.values()), load
                 if kind == "scheduler":
                     assert "actorserve_num_requests_waiting" in fams
+
+
+async def test_worker_record_and_status_show_the_load_by_phase(metrics_stack):
+    """Issue [11] item 3: the worker's etcd record carries its load phases (first_token once it served
+    one: the TTFT test above ran first or this one streams a request) and ``actorserve status`` prints them."""
+    sup = metrics_stack
+    async with httpx.AsyncClient() as client:
+        await streamed(client, sup.http_url + "/v1/chat/completions",
+                       {"Authorization": f"Bearer {sup.dev_api_key}"}, 0, random.Random(2))
+    async with Registry.connect(sup.etcd_url) as reg:
+        for _ in range(30):
+            workers = await reg.list_workers(*sup.model_ref.split("@"))
+            rec = next(iter(workers.values()), {})
+            if "first_token" in rec.get("load_phases", {}):
+                break
+            await asyncio.sleep(0.2)
+    phases = rec["load_phases"]
+    assert list(phases)[:3] == ["registry", "artifact_read", "convert"] and "first_token" in phases, rec
+    assert rec["load_s"] == pytest.approx(sum(v for k, v in phases.items() if k != "first_token"), abs=0.01)
+    out = subprocess.run([sys.executable, "-m", "control.ops.cli", "status", "--state-dir", str(sup.state_dir)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "loaded in " in out.stdout and "first token" in out.stdout and "warmup" in out.stdout, out.stdout
 
 
 async def test_scheduler_exports_tokens_served_per_tenant_and_its_share(metrics_stack):

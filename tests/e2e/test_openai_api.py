@@ -225,7 +225,7 @@ def test_bad_requests_do_not_disturb_good_ones(stack):
 LONG_DEADLINE_MS = 600_000
 
 def _wait_aborted(stack, before: WorkerStats) -> WorkerStats:
-    t_end = time.time() + 15
+    t_end = time.time() + 60  # a whole-prompt prefill step on float32 without AVX-512 can take 10 s and more
     while True:
         after = asyncio.run(latest_worker_stats(stack.nats_url))
         if after.num_aborted > before.num_aborted and after.num_running == 0 and after.num_waiting == 0:

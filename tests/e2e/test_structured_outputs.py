@@ -60,7 +60,10 @@ def test_parse_every_schema_streamed_and_not(stack):
         try:
             calls = [f(c, m, prompt, seed) for seed, (m, _, prompt) in enumerate(CASES) for f in (_parse, _stream)]
             plain = c.chat.completions.create(model=MODEL, messages=_messages("Say hello."), max_tokens=64,
-                                              temperature=0.7, seed=1, extra_body={"ignore_eos": True})
+                                              temperature=0.7, seed=1,
+                                              # a long deadline: behind 40+ constrained requests on a loaded
+                                              # 2-core machine, deadline admission may refuse the default 120 s
+                                              extra_body={"ignore_eos": True, "deadline_ms": 600_000})
             *choices, free = await asyncio.gather(*calls, plain, return_exceptions=True)
         finally:
             await c.close()

@@ -72,7 +72,7 @@ async def test_profile_measures_and_stores_the_curve(infra, registry, tmp_path):
     out = tmp_path / "curve.json"
     r = await asyncio.to_thread(_cli, infra, "profile", f"{model}@{version}", "--pool", "local", "--batches", "1,2",
                                 "--prompts", "8,16", "--decode-prompt-tokens", "8", "--decode-tokens", "6",
-                                "--threads", "1", "--json", str(out))
+                                "--threads", "1", "--dtype", "float32", "--quantization", "none", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert cpu_model() in r.stdout and "ITL ms" in r.stdout and "TTFT ms" in r.stdout
     stored = await registry.get_json(names.profile_key(model, version, "local"))

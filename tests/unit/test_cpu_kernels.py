@@ -125,7 +125,7 @@ def test_a_corrupt_cached_build_is_rebuilt(tmp_path, monkeypatch, cut):
     monkeypatch.setenv("ACTORSERVE_KERNEL_DIR", str(tmp_path))
     cpu_kernels.load.cache_clear()
     try:
-        built = cpu_kernels._build([shutil.which("g++") or shutil.which("c++")])  # compiled, not loaded
+        built = cpu_kernels._build([shutil.which("g++") or shutil.which("c++")], cpu_kernels.select_isa())  # as load() would
         data = built.read_bytes()
         built.write_bytes(data[:cut])
         kernels = cpu_kernels.load()

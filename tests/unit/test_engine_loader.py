@@ -58,3 +58,26 @@ def test_kv_cache_sizing(tiny):
     assert "10 blocks" in kv.describe()
     with pytest.raises(ValueError):
         KVCache(cfg, per_block - 1, 16, torch.float32, "cpu")
+
+
+def test_an_engine_load_parses_the_gguf_once(tiny, monkeypatch):
+    """One parse of the default model's metadata costs seconds: weights, quantization, token bytes and the
+    control-token names all come from one ``GGUFReader``."""
+    import gguf
+
+    from actors.worker.engine.engine import EngineConfig, LLMEngine
+
+    opened: list[str] = []
+    real = gguf.GGUFReader
+
+    class Counting(real):
+        def __init__(self, path, mode="r"):
+            opened.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    engine = LLMEngine(EngineConfig(model_path=tiny, dtype="bfloat16", quantization="auto",
+                                    kv_cache_bytes=1 << 20, max_num_seqs=2))
+    assert opened == [tiny]
+    assert engine.structured.tokenizer is not None  # control-token names were read from that one parse
+    assert opened == [tiny]

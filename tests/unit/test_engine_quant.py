@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from actors.worker.engine import cpu_kernels
 from actors.worker.engine.model import Linear, packed_linear_factory
 from actors.worker.engine.quant import (Int4Linear, Int8Linear, SplitLinear, make_linear_factory,
                                         quantization_for_types)
+from actors.worker.engine.quant_blocks import QuantLinear
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
@@ -68,12 +70,18 @@ def test_auto_quantization_by_gguf_tensor_types(types, expected):
     assert quantization_for_types(types) == expected
 
 
+_NATIVE = cpu_kernels.load() is not None
+_BLOCK = _NATIVE and __import__("actors.worker.engine.quant", fromlist=["x"]).block_quant_enabled()
+
+
 @pytest.mark.parametrize("flag,dtype,expected", [("none", "bfloat16", None), ("auto", "bfloat16", "int8"),
-                                                 ("int4", "bfloat16", "int4"), ("auto", "float32", None),
+                                                 ("int4", "bfloat16", "int4"),
+                                                 ("auto", "float32", "int8" if _BLOCK else None),
                                                  ("int8", "float32", "int8")])
 def test_worker_quantization_flag(tmp_path, flag, dtype, expected):
     """The worker's --quantization reaches the engine; "auto" on the tiny model (F32 projections plus
-    one Q8_0 ffn_down) resolves to int8 in bf16 and to none in float32 (quantized products lose there)."""
+    one Q8_0 ffn_down) resolves to int8 in bf16, and in float32 too where the native block-quantized
+    products load (quant_blocks.QuantLinear; without them torch's int8 kernel loses to dense float32)."""
     import argparse
 
     from actors.worker.actor import add_arguments, build_engine
@@ -141,7 +149,8 @@ def test_factory_uses_amx_int4_where_it_applies():
 
     make = make_linear_factory("int4", lambda weight, name: Linear(weight), kernels=_amx_kernels())
     assert isinstance(make(torch.randn(64, 64).bfloat16(), "o"), AmxInt4Linear)
-    assert isinstance(make(torch.randn(64, 64), "o"), SplitLinear)  # float32 model: AMX path is bf16 only
+    # float32 model: the AMX path is bf16 only (block products unless ACTORSERVE_BLOCK_QUANT=0)
+    assert isinstance(make(torch.randn(64, 64), "o"), QuantLinear if _BLOCK else SplitLinear)
     assert isinstance(make_linear_factory("int4", None)(torch.randn(64, 64).bfloat16(), "o"), Int4Linear)
     assert not AmxInt4Linear.supports(torch.randn(40, 64).bfloat16(), _amx_kernels())  # 40 outputs: not whole tiles
     assert not AmxInt4Linear.supports(torch.randn(64, 48).bfloat16(), _amx_kernels())  # 48 inputs: not whole groups

@@ -34,6 +34,7 @@ async def test_gap_and_a_handed_over_worker_are_errors():
     with pytest.raises(StreamError) as ei:
         await next_chunk(e)
     assert ei.value.error["code"] == "stream_gap"
+    assert ei.value.error["retryable"] and ei.value.error["retry_after"] == 1.0  # HTTP: Retry-After: 1
     # another worker may take the stream over at the next seq (a migrated sequence); after that the
     # previous worker's chunks are errors, even at the expected seq
     e2 = InflightTable().open("r", time.time() + 5, 5)

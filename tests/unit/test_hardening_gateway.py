@@ -217,7 +217,7 @@ def test_jetstream_permissions_name_each_role_s_streams():
     kv = {streams.kv_stream(b) for b in (streams.USAGE_BUCKET, streams.QUOTA_BUCKET, streams.IDEM_BUCKET,
                                          streams.JOBS_BUCKET, streams.RESPONSES_BUCKET)}
     assert api_streams("gateway") == {"AS_DONE", "AS_JOBS", "OBJ_as_job_data", *kv}
-    assert api_streams("jobs") == {"AS_JOBS", "KV_as_jobs", "OBJ_as_job_data"}
+    assert api_streams("jobs") == {"AS_JOBS", "KV_as_jobs", "KV_as_quota", "OBJ_as_job_data"}  # quota: spend budgets
     assert api_streams("scheduler") == {subjects.ANY_STREAM}
     assert api_streams("scheduler", "deny") == set(platform_streams()) == {"AS_DONE", "AS_JOBS", "OBJ_as_job_data", *kv}
     assert all(not api_streams(r) for r in ROLES if r not in ("gateway", "jobs", "scheduler"))

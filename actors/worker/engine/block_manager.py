@@ -10,7 +10,9 @@ its docs; written here from that description):
 
 * A *full* block whose K/V has been computed is registered under a chain hash:
   ``h_i = blake2b(h_{i-1} || token ids of block i)``, so equal hashes mean equal token prefixes
-  (128-bit digests; a collision is as unlikely as in any content-addressed store).
+  (128-bit digests; a collision is as unlikely as in any content-addressed store).  The chain's root
+  ``h_{-1}`` is the sequence's cache salt (actors/cache_salt.py: model version, tenant or cache-sharing
+  group, adapter), so sequences with different salts never share a block (``b""``: no salt).
 * Blocks carry reference counts.  A new sequence whose token ids start with cached full blocks
   takes them (refcount + 1) instead of fresh ones, and its first ``hits * block_size`` tokens
   count as computed.  At least one token is always left to compute (its logits are needed).
@@ -54,6 +56,7 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # chain hash -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached blocks, LRU first
         self._seq_hashes: dict[str, list[bytes]] = {}  # chain hashes of each sequence's full blocks
+        self._salt: dict[str, bytes] = {}  # each sequence's cache salt (the chain's root; absent = b"")
         self.prefix_query_tokens = 0  # prompt tokens looked up in the cache (tokens)
         self.prefix_hit_tokens = 0  # of which found cached (tokens)
 
@@ -92,12 +95,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def _match(self, token_ids) -> tuple[list[int], list[bytes]]:
-        """Cached blocks (and their hashes) of the longest cached full-block prefix of ``token_ids``,
-        leaving at least one token uncached."""
+    def _match(self, token_ids, salt: bytes = b"") -> tuple[list[int], list[bytes]]:
+        """Cached blocks (and their hashes) of the longest cached full-block prefix of ``token_ids`` under
+        ``salt``, leaving at least one token uncached."""
         if not self.enable_prefix_caching or not token_ids:
             return [], []
-        bs, blocks, hashes, parent = self.block_size, [], [], b""
+        bs, blocks, hashes, parent = self.block_size, [], [], salt
         for i in range((len(token_ids) - 1) // bs):
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             b = self._block_of.get(h)
@@ -108,9 +111,10 @@ class BlockManager:
             parent = h
         return blocks, hashes
 
-    def cached_prefix_tokens(self, token_ids) -> int:
-        """Tokens of ``token_ids`` a new sequence would find cached (a multiple of block_size)."""
-        return len(self._match(token_ids)[0]) * self.block_size
+    def cached_prefix_tokens(self, token_ids, salt: bytes = b"") -> int:
+        """Tokens of ``token_ids`` a new sequence with cache ``salt`` would find cached (a multiple of
+        block_size)."""
+        return len(self._match(token_ids, salt)[0]) * self.block_size
 
     def cache_blocks(self, seq_id: str, token_ids, num_computed_tokens: int) -> None:
         """Register ``seq_id``'s full blocks among its first ``num_computed_tokens`` tokens."""
@@ -118,7 +122,7 @@ class BlockManager:
             return
         hashes, table, bs = self._seq_hashes.setdefault(seq_id, []), self._tables[seq_id], self.block_size
         for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
-            h = block_hash(hashes[-1] if hashes else b"", token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(hashes[-1] if hashes else self._salt.get(seq_id, b""), token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             b = table[i]
             if h not in self._block_of and b not in self._hash_of:
@@ -159,15 +163,17 @@ class BlockManager:
         """True if a new sequence of ``num_tokens`` tokens fits in the free blocks (no prefix hits)."""
         return blocks_for(num_tokens, self.block_size) <= self.num_free_blocks
 
-    def allocate(self, seq_id: str, num_tokens: int, token_ids=None) -> list[int] | None:
+    def allocate(self, seq_id: str, num_tokens: int, token_ids=None, salt: bytes = b"") -> list[int] | None:
         """Give new sequence ``seq_id`` slots for ``num_tokens`` tokens; its table, or None if no room.
 
         With ``token_ids`` (the sequence's tokens) and prefix caching on, cached full blocks of its
-        prefix are shared (see ``cached_prefix_tokens``); ``num_tokens`` counts them too.
+        prefix under the same ``salt`` (actors/cache_salt.py: model version, tenant scope, adapter) are
+        shared (see ``cached_prefix_tokens``); ``num_tokens`` counts them too. The blocks it fills are
+        registered under that salt.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already allocated")
-        hits, hashes = self._match(token_ids) if token_ids is not None else ([], [])
+        hits, hashes = self._match(token_ids, salt) if token_ids is not None else ([], [])
         hits, hashes = hits[: num_tokens // self.block_size], hashes[: num_tokens // self.block_size]
         new = blocks_for(num_tokens, self.block_size) - len(hits)
         if new > self.num_free_blocks - sum(1 for b in hits if self._ref[b] == 0):
@@ -178,6 +184,8 @@ class BlockManager:
             self._ref[b] += 1
         self._tables[seq_id] = hits + [self._take_free() for _ in range(new)]
         self._num_slots[seq_id] = num_tokens
+        if salt:
+            self._salt[seq_id] = salt
         if self.enable_prefix_caching and token_ids is not None:
             self._seq_hashes[seq_id] = hashes
             self.prefix_query_tokens += len(token_ids)
@@ -214,6 +222,7 @@ class BlockManager:
         table = self._tables.pop(seq_id, [])
         self._num_slots.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
+        self._salt.pop(seq_id, None)
         for b in reversed(table):
             self._release(b)
         return len(table)

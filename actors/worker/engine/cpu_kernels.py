@@ -10,7 +10,15 @@
   weight dequantized tile by tile on the vector units and multiplied on the AMX tile unit (quant.py
   ``AmxInt4Linear``);
 * ``prefill_attention`` (csrc/prefill_attention.cpp, AMX-BF16, head_dim 64): causal attention of
-  a fresh prefill chunk, flash-style on the tile unit (model.py ``_fresh_prefill``).
+  a fresh prefill chunk, flash-style on the tile unit (model.py ``_fresh_prefill``);
+* ``qgemm`` (csrc/qgemm.cpp, any x86-64): block-quantized weights (Q8_0 / Q4_1 forms) times
+  activations quantized per row and 32-block to int8, integer dot products on AVX-512 VNNI
+  (``VPDPBUSD``) or AVX2 (``VPMADDUBSW``), portable C++ elsewhere (quant.py ``QuantLinear``).
+
+ISA (``select_isa``): ``$ACTORSERVE_ISA`` (``avx512``, ``avx2`` or ``generic``) or, unset, the best
+that ``cpu_flags()`` offers.  ``avx2`` and ``generic`` build a variant without AVX-512 (``-mno-avx512f``,
+and ``-mno-avx2`` for ``generic``), so every kernel's narrower path runs (and is tested) on any machine;
+the AMX kernels need AVX512-BF16 and are left out of such builds.
 
 The small-op kernels reproduce the PyTorch expression they replace, roundings included; the
 attention and int4 kernels agree with theirs within the bf16 roundings their docstrings state
@@ -45,11 +53,28 @@ from .hardware import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp", "qgemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf x16) for the AVX-512 softmax
 BUILD_TIMEOUT_S = 120
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx512f", "-mno-avx2"]}
+QGEMM_ISAS = {2: "avx512", 1: "avx2", 0: "generic"}  # actorserve_qgemm_isa() -> name
+
+
+def select_isa() -> str:
+    """``$ACTORSERVE_ISA`` if set (raises ValueError on a name not in ``ISA_FLAGS``), else "avx512"
+    where the CPU has AVX-512 F/BW/VNNI, "avx2" with AVX2 + FMA + F16C, "generic" otherwise."""
+    name = os.environ.get("ACTORSERVE_ISA", "").strip().lower()
+    if name:
+        if name not in ISA_FLAGS:
+            raise ValueError(f"ACTORSERVE_ISA={name!r}: expected one of {sorted(ISA_FLAGS)}")
+        return name
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "generic"
 
 
 def _kernel_dir() -> Path:
@@ -95,13 +120,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
-def _build(cxx: list[str]) -> Path:
-    """Compile SOURCES into one library unless a verified build is cached; return the shared object's path.
+def _build(cxx: list[str], isa: str = "avx512") -> Path:
+    """Compile SOURCES into one library (``ISA_FLAGS[isa]`` added) unless a verified build is cached;
+    return the shared object's path.
 
     Raises OSError (unwritable folder, empty or non-ELF output) or subprocess errors (compiler
     missing, failing or over ``BUILD_TIMEOUT_S``)."""
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), *FLAGS, *LIBS, version, " ".join(sorted(cpu_flags()))])
+    flags = [*FLAGS, *ISA_FLAGS[isa]]
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), *flags, *LIBS, version, " ".join(sorted(cpu_flags()))])
                          .encode()).hexdigest()[:16]
     out = _kernel_dir() / f"cpu_kernels-{key}.so"
     if _verified(out):
@@ -111,7 +138,7 @@ def _build(cxx: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([*cxx, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], check=True, capture_output=True, text=True,
+        subprocess.run([*cxx, *flags, "-o", tmp, *map(str, SOURCES), *LIBS], check=True, capture_output=True, text=True,
                        timeout=BUILD_TIMEOUT_S)
         data = Path(tmp).read_bytes()
         if not data.startswith(b"\x7fELF"):
@@ -124,29 +151,40 @@ def _build(cxx: list[str]) -> Path:
     return out
 
 
-def _open(cxx: list[str]) -> ctypes.CDLL:
+def _open(cxx: list[str], isa: str) -> ctypes.CDLL:
     """Build (or reuse) and load the library; a verified file that still does not load (built for
     another machine with the same key) is removed and built once more.  Raises OSError / SubprocessError."""
-    path = _build(cxx)
+    path = _build(cxx, isa)
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:
         log.warning("cached CPU kernels %s did not load (%s); rebuilding", path, exc)
         path.with_suffix(".sha256").unlink(missing_ok=True)
-        return ctypes.CDLL(str(_build(cxx)))
+        return ctypes.CDLL(str(_build(cxx, isa)))
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> "CpuKernels | None":
-    """The compiled kernel, or None where it cannot be built (logged once)."""
+    """The compiled kernel for ``select_isa()``, or None where it cannot be built (logged once)."""
     if os.environ.get("ACTORSERVE_NATIVE_KERNELS", "1") == "0":
         return None
+    return _load(select_isa())
+
+
+@functools.lru_cache(maxsize=4)
+def load_isa(isa: str) -> "CpuKernels | None":
+    """The kernels built for ``isa`` (a key of ``ISA_FLAGS``) whatever the environment says, or None
+    where they cannot be built; for tests and measurements of the narrower paths."""
+    return _load(isa)
+
+
+def _load(isa: str) -> "CpuKernels | None":
     cxx = shlex.split(os.environ.get("CXX", "")) or [c for c in (shutil.which("g++") or shutil.which("c++"),) if c]
     if not cxx:
         log.warning("no C++ compiler: the engine's CPU kernels stay on the PyTorch path")
         return None
     try:
-        return CpuKernels(_open(cxx))
+        return CpuKernels(_open(cxx, isa))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("native CPU kernels unavailable (%s); using the PyTorch path", str(detail)[:500])
@@ -172,12 +210,15 @@ class CpuKernels:
             "actorserve_int4_linear": [p, i64, p, p, p, i64, i32, i32, i32, i32],
             "actorserve_amx_available": [],
             "actorserve_prefill_attention": [p, i64, p, p, i64, p, i64, i32, i32, i32, i32, f32],
+            "actorserve_qgemm": [i32, i32, p, i64, p, p, i64, i32, i32, i32],
+            "actorserve_qgemm_isa": [],
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
             setattr(self, "_" + name.removeprefix("actorserve_"), fn)
         self.has_amx = self._amx_available() == 1  # built with AMX-BF16 and the kernel granted tile data
+        self.qgemm_isa = QGEMM_ISAS[self._qgemm_isa()]  # the integer-product path this build runs
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -288,4 +329,22 @@ class CpuKernels:
         out = torch.empty(n, H, hd, dtype=torch.bfloat16)
         self._rc(self._prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
                                          out.data_ptr(), out.stride(0), n, H, Hkv, hd, scale), "prefill_attention")
+        return out
+
+    def qgemm(self, x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
+        """``y = x @ W^T`` for a block-quantized weight packed by ``quant.pack_blocks``.
+
+        x [M, K] float32 or bfloat16 with contiguous rows (any row stride); packed uint8
+        [N / 16, K / 32, 544] (bits 8) or [N / 16, K / 32, 320] (bits 4), N = ``out_features``.
+        Returns y [M, N] in x's dtype.  x is quantized per row and 32-block to int8 inside (the
+        exact arithmetic: csrc/qgemm.cpp).  Raises ValueError on other layouts or dtypes."""
+        _check(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _DTYPE_CODES, "qgemm: x [M, K] float32/bf16 rows")
+        M, K = x.shape
+        bs = {8: 544, 4: 320}.get(bits)
+        _check(bs is not None and packed.dtype == torch.uint8 and packed.is_contiguous()
+               and packed.shape == (out_features // 16, K // 32, bs) and out_features % 16 == 0 and K % 32 == 0,
+               f"qgemm: packed weight for bits {bits}, [{out_features}, {K}]")
+        out = torch.empty(M, out_features, dtype=x.dtype)
+        self._rc(self._qgemm(_DTYPE_CODES[x.dtype], bits, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                             out.data_ptr(), out.stride(0), M, out_features, K), "qgemm")
         return out

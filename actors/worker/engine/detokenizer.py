@@ -56,11 +56,12 @@ def token_bytes_table(tokens: list[str], token_types: list[int] | None, skip_spe
     return [token_to_bytes(t, tt, skip_special) for t, tt in zip(tokens, types)]
 
 
-def load_token_bytes(gguf_path: str, skip_special: bool = True) -> list[bytes]:
-    """Read ``tokenizer.ggml.tokens``/``token_type`` from a GGUF file and build the bytes table."""
+def load_token_bytes(gguf_path: str, skip_special: bool = True, reader=None) -> list[bytes]:
+    """Read ``tokenizer.ggml.tokens``/``token_type`` from a GGUF file (or its open ``gguf.GGUFReader``
+    ``reader``) and build the bytes table."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
+    reader = reader if reader is not None else gguf.GGUFReader(gguf_path)
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     types = reader.fields.get("tokenizer.ggml.token_type")
     return token_bytes_table(tokens, types.contents() if types else None, skip_special)

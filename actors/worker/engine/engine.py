@@ -27,8 +27,8 @@ import torch
 
 from . import cpu_kernels
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_token_bytes, replay
-from .gguf_loader import load_gguf
+from .request_book import RequestBook
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher, replay
 from .hardware import DTYPES, resolve_dtype
 from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
@@ -38,6 +38,7 @@ from .sampler import generator_state, make_generator, sample_batch, set_generato
 from .step_rates import StepRates
 from .structured import GrammarState, Structured
 from .types import EngineRequest, EngineStats, StepOutput
+from .weights_cache import PackCache, read_artifact
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class EngineConfig:
     native_kernels: bool = True  # CPU: decode attention by the C++ kernel (cpu_kernels.py) when it builds
     num_threads: int | None = None  # torch threads for large steps; None = torch's default (all cores)
     small_step_tokens: int = 0  # steps with <= this many tokens run on one thread (0 = never; see 0006)
+    weights_cache: bool = False  # read / write the converted-weights cache (weights_cache.py; the worker's default)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -96,32 +98,58 @@ class _Request:
         return len(self.req.prompt_token_ids)
 
 
-class LLMEngine:
+class _PhaseClock:
+    """Seconds between consecutive ``mark`` calls, by phase name (monotonic clock), after ``phases``
+    timed already."""
+
+    def __init__(self, phases: dict[str, float] | None = None) -> None:
+        self.phases: dict[str, float] = dict(phases or {})
+        self._last = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
+class LLMEngine(RequestBook):
     """See module docstring.  Not thread-safe: call from one thread (the worker's engine loop)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.dtype_name = resolve_dtype(config.dtype, config.device)  # "auto" resolved
         dtype = _DTYPES[self.dtype_name]
-        self.model_config, weights = load_gguf(config.model_path, dtype, config.device, config.progress)
+        art = read_artifact(config.model_path, dtype, config.device, config.progress, config.weights_cache)
+        self.model_config, self.weights_cached = art.config, art.cached
+        clock = _PhaseClock(art.phases)  # seconds per load phase (actors/worker/load_phases.py names them)
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
         log.info(self.kv.describe())
         self.max_model_len = self._resolve_max_model_len()
         self.quantization = resolve_quantization(config.quantization, config.model_path, self.dtype_name,
-                                                 config.device)  # "auto" resolved
+                                                 config.device, types=art.tensor_types)  # "auto" resolved
         if self.quantization and not quantized_kernels_pay(self.dtype_name, config.device):
             log.warning("weight-only %s with %s on %s runs slower than dense weights (quant.py)",
                         self.quantization, self.dtype_name, config.device)
         dense = packed_linear_factory(dtype, config.device) if config.quant_dense_copy else None
         kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
-        self.model = LlamaModel(self.model_config, weights, self.max_model_len,
-                                make_linear_factory(self.quantization, dense, kernels=kernels), config.native_kernels)
+        factory = make_linear_factory(self.quantization, dense, kernels=kernels)
+        packs = PackCache(config.model_path, dtype, self.quantization, kernels) \
+            if config.weights_cache and factory is not None else None
+        clock.mark("kernels")
+        self.model = LlamaModel(self.model_config, art.weights, self.max_model_len,
+                                packs.wrap(factory) if packs else factory, config.native_kernels)
+        if packs:
+            packs.save()
+        clock.mark("quantize")
+        self.load_phases = clock.phases  # {phase: s}: artifact_read, convert, kernels, quantize
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.token_bytes = load_token_bytes(config.model_path)
+        self.token_bytes = art.token_bytes
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_ids()
-        self.structured = Structured(config.model_path, self.token_bytes, self.eos_token_ids)
+        self.structured = Structured(config.model_path, self.token_bytes, self.eos_token_ids,
+                                     special_names=art.special_names)
+        del art  # the model holds what it needs of the weights
         self._requests: dict[str, _Request] = {}
         self._aborted: list[StepOutput] = []
         self._stats = EngineStats(num_total_blocks=self.kv.num_blocks)
@@ -179,7 +207,7 @@ class LLMEngine:
             grammar.consume(t)
         self._requests[req.request_id] = r
         self.scheduler.add(req.request_id, len(ids), r.token_ids, front=front, urgent=req.urgent,
-                           priority=req.priority)
+                           priority=req.priority, tenant=req.tenant, weight=req.tenant_weight, salt=req.cache_salt)
         return texts
 
     def detach_request(self, request_id: str) -> tuple[tuple[int, ...], bytes] | None:
@@ -191,33 +219,6 @@ class LLMEngine:
             return None
         self.scheduler.remove(request_id)
         return tuple(r.output_ids), generator_state(r.generator)
-
-    def preempt_request(self, request_id: str) -> bool:
-        """Recompute-preempt a running request between steps (vLLM's recompute preemption, Kwon et al.
-        2023): its KV blocks are freed (full blocks stay in the prefix cache) and it waits at the tail of
-        the queue; when readmitted it recomputes prompt + generated tokens and goes on generating as if
-        uninterrupted. False when the request is not running (unknown, finished or already waiting)."""
-        return self.scheduler.preempt(request_id)
-
-    def is_running(self, request_id: str) -> bool:
-        """True when ``request_id`` is in the running batch (admitted, not waiting or preempted)."""
-        return self.scheduler.is_running(request_id)
-
-    def has_request(self, request_id: str) -> bool:
-        """True while ``request_id`` waits or runs in the engine (an abort not yet reported counts as gone)."""
-        return request_id in self._requests
-
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its blocks; next ``step()`` reports it finished ("abort")."""
-        r = self._requests.pop(request_id, None)
-        if r is None:
-            return
-        self.scheduler.remove(request_id)
-        self._aborted.append(StepOutput(request_id, (), "", True, "abort", r.num_prompt, len(r.output_ids)))
-
-    def has_unfinished(self) -> bool:
-        """True while a request waits, runs, or has an abort still to report."""
-        return bool(self._requests) or bool(self._aborted)
 
     # ----------------------------------------------------------------- step
 
@@ -357,6 +358,8 @@ class LLMEngine:
         s.extra["num_preemptions"] = self.scheduler.num_preemptions
         s.extra["prefix_cache_hit_tokens"] = self.block_manager.prefix_hit_tokens
         s.extra["prefix_cache_query_tokens"] = self.block_manager.prefix_query_tokens
+        s.extra["prefix_hits_by_tenant"] = dict(self.scheduler.prefix_hits_by_tenant)
+        s.extra["num_kv_reclaims"] = self.scheduler.num_kv_reclaims
 
     def _count_served(self, plan: StepPlan) -> None:
         """Add the step's service to ``stats.served[tenant]``: prompt positions computed for the first time
@@ -374,34 +377,6 @@ class LLMEngine:
         r = self._requests.get(seq_id)
         return r.num_prompt if r else 0
 
-    def stats(self) -> EngineStats:
-        """Snapshot of counters (a copy)."""
-        s = self._stats
-        s.num_running, s.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
-        s.num_free_blocks = self.block_manager.num_free_blocks
-        s.extra.update(self.structured.stats())  # num_constrained_steps, grammar_*, mask_ms_total
-        s.step_ms = self.rates.step_ms(max(1, s.num_running))
-        s.prefill_tokens_per_s = self.rates.prefill_tokens_per_s
-        with self._served_lock:
-            served = {t: list(c) for t, c in s.served.items()}
-        return EngineStats(**{**s.__dict__, "extra": dict(s.extra), "served": served,
-                              "paused": self.scheduler.paused_ids()})
-
-    def reset_prefix_cache(self) -> int:
-        """Forget all cached prefixes (cold start for the next request); returns blocks dropped."""
-        return self.block_manager.reset_prefix_cache()
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Sequence slots (sequences in one step), from the config."""
-        return self.config.max_num_seqs
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV cache block, from the config."""
-        return self.config.block_size
-
-    def credits(self) -> tuple[int, int]:
-        """(free KV blocks, free sequence slots = max_num_seqs - running - waiting, >= 0)."""
-        used = self.scheduler.num_running + self.scheduler.num_waiting
-        return self.block_manager.num_free_blocks, max(0, self.config.max_num_seqs - used)
+    def _extra_stats(self) -> dict:
+        """num_constrained_steps, grammar_*, mask_ms_total (structured outputs) for ``stats().extra``."""
+        return self.structured.stats()

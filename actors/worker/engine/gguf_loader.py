@@ -122,16 +122,17 @@ def _dequantize(tensor, config: ModelConfig) -> np.ndarray:
 
 
 def load_gguf(
-    path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = False
+    path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = False, reader=None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load ``(ModelConfig, weights)``; weights are ``{name: tensor}`` in ``dtype`` on ``device``.
 
     Names: ``embed`` [vocab, d], ``norm`` [d], ``lm_head`` [vocab, d] (tied to ``embed`` when the
     file has no ``output.weight``), ``layers.{i}.{attn_norm,ffn_norm}`` [d],
     ``layers.{i}.wq`` [H*hd, d], ``wk``/``wv`` [Hkv*hd, d], ``wo`` [d, H*hd],
-    ``w_gate``/``w_up`` [ffn, d], ``w_down`` [d, ffn].  ``progress`` shows a tqdm bar.
+    ``w_gate``/``w_up`` [ffn, d], ``w_down`` [d, ffn].  ``progress`` shows a tqdm bar. ``reader``: an open
+    ``gguf.GGUFReader`` of ``path`` to reuse (one parse of the default model's metadata costs 2.5-5 s here).
     """
-    reader = gguf.GGUFReader(path)
+    reader = reader if reader is not None else gguf.GGUFReader(path)
     config = read_config(reader)
     weights: dict[str, torch.Tensor] = {}
     for tensor in _progress(reader.tensors, progress, path):

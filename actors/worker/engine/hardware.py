@@ -1,5 +1,8 @@
 """Hardware capability checks for the engine: CPU flags, bf16 matmul support, dtype resolution.
 
+The worker's default path (dtype and quantization together) is chosen by ``kernel_choice.py`` from
+``isa_flags()``; ``resolve_dtype`` is the engine's own fallback for ``EngineConfig(dtype="auto")``.
+
 ``dtype="auto"`` resolves to bfloat16 where the device multiplies bf16 matrices natively (CPU:
 AMX-BF16 or AVX512-BF16 through oneDNN; CUDA: compute capability >= 8.0), else float32.
 Measured on a 2-core Sapphire Rapids VM (docs/decisions/0006-engine-speed.md): a 4096^3 product runs
@@ -26,6 +29,13 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def isa_flags() -> frozenset[str]:
+    """The CPU flags the engine's path choice depends on (``kernel_policy.ISA_FLAGS``) present here."""
+    from .kernel_policy import ISA_FLAGS
+
+    return cpu_flags() & frozenset(ISA_FLAGS)
 
 
 def bf16_matmul_supported(device: str) -> bool:

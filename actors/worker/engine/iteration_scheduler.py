@@ -25,6 +25,12 @@ at the queue head before running prefill chunks take it, so its whole prefill jo
 together with every running decode (decodes never skip a step for it); ordinary waiting sequences are
 not admitted into that step (they join the next one), so their prefills do not lengthen it.
 
+KV share between tenants (kv_share.py, docs/decisions/0031-kv-isolation-and-cache-salt.md): with sequences
+of two or more tenants present, before planning a step the waiting sequence of the tenant furthest below
+its weighted share of the blocks goes to the head of the ordinary waiting sequences, and if its first
+chunk's blocks are missing, the newest running sequences of tenants above their share are preempted (to
+the waiting tail, as ``preempt``) until they fit.
+
 Fair-share preemption (docs/decisions/0018-fair-share-preemption.md): the caller may ``add`` the
 sequence that displaces another with ``front=True`` and then ``preempt`` the running victim between
 steps (same recompute preemption, but requeued at the waiting *tail*: behind the newcomer and behind
@@ -36,7 +42,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, blocks_for
+from .kv_share import below_share, reclaim_from
 
 
 @dataclass
@@ -50,6 +57,9 @@ class SchedSeq:
     token_ids: list[int] | None = None  # the engine's token list (prompt + generated), for prefix caching
     batch: bool = False  # priority class "batch" (else "interactive"): preempted first on block shortage
     urgent: bool = False  # prefill priority: queued ahead of ordinary waiting sequences
+    tenant: str = ""  # accounting key: KV share under contention (kv_share.py), prefix hits per tenant
+    weight: float = 1.0  # the tenant's fair-share weight (scheduler's tenant record), for the KV share
+    salt: bytes = b""  # prefix-cache salt (actors/cache_salt.py): blocks are shared only under equal salts
 
     @property
     def num_pending(self) -> int:
@@ -73,6 +83,7 @@ class StepPlan:
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    reclaimed: list[str] = field(default_factory=list)  # preempted before planning to restore a tenant's KV share
 
     @property
     def num_batched_tokens(self) -> int:
@@ -97,6 +108,8 @@ class IterationScheduler:
         self.running: list[SchedSeq] = []
         self._seqs: dict[str, SchedSeq] = {}
         self.num_preemptions = 0
+        self.num_kv_reclaims = 0  # sequences preempted to give a waiting tenant its KV share
+        self.prefix_hits_by_tenant: dict[str, int] = {}  # prompt tokens found in the prefix cache, per tenant
 
     @property
     def num_waiting(self) -> int:
@@ -111,17 +124,21 @@ class IterationScheduler:
         return bool(self._seqs)
 
     def add(self, seq_id: str, num_prompt_tokens: int, token_ids: list[int] | None = None,
-            front: bool = False, urgent: bool = False, priority: str = "interactive") -> None:
+            front: bool = False, urgent: bool = False, priority: str = "interactive", tenant: str = "",
+            weight: float = 1.0, salt: bytes = b"") -> None:
         """Queue a new sequence at the tail of the waiting queue (``front``: at its head; ``urgent``:
         behind the urgent sequences at the head, ahead of the others).
 
         ``token_ids``: the sequence's live token list (prompt, then generated tokens appended by the
         caller); given, the block manager's prefix cache is consulted on admission and filled as
-        blocks complete.  ``priority``: "interactive" or "batch" (bus.messages.PRIORITIES).
+        blocks complete.  ``priority``: "interactive" or "batch" (bus.messages.PRIORITIES).  ``tenant`` and
+        ``weight``: its tenant and fair-share weight (KV share under contention, kv_share.py); ``salt``: its
+        prefix-cache salt (actors/cache_salt.py).
         """
         if seq_id in self._seqs:
             raise ValueError(f"duplicate sequence id {seq_id!r}")
-        seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids, batch=priority == "batch", urgent=urgent)
+        seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids, batch=priority == "batch", urgent=urgent,
+                       tenant=tenant, weight=weight, salt=salt)
         self._seqs[seq_id] = seq
         if front:
             self.waiting.appendleft(seq)
@@ -178,6 +195,7 @@ class IterationScheduler:
     def schedule(self) -> StepPlan:
         """Plan one step (mutates block tables); see module docstring for the policy."""
         plan = StepPlan()
+        self._share_kv(plan)
         reserve = self._urgent_reserve()
         budget = self._schedule_running(plan, self.max_num_batched_tokens - reserve) + reserve
         if not plan.preempted:
@@ -227,11 +245,13 @@ class IterationScheduler:
                 return
             urgent_step = urgent_step or seq.urgent
             tokens = None if seq.token_ids is None else seq.token_ids[: seq.num_tokens]
-            cached = self.bm.cached_prefix_tokens(tokens) if tokens is not None else 0
+            cached = self.bm.cached_prefix_tokens(tokens, seq.salt) if tokens is not None else 0
             n = min(seq.num_tokens - cached, budget)
-            if self.bm.allocate(seq.seq_id, cached + n, tokens) is None:
+            if self.bm.allocate(seq.seq_id, cached + n, tokens, seq.salt) is None:
                 return
             seq.num_computed_tokens = cached  # prefix-cache hit: those tokens' K/V are already there
+            if cached:
+                self.prefix_hits_by_tenant[seq.tenant] = self.prefix_hits_by_tenant.get(seq.tenant, 0) + cached
             self.waiting.popleft()
             self._admit(seq)
             plan.seqs.append(self._item(seq, n))
@@ -255,6 +275,51 @@ class IterationScheduler:
         self.waiting.appendleft(seq)
         if plan is not None:
             plan.preempted.append(seq.seq_id)
+
+    # ------------------------------------------------------------------ KV share between tenants (kv_share.py)
+
+    def _share_kv(self, plan: StepPlan) -> None:
+        """Under contention between tenants, the waiting sequence of the tenant furthest below its KV share
+        goes to the head (behind urgent ones), and the newest running sequences of tenants above their share
+        are preempted (to the waiting tail) until its first chunk's blocks are free."""
+        if not self.waiting or not self.running:
+            return
+        weights = {s.tenant: s.weight for s in (*self.running, *self.waiting)}
+        if len(weights) < 2:
+            return
+        held = self._blocks_held()
+        seq = self._fairest_waiting(held, weights)
+        need = blocks_for(min(seq.num_tokens, self.max_num_batched_tokens), self.bm.block_size)
+        while need > self.bm.num_free_blocks:
+            donor = reclaim_from(held, weights, self.bm.num_blocks, seq.tenant, need)
+            victim = next((s for s in reversed(self.running) if s.tenant == donor), None)
+            if victim is None:
+                return
+            held[donor] -= len(self.bm.block_table(victim.seq_id))
+            self.preempt(victim.seq_id)
+            self.num_kv_reclaims += 1
+            plan.reclaimed.append(victim.seq_id)
+
+    def _blocks_held(self) -> dict[str, int]:
+        """KV blocks held per tenant by running sequences."""
+        held: dict[str, int] = {}
+        for s in self.running:
+            held[s.tenant] = held.get(s.tenant, 0) + len(self.bm.block_table(s.seq_id))
+        return held
+
+    def _fairest_waiting(self, held: dict[str, int], weights: dict[str, float]) -> SchedSeq:
+        """The head (urgent, or its tenant as far below its share as any), else the first waiting sequence of
+        the tenant furthest below its share, moved to the head of the ordinary sequences."""
+        head, first = self.waiting[0], self._num_urgent_head()
+        if head.urgent:
+            return head
+        below = below_share(held, weights, self.bm.num_blocks)
+        best = max(self.waiting, key=lambda s: below.get(s.tenant, 0.0))
+        if below.get(best.tenant, 0.0) <= below.get(head.tenant, 0.0):
+            return head
+        self.waiting.remove(best)
+        self.waiting.insert(first, best)
+        return best
 
     @staticmethod
     def _item(seq: SchedSeq, n: int) -> ScheduledSeq:

@@ -28,7 +28,13 @@ units with the scale factored out), faster than the dense bf16 copy at every row
 and without it (0.625 bytes per weight with scales).  ``SplitLinear`` remains for int8 and for
 CPUs without AMX.
 
-``"auto"`` (``resolve_quantization``; bf16 on CPU only) follows the GGUF file: projections stored in 4-bit types
+Without AMX (or for int8 on any CPU), with the native kernels: ``QuantLinear`` (quant_blocks.py,
+csrc/qgemm.cpp): GGUF-like Q8_0 (int8) / Q4_1 (int4) blocks of 32 inputs, activations quantized per
+row and block to int8, integer dot products on AVX-512 VNNI or AVX2, for float32 and bf16
+activations alike (docs/decisions/0027-quantized-products-without-amx.md).  Its crossover against
+a dense copy is ``BLOCK_DENSE_ABOVE_ROWS`` (per dtype, measured).
+
+``"auto"`` (``resolve_quantization``; CPU only, where ``quantized_kernels_pay``) follows the GGUF file: projections stored in 4-bit types
 (Q4_0, Q4_1, Q4_K, IQ4_*) get ``int4``, 5- to 8-bit types ``int8``, float types none.  For a Q4_1
 file the int4 re-encoding is the file's own precision: Q4_1 stores ``w = d * q + m`` per 32
 inputs with q in 0..15, exactly this module's group-32 asymmetric form (up to bf16 rounding of the
@@ -39,6 +45,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .hardware import cpu_flags
+from .quant_blocks import QuantLinear
 
 INT4_GROUP = 32  # input columns per int4 scale/zero group
 
@@ -237,23 +246,78 @@ def quantization_for_types(type_names) -> str | None:
     return None
 
 
+# Steps of more rows than this use a dense copy of the quantized values (where the engine offers a
+# dense kernel: bf16 on CPU) instead of QuantLinear; None = QuantLinear at every row count.  Measured
+# per dtype in docs/decisions/0027-quantized-products-without-amx.md (AMD EPYC, AVX512-BF16, no AMX:
+# one core, ms per pass of the 4 projection shapes x 30 layers, dense bf16 / Q8_0 / Q4_1 block
+# products: 64 rows 39.5 / 41.8 / 40.9, 128 rows 67.5 / 78.2 / 80.2, 512 rows 258 / 276 / 277).
+# The bf16 entry holds where bf16 products run natively (AVX512-BF16); without it dense bf16 is
+# emulated and the block products win at every row count (None).
+BLOCK_DENSE_ABOVE_ROWS = {torch.bfloat16: 64, torch.float32: None}
+AMX_BLOCK_DENSE_ABOVE_ROWS = 4  # bf16 on AMX: dense tiles win early (Int8Linear's measured crossover)
+
+
+def block_dense_above_rows(dtype: torch.dtype, kernels) -> int | None:
+    """The crossover for ``QuantLinear`` of a ``dtype`` model on this CPU (see the table above)."""
+    if dtype == torch.bfloat16:
+        if kernels is not None and kernels.has_amx:
+            return AMX_BLOCK_DENSE_ABOVE_ROWS
+        return BLOCK_DENSE_ABOVE_ROWS[dtype] if "avx512_bf16" in cpu_flags() else None
+    return BLOCK_DENSE_ABOVE_ROWS.get(dtype)
+BLOCK_BITS = {"int8": 8, "int4": 4}
+
+
+def block_quant_enabled(dtype: torch.dtype | str = torch.float32) -> bool:
+    """Whether ``QuantLinear`` (the block-quantized integer products) serves a ``dtype`` model's
+    quantized projections.  ``ACTORSERVE_BLOCK_QUANT=1`` / ``0`` forces it on / off; unset, it is on for
+    float32 models (where torch's packed kernels with float32 activations lose to dense float32: the
+    "int8 trap") and off for bfloat16 (torch's packed int4/int8 with bf16 activations stay).
+
+    Dynamic int8 activations make outputs sensitive to rounding: a 1e-6 relative change of the input
+    (a prompt prefilled whole vs from a prefix-cache hit) moves the logits by the quantization noise
+    itself (1-3 % relative, up to 1.0 absolute on SmolLM2-135M), as in llama.cpp, so greedy continuations
+    can differ between the two at near-ties.  Each stays within the per-quantization tolerance against
+    transformers (tests/unit/test_engine_q8_logits.py); docs/decisions/0027-quantized-products-without-amx.md."""
+    import os
+
+    forced = os.environ.get("ACTORSERVE_BLOCK_QUANT", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return str(dtype).removeprefix("torch.") == "float32"
+
+
+def _native_quant_kernels():
+    from . import cpu_kernels  # noqa: PLC0415 (builds at first use)
+
+    return cpu_kernels.load()
+
+
 def quantized_kernels_pay(dtype: str, device: str) -> bool:
-    """True where the packed int8/int4 products beat dense ones on small steps: bfloat16 on CPU."""
-    return dtype == "bfloat16" and device.startswith("cpu")
+    """True where the quantized products beat dense ones on small steps: on CPU, for bfloat16
+    always, and for float32 where the native block-quantized kernels load (``QuantLinear``)."""
+    if not device.startswith("cpu"):
+        return False
+    return dtype == "bfloat16" or (dtype == "float32" and block_quant_enabled(dtype) and _native_quant_kernels() is not None)
 
 
-def resolve_quantization(name: str | None, model_path: str, dtype: str = "bfloat16", device: str = "cpu") -> str | None:
+def resolve_quantization(name: str | None, model_path: str, dtype: str = "bfloat16", device: str = "cpu",
+                         reader=None, types: list[str] | None = None) -> str | None:
     """``name`` unchanged unless ``"auto"``: then by the GGUF projection tensor types (module docstring),
-    and only for bfloat16 on CPU.  Elsewhere the quantized products are slower than dense ones
-    (float32 activations: one 3072x576 product at 2 rows took 5.97 ms int4 / 2.19 ms int8 against
-    0.34 ms dense; non-CPU devices dequantize per call), so "auto" means none there."""
+    where ``quantized_kernels_pay``.  Elsewhere the quantized products are slower than dense ones
+    (torch's packed kernels with float32 activations: one 3072x576 product at 2 rows took 5.97 ms
+    int4 / 2.19 ms int8 against 0.34 ms dense; non-CPU devices dequantize per call), so "auto" means
+    none there. ``reader``: an open
+    ``gguf.GGUFReader`` of ``model_path`` (parsing one costs seconds: the engine opens the file once);
+    ``types``: the GGUF type names of the projection tensors, when known (no file read then)."""
     if name != "auto":
         return name
     if not quantized_kernels_pay(dtype, device):
         return None
+    if types is not None:  # the projection tensor types, read already (weights_cache.Artifact)
+        return quantization_for_types(types)
     import gguf
 
-    reader = gguf.GGUFReader(model_path)
+    reader = reader if reader is not None else gguf.GGUFReader(model_path)
     types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(
         ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
          "ffn_up.weight", "ffn_down.weight"))]
@@ -265,7 +329,11 @@ def make_linear_factory(quantization: str | None, dense_factory=None, dense_abov
     """``make_linear(weight, name)`` for ``LlamaModel``; None (dense) when ``quantization`` is None.
 
     int4 with ``kernels`` (cpu_kernels.CpuKernels) that have AMX, on bf16 CPU weights of supported
-    shapes: ``AmxInt4Linear`` for every row count.  Otherwise, with ``dense_factory``
+    shapes: ``AmxInt4Linear`` for every row count.  Else, with ``kernels`` and a supported CPU
+    weight (``QuantLinear.supports``): ``QuantLinear`` (Q8_0 / Q4_1 blocks, integer products), wrapped
+    in a ``SplitLinear`` over a dense copy of its values above ``dense_above_rows`` rows (default
+    ``block_dense_above_rows`` of the weight's dtype on this CPU) when ``dense_factory`` is
+    given.  Otherwise (no kernels) torch's packed int8/int4: with ``dense_factory``
     (``make_linear(weight, name)`` of the dense kernel), each quantized projection is a
     ``SplitLinear`` with a dense copy of its quantized values, used above ``dense_above_rows`` rows
     (default: the quantizer's measured ``DENSE_ABOVE_ROWS``)."""
@@ -274,9 +342,17 @@ def make_linear_factory(quantization: str | None, dense_factory=None, dense_abov
     cls = QUANTIZERS[quantization]
     rows = cls.DENSE_ABOVE_ROWS if dense_above_rows is None else dense_above_rows
 
+    def split(q, weight: torch.Tensor, name: str, above):
+        if dense_factory is None or above is None:
+            return q
+        return SplitLinear(q, dense_factory(q.dequantize().to(weight.dtype), name), above)
+
     def make(weight: torch.Tensor, name: str):
         if quantization == "int4" and weight.dtype == torch.bfloat16 and AmxInt4Linear.supports(weight, kernels):
             return AmxInt4Linear(weight, kernels, swiglu=name == "gate_up" and weight.shape[0] % 32 == 0)
-        q = cls(weight)
-        return q if dense_factory is None else SplitLinear(q, dense_factory(q.dequantize().to(weight.dtype), name), rows)
+        if (block_quant_enabled(weight.dtype) and QuantLinear.supports(weight, kernels)
+                and weight.dtype in BLOCK_DENSE_ABOVE_ROWS):
+            above = block_dense_above_rows(weight.dtype, kernels) if dense_above_rows is None else dense_above_rows
+            return split(QuantLinear(weight, BLOCK_BITS[quantization], kernels), weight, name, above)
+        return split(cls(weight), weight, name, rows)
     return make

@@ -31,11 +31,12 @@ CACHE_SIZE = 64  # compiled grammars kept (LRU)
 _CONTROL = 3  # GGUF token_type of control tokens
 
 
-def special_token_names(gguf_path: str) -> dict[int, str]:
-    """{id: name} of the control tokens (GGUF ``tokenizer.ggml.token_type`` == 3) of a GGUF file."""
+def special_token_names(gguf_path: str, reader=None) -> dict[int, str]:
+    """{id: name} of the control tokens (GGUF ``tokenizer.ggml.token_type`` == 3) of a GGUF file (or of its
+    open ``gguf.GGUFReader`` ``reader``)."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
+    reader = reader if reader is not None else gguf.GGUFReader(gguf_path)
     types = reader.fields.get("tokenizer.ggml.token_type")
     if types is None:
         return {}
@@ -147,12 +148,15 @@ class Structured:
     """Per-engine grammar support (see module docstring).
 
     ``token_bytes``: id -> bytes (``detokenizer.load_token_bytes``); ``eos_ids``: EOS/EOT ids;
-    ``gguf_path``: read once, lazily, for the names of control tokens.
+    ``gguf_path``: read once, lazily, for the names of control tokens, unless ``special_names`` ({id: name},
+    ``special_token_names``) gives them.
     """
 
     def __init__(self, gguf_path: str, token_bytes: list[bytes], eos_ids: tuple[int, ...],
-                 cache_size: int = CACHE_SIZE, num_threads: int | None = None) -> None:
+                 cache_size: int = CACHE_SIZE, num_threads: int | None = None,
+                 special_names: dict[int, str] | None = None) -> None:
         self._path, self._token_bytes, self._eos_ids = gguf_path, token_bytes, eos_ids
+        self._special_names = special_names
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._cache_size, self._num_threads = cache_size, num_threads
         self._tokenizer = self._executor = None
@@ -167,7 +171,8 @@ class Structured:
         if self._tokenizer is None:
             import llguidance
 
-            self._tokenizer = build_tokenizer(self._token_bytes, special_token_names(self._path), self._eos_ids)
+            names = self._special_names if self._special_names is not None else special_token_names(self._path)
+            self._tokenizer = build_tokenizer(self._token_bytes, names, self._eos_ids)
             self._executor = llguidance.LLExecutor(self._num_threads)
         return self._tokenizer
 

@@ -30,6 +30,8 @@ class EngineRequest:
     priority: str = "interactive"  # priority class (bus.messages.PRIORITIES): "batch" is preempted first
     tenant: str = ""  # accounting key of the service counters (EngineStats.served)
     urgent: bool = False  # prefill priority (Dispatch.urgent): queued ahead of ordinary waiting requests
+    tenant_weight: float = 1.0  # the tenant's fair-share weight (Dispatch.tenant_weight): its KV share under contention
+    cache_salt: bytes = b""  # prefix-cache salt (Dispatch.cache_salt, actors/cache_salt.py); b"" = unsalted
     # a migrated sequence (actors/worker/migration_state.py): tokens another engine generated already (its KV is
     # recomputed from prompt + these) and that engine's sampler RNG state (torch.Generator.get_state() bytes)
     resumed_output_ids: tuple[int, ...] = ()
