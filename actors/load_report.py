@@ -37,7 +37,7 @@ from typing import Any, Callable
 from bus import subjects
 from bus.base import BusError
 from bus.messages import ActorLoad
-from actors.aio import cancel_tasks
+from actors.aio import cancel_tasks, wait_event
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class LoadReporter:
     """Publishes this actor's :class:`~bus.messages.ActorLoad` every ``period_s`` seconds.
 
     ``pending() -> int``: messages waiting (called at report time; None: 0). ``extras() -> dict``: more
-    ActorLoad fields (the scheduler's queue figures), merged into each report. ``start()`` / ``stop()``."""
+    ActorLoad fields (the scheduler's queue figures), merged into each report. ``start()`` / ``stop()``;
+    ``kick()`` sends the next report early (at most one per ``period_s / 4``): a change the autoscaler must
+    see soon (a queue that starts to grow) does not wait for the period."""
 
     def __init__(self, bus, kind: str, actor_id: str, *, period_s: float = 1.0, lag_sample_s: float = 0.05,
                  pending: Callable[[], int] | None = None, extras: Callable[[], dict[str, Any]] | None = None) -> None:
@@ -120,6 +122,11 @@ class LoadReporter:
         self.last: ActorLoad | None = None  # the latest report sent (for tests and status)
         self.sent = 0
         self._tasks: list[asyncio.Task] = []
+        self._kicked = asyncio.Event()
+
+    def kick(self) -> None:
+        """Send the next report early (see the class docstring)."""
+        self._kicked.set()
 
     def waited(self, enqueued_at: float | None, now: float | None = None) -> None:
         """A message starts being handled; it was enqueued at ``enqueued_at`` (epoch s, e.g. a timing mark;
@@ -160,7 +167,10 @@ class LoadReporter:
 
     async def _publish_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.period_s)
+            t0 = time.monotonic()
+            await asyncio.sleep(self.period_s / 4)
+            await wait_event(self._kicked, max(0.0, self.period_s - (time.monotonic() - t0)))  # a kick: early
+            self._kicked.clear()
             try:
                 msg = self.report()
                 await self.bus.publish(self.subject, msg.encode())

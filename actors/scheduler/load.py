@@ -96,6 +96,7 @@ class SchedulerLoad:
         self.reporter = LoadReporter(svc.bus, "scheduler", sid if _SAFE.match(sid) else new_actor_id("sched"),
                                      period_s=period_s, extras=self.extras)
         self._tasks: list[asyncio.Task] = []
+        self._reported_queue_len = 0  # queue_len of the latest report (a queue that starts to grow kicks one)
 
     # ---- state -----------------------------------------------------------------------------------
     def live_workers(self) -> int:
@@ -165,6 +166,7 @@ class SchedulerLoad:
             self._served.add(now, total - self._served_total)
         self._served_total = total
         queued = list(_queued_requests(self.svc.queue))
+        self._reported_queue_len = len(queued)
         live = self.live_workers()
         return {"name": self.svc.cfg.name, "version": self.svc.cfg.version,
                 "queue_tokens": float(sum(self.tokens_of(r) for r in queued)), "queue_len": len(queued),
@@ -208,6 +210,8 @@ class SchedulerLoad:
         while True:
             await asyncio.sleep(CHECK_S)
             self.check()
+            if len(self.svc.queue) and not self._reported_queue_len:
+                self.reporter.kick()  # the queue started to grow: the autoscaler hears it now, not up to 1 s later
 
     async def _follow(self, registry, poll_s: float) -> None:
         while True:

@@ -92,6 +92,10 @@ class WorkerTable:
         self.workers: dict[str, WorkerView] = {}
         self.stale_after_s = stale_after_s  # credits older than this are not trusted (s)
         self.balance_fraction = 0.25  # affinity may pick a worker at most this share of its slots busier
+        # worker id -> (monotonic s, on_credits args) of the latest heartbeat heard before its lease (a new
+        # worker heartbeats before it registers): applied when the lease comes, if still fresh
+        self.early_credits: dict[str, tuple[float, tuple]] = {}
+        self.max_early_credits = 64  # bound on that map (oldest dropped)
 
     def get(self, worker_id: str) -> WorkerView:
         """The view of ``worker_id``, created empty on first mention."""
@@ -116,6 +120,7 @@ class WorkerTable:
                 v = self.workers[worker_id] = WorkerView(worker_id)
             v.leased = True
             v.incarnation = incarnation or v.incarnation
+            self._apply_early_credits(worker_id, now)
             return lost
         view = self.workers.get(worker_id)
         if view is not None and now is not None and now - view.last_credit_ts <= self.stale_after_s:
@@ -140,8 +145,10 @@ class WorkerTable:
                    step_ms: float = 0.0, prefill_tokens_per_s: float = 0.0, sent_ts: float = 0.0) -> None:
         """Heartbeat: replace the credit view (the worker's own count already includes our dispatches)
         and the measured speeds (ms per step, prefill tokens/s; 0 keeps the last measurement)."""
-        if worker_id not in self.workers:
-            return  # no lease (yet, or any more): ignore
+        if worker_id not in self.workers:  # no lease (yet, or any more): kept for the lease, not used
+            self._keep_early(worker_id, now, (free_blocks, free_slots, block_size, draining, now, total_blocks,
+                                              total_slots, step_ms, prefill_tokens_per_s, sent_ts))
+            return
         v = self.workers[worker_id]
         v.free_blocks, v.free_slots, v.block_size, v.draining, v.last_credit_ts = (
             free_blocks, free_slots, block_size, draining, now)
@@ -152,6 +159,19 @@ class WorkerTable:
         v.step_ms = step_ms or v.step_ms
         v.credit_sent_ts = sent_ts or v.credit_sent_ts
         v.prefill_tokens_per_s = prefill_tokens_per_s or v.prefill_tokens_per_s
+
+    def _keep_early(self, worker_id: str, now: float, args: tuple) -> None:
+        self.early_credits.pop(worker_id, None)
+        self.early_credits[worker_id] = (now, args)
+        while len(self.early_credits) > self.max_early_credits:
+            self.early_credits.pop(next(iter(self.early_credits)))
+
+    def _apply_early_credits(self, worker_id: str, now: float | None) -> None:
+        """A heartbeat heard before the lease, still fresh at ``now``, becomes the worker's credit view: a new
+        worker takes dispatches at its registration instead of at its next heartbeat."""
+        early = self.early_credits.pop(worker_id, None)
+        if early is not None and now is not None and now - early[0] <= self.stale_after_s:
+            self.on_credits(worker_id, *early[1])
 
     def speed(self, now: float) -> tuple[float, float]:
         """(step ms, prefill tokens/s): medians over leased workers with fresh credits and a measurement;

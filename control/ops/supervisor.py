@@ -44,7 +44,7 @@ from control.ops import supervisor_processes as processes
 from control.ops.embedded_server import tail_file  # noqa: F401 (re-exported)
 from control.ops.supervisor_health import HealthMixin
 from control.ops import supervisor_scaling as scaling
-from control.ops.supervisor_scaling import ScalingMixin, autoscaler_limits_argv, clear_desired
+from control.ops.supervisor_scaling import ScalingMixin, autoscaler_limits_argv, clear_desired, seed_desired
 from control.ops.supervisor_processes import (PIDS_FILE, ActorProcess, SupervisorError,  # noqa: F401 (re-exported)
                                               http_status, pid_alive, probe_host, url_host)
 from control.ops.supervisor_versions import STOP_ORDER, STOP_WAVES, VersionsMixin, stop_rank  # noqa: F401
@@ -309,6 +309,7 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
             self._user_sync = start_nats_user_sync(self.stack)
             self._check_abort()
             self._build_actors()
+            _run_coro(seed_desired(self.stack.etcd_url, self._started_counts()))
             for a in self.actors:
                 self._spawn(a)
             self._versions[self.model_ref] = manifest_fingerprint(self.manifest)
@@ -362,6 +363,19 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
                     ]
                     actors.append(self._actor(kind, n, argv))
         self.actors = actors
+
+    def _started_counts(self) -> dict[str, int]:
+        """Desired key -> replicas (> 0) of the actors :meth:`_build_actors` set up: validators, the
+        version's workers."""
+        from control.state.names import desired_key
+
+        name, _, version = self.model_ref.partition("@")
+        counts = {desired_key("validator"): sum(1 for a in self.actors if a.kind == "validator")}
+        for a in self.actors:
+            if a.kind == "worker" and a.model in (None, self.model_ref):
+                key = desired_key("worker", name, version, getattr(a, "pool", self.pool))
+                counts[key] = counts.get(key, 0) + 1
+        return {k: n for k, n in counts.items() if n > 0}
 
     def _actor(self, kind: str, n: int, argv: list[str]) -> ActorProcess:
         return self._named_actor(f"{kind}-{n}", kind, argv)

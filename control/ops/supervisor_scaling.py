@@ -463,3 +463,17 @@ async def clear_desired(etcd_url: str) -> int:
 
     async with Registry.connect(etcd_url) as reg:
         return await reg.delete_prefix(desired_prefix()) + await reg.delete_prefix(notices_prefix())
+
+
+async def seed_desired(etcd_url: str, counts: Mapping[str, int]) -> None:
+    """Write ``{desired key: count}`` for the replicas ``up`` starts itself (``by: "up"``), so that the
+    autoscaler counts them as starting until they register instead of taking them for missing (a "below
+    floor" scale-up of a worker that is still loading)."""
+    import time
+
+    from control.state.registry import Registry
+
+    async with Registry.connect(etcd_url) as reg:
+        for key, count in counts.items():
+            await reg.put_json(key, {"count": int(count), "ts": time.time(), "reason": "the counts up started",
+                                     "by": "up"})

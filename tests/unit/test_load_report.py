@@ -175,3 +175,22 @@ async def test_validator_delay_fault_holds_one_request_at_a_time():
     elapsed = time.monotonic() - t0
     assert fault.held == 3 and elapsed >= 0.15  # serialised: 3 x 50 ms
     assert turns[1] >= 0.045 and turns[2] >= 0.095  # each turn starts after the previous hold
+
+
+async def test_a_kick_sends_the_next_report_early_but_not_before_a_quarter_period():
+    bus = MemoryBus()
+    rep = LoadReporter(bus, "scheduler", "s1", period_s=2.0, lag_sample_s=0.01)
+    await rep.start()
+    try:
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        rep.kick()
+        while rep.sent == 0 and time.monotonic() - t0 < 1.9:
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - t0
+        assert rep.sent == 1, "a kick did not send a report before the 2 s period"
+        assert 0.3 <= took < 1.0, took  # not before period / 4 (0.5 s after the loop started, 0.05 s before the kick)
+        await asyncio.sleep(0.8)
+        assert rep.sent == 1  # no kick: the next report waits for its period
+    finally:
+        await rep.stop()

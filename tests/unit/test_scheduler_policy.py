@@ -96,3 +96,22 @@ def test_tenant_cap_grows_to_the_weighted_share():
     assert tenant_cap(2, 0.125, weight_share("b", w)) == 1  # headroom rule
     assert tenant_cap(8, 0.125, weight_share("a", w)) == 7  # headroom already above the share (6)
     assert tenant_cap(16, 0.125, 0.95) == 16
+
+
+def test_a_heartbeat_heard_before_the_lease_is_used_at_the_lease():
+    t = WorkerTable(stale_after_s=2.0)
+    t.on_credits("w9", free_blocks=10, free_slots=1, block_size=16, draining=False, now=1.0)
+    assert "w9" not in t.workers and t.pick(10, now=1.1) is None  # no lease yet: no dispatch
+    t.on_lease("w9", True, now=1.5)
+    assert t.pick(10, now=1.5).worker_id == "w9"  # takes dispatches at once, not at its next heartbeat
+    t.on_credits("w8", free_blocks=10, free_slots=1, block_size=16, draining=False, now=1.0)
+    t.on_lease("w8", True, now=3.5)  # that heartbeat is stale by the lease: not used
+    assert t.workers["w8"].free_slots == 0 and "w8" not in t.early_credits
+
+
+def test_early_heartbeats_are_bounded():
+    t = WorkerTable()
+    t.max_early_credits = 3
+    for i in range(5):
+        t.on_credits(f"w{i}", free_blocks=1, free_slots=1, block_size=16, draining=False, now=float(i))
+    assert list(t.early_credits) == ["w2", "w3", "w4"]

@@ -289,6 +289,10 @@ def test_every_argv_under_up_parses(tmp_path):
     for a in s.actors:
         args = build_parser().parse_args(a.argv[3:])
         assert args.actor_kind == a.kind
+    # what up seeds as desired counts (the autoscaler counts them as starting until they register)
+    name, version = s.model_ref.split("@")
+    assert s._started_counts() == {desired_key("validator"): 1, desired_key("worker", name, version, "local"): 2,
+                                   desired_key("worker", name, version, "spot"): 1}
 
 
 def test_worker_with_a_due_preemption_notice_is_stopped_and_not_replaced_by_name(sup, tmp_path):
