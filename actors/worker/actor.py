@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="NAME@VERSION served by this worker")
     parser.add_argument("--worker-id", default=None, help="unique id (default: host-pid-random)")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024, help="KV cache budget (bytes)")
+    parser.add_argument("--memory-budget-bytes", type=int, default=0, metavar="N",
+                        help="bytes for weights + KV cache together: the KV cache gets what the loaded weights "
+                        "leave (default 0: --kv-cache-bytes of KV beside the weights; docs/model-loading.md)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequence slots in the running batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -107,7 +110,8 @@ def build_engine(manifest: dict, args: argparse.Namespace):
                        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=manifest.get("context_length") or None, progress=not args.no_progress,
-                       weights_cache=getattr(args, "weights_cache", True))
+                       weights_cache=getattr(args, "weights_cache", True),
+                       memory_budget_bytes=getattr(args, "memory_budget_bytes", 0) or 0)
     engine = LLMEngine(cfg)
     engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
     engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included
@@ -158,6 +162,9 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
             "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": getattr(args, "pool", "default"),
             "engine": getattr(args, "engine", "torch")}
     info.update(load_phases=timeline.as_dict(), load_s=round(timeline.ready_s, 3))
+    if (memory := memory_record(engine, manifest, args, ref)) is not None:
+        info["memory"] = memory
+        _track_memory(memory)
     holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
     timeline.mark("register")
     log.info("worker %s %s", worker_id, timeline.line())
@@ -184,6 +191,34 @@ def _add_engine_phases(timeline: LoadTimeline, phases: dict) -> None:
     now = time.monotonic()
     rest = max(0.0, now - timeline.last - sum(phases.values()))
     timeline.add_all({**phases, "artifact_read": phases.get("artifact_read", 0.0) + rest}, now=now)
+
+
+def memory_record(engine, manifest: dict, args: argparse.Namespace, ref) -> dict | None:
+    """The worker record's ``memory`` (bytes): ``budget_bytes`` (``--memory-budget-bytes``, else weights + KV),
+    ``weights_bytes``, ``kv_bytes`` and ``resident``: one row per resident version (``model``, ``quantization``,
+    ``weights_bytes``, ``kv_bytes``, ``share_key``: the artifact + quantization its weights come from). None
+    for an engine that holds no weights (zero-compute)."""
+    weights = getattr(engine, "weights_bytes", None)
+    if weights is None or not hasattr(engine, "kv"):
+        return None
+    kv, quant = int(engine.kv.num_bytes), getattr(engine, "quantization", None)
+    row = {"model": f"{ref.name}@{ref.version}", "quantization": quant or engine.dtype_name,
+           "weights_bytes": int(weights), "kv_bytes": kv, "share_key": f"{manifest['artifact']}|{quant or 'none'}"}
+    return {"budget_bytes": int(getattr(args, "memory_budget_bytes", 0) or weights + kv), "weights_bytes": int(weights),
+            "kv_bytes": kv, "resident": [row]}
+
+
+def _track_memory(memory: dict) -> None:
+    """``actorserve_worker_resident_bytes{model, kind=weights|kv}`` and ``actorserve_worker_memory_budget_bytes``
+    on this worker's /metrics."""
+    from actors.metrics import observable_gauge
+
+    observable_gauge("actorserve_worker_resident_bytes", "Bytes a resident model version holds on this worker, "
+                     "by kind (weights, kv; docs/model-loading.md).", "By",
+                     lambda: [(r[f"{k}_bytes"], {"model": r["model"], "kind": k})
+                              for r in memory["resident"] for k in ("weights", "kv")])
+    observable_gauge("actorserve_worker_memory_budget_bytes", "Bytes this worker may hold for weights and KV "
+                     "caches together.", "By", lambda: [(memory["budget_bytes"], {})])
 
 
 def _track_load(timeline: LoadTimeline, model: str) -> None:

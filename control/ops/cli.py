@@ -44,6 +44,7 @@ from control.ops.argtypes import non_negative_int as _non_negative_int
 from control.ops.cli_errors import (EXIT_UNREACHABLE, StackUnreachable, is_unreachable, report_unreachable,
                                     unreachable_line)
 from control.ops.nats_auth import redact_url
+from control.ops.status_detail import worker_detail
 from control.ops.argtypes import positive_int as _positive_int
 
 PROG = "actorserve"
@@ -447,21 +448,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
                            == "zero-compute" else "") for w in sorted(ws)]
             print(f"  {name}@{version}: {len(ws)} live worker(s){': ' + ', '.join(labels) if ws else ''}")
             for w in sorted(ws):
-                if line := _worker_detail(ws[w]):
+                if line := worker_detail(ws[w]):
                     print(f"    {w}: {line}")
     return 0
-
-
-def _worker_detail(info: Any) -> str:
-    """``"float32+int4, loaded in 8.1 s (registry 0.9, ...), first token 0.4 s after"`` from a worker's
-    etcd record (engine path, docs/engine.md; load phases, docs/model-loading.md); "" when it has neither."""
-    from actors.worker.load_phases import describe
-
-    if not isinstance(info, dict):
-        return ""
-    dtype, quant = info.get("dtype"), info.get("quantization")
-    path = f"{dtype}{'+' + quant if quant else ''}" if dtype and info.get("engine") != "zero-compute" else ""
-    return ", ".join(p for p in (path, describe(info.get("load_phases") or {}, info.get("load_s"))) if p)
 
 
 def _print_table(rows: list[tuple[str, ...]]) -> None:

@@ -184,6 +184,17 @@ async def test_worker_record_and_status_show_the_load_by_phase(metrics_stack):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "loaded in " in out.stdout and "first token" in out.stdout and "warmup" in out.stdout, out.stdout
+    # residency (issue [11] items 1 and 4): bytes of weights and KV per resident version, in all three places
+    mem = rec["memory"]
+    (row,) = mem["resident"]
+    assert row["model"] == sup.model_ref and row["weights_bytes"] > 0 and row["kv_bytes"] > 0, mem
+    assert mem["budget_bytes"] >= mem["weights_bytes"] + mem["kv_bytes"] and row["quantization"], mem
+    assert f"resident {sup.model_ref} {row['quantization']}" in out.stdout, out.stdout
+    (winfo,) = (await registered_endpoints(sup.etcd_url))["worker"]
+    async with httpx.AsyncClient() as client:
+        fams = families((await client.get(winfo["url"], timeout=5)).text)
+    got = {s.labels["kind"]: s.value for s in fams["actorserve_worker_resident_bytes"].samples}
+    assert got == {"weights": row["weights_bytes"], "kv": row["kv_bytes"]}, got
 
 
 async def test_scheduler_exports_tokens_served_per_tenant_and_its_share(metrics_stack):

@@ -32,7 +32,8 @@ from .detokenizer import IncrementalDetokenizer, StopStringMatcher, replay
 from .hardware import DTYPES, resolve_dtype
 from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
-from .kv_cache import KVCache
+from .kv_cache import KVCache, bytes_per_block
+from .memory import kv_bytes_for_budget, tensor_bytes
 from .model import BatchMetadata, LlamaModel, packed_linear_factory
 from .sampler import generator_state, make_generator, sample_batch, set_generator_state, top_logprobs
 from .step_rates import StepRates
@@ -65,6 +66,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads for large steps; None = torch's default (all cores)
     small_step_tokens: int = 0  # steps with <= this many tokens run on one thread (0 = never; see 0006)
     weights_cache: bool = False  # read / write the converted-weights cache (weights_cache.py; the worker's default)
+    memory_budget_bytes: int = 0  # > 0: weights + KV cache within this (the KV cache gets the rest; memory.py)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -76,6 +78,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if int(self.memory_budget_bytes) < 0:
+            raise ValueError("memory_budget_bytes must be >= 0")
         if self.quantization not in (None, "auto", *QUANTIZERS):
             raise ValueError(f"quantization must be None or one of {sorted([*QUANTIZERS, 'auto'])}")
 
@@ -122,9 +126,9 @@ class LLMEngine(RequestBook):
         art = read_artifact(config.model_path, dtype, config.device, config.progress, config.weights_cache)
         self.model_config, self.weights_cached = art.config, art.cached
         clock = _PhaseClock(art.phases)  # seconds per load phase (actors/worker/load_phases.py names them)
-        self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
-        log.info(self.kv.describe())
-        self.max_model_len = self._resolve_max_model_len()
+        kv_room = config.memory_budget_bytes or config.kv_cache_bytes  # the KV cache gets at most this (bytes)
+        limit = min(config.max_model_len or self.model_config.context_length,  # positions: no more than fit
+                    max(1, kv_room // bytes_per_block(self.model_config, config.block_size, dtype)) * config.block_size)
         self.quantization = resolve_quantization(config.quantization, config.model_path, self.dtype_name,
                                                  config.device, types=art.tensor_types)  # "auto" resolved
         if self.quantization and not quantized_kernels_pay(self.dtype_name, config.device):
@@ -136,11 +140,17 @@ class LLMEngine(RequestBook):
         packs = PackCache(config.model_path, dtype, self.quantization, kernels) \
             if config.weights_cache and factory is not None else None
         clock.mark("kernels")
-        self.model = LlamaModel(self.model_config, art.weights, self.max_model_len,
+        self.model = LlamaModel(self.model_config, art.weights, limit,
                                 packs.wrap(factory) if packs else factory, config.native_kernels)
         if packs:
             packs.save()
         clock.mark("quantize")
+        self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
+        kv_bytes = (kv_bytes_for_budget(config.memory_budget_bytes, self.weights_bytes)
+                    if config.memory_budget_bytes else config.kv_cache_bytes)
+        self.kv = KVCache(self.model_config, kv_bytes, config.block_size, dtype, config.device)
+        log.info(self.kv.describe())
+        self.max_model_len = min(limit, self.kv.capacity_tokens)  # one sequence always fits alone
         self.load_phases = clock.phases  # {phase: s}: artifact_read, convert, kernels, quantize
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -160,11 +170,6 @@ class LLMEngine(RequestBook):
         self._threads = torch.get_num_threads()
         log.info("engine: dtype %s, quantization %s, %d torch threads", self.dtype_name, self.quantization,
                  self._threads)
-
-    def _resolve_max_model_len(self) -> int:
-        """min(configured or GGUF context length, KV capacity) so one sequence always fits alone."""
-        limit = self.config.max_model_len or self.model_config.context_length
-        return min(limit, self.kv.capacity_tokens)
 
     def _eos_ids(self) -> tuple[int, ...]:
         """EOS (and end-of-turn, if distinct) token ids from GGUF metadata."""

@@ -1,0 +1,47 @@
+"""Bytes an engine holds (issue [11] item 1): the weights of a loaded model, and the KV cache a memory budget
+leaves beside them. No engine state; torch only to read tensor sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: the least KV cache (bytes) a memory budget must leave beside the weights (a few blocks of the default model)
+MIN_KV_BYTES = 4 * 2**20
+
+
+def tensor_bytes(root: Any, max_depth: int = 6) -> int:
+    """Bytes of every tensor reachable from ``root`` through attributes, lists, tuples and dicts (at most
+    ``max_depth`` levels), each storage counted once (a tied embedding / LM head counts once)."""
+    seen: dict[int, int] = {}
+    _walk(root, max_depth, seen, set())
+    return sum(seen.values())
+
+
+def _walk(obj: Any, depth: int, seen: dict[int, int], visited: set[int]) -> None:
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return
+    if depth <= 0 or id(obj) in visited or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return
+    visited.add(id(obj))
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    else:
+        items = getattr(obj, "__dict__", {}).values()
+    for x in items:
+        _walk(x, depth - 1, seen, visited)
+
+
+def kv_bytes_for_budget(budget_bytes: int, weights_bytes: int, floor_bytes: int = MIN_KV_BYTES) -> int:
+    """KV cache bytes a memory budget leaves beside the weights (bytes). ValueError, naming both figures, when
+    that is less than ``floor_bytes``."""
+    left = int(budget_bytes) - int(weights_bytes)
+    if left < floor_bytes:
+        raise ValueError(f"memory_budget_bytes {budget_bytes} leaves {left} bytes of KV cache beside "
+                         f"{weights_bytes} bytes of weights; at least {floor_bytes} are needed")
+    return left

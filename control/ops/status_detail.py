@@ -1,0 +1,29 @@
+"""The per-worker detail line of ``actorserve status``: engine path, load phases, residency (bytes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def worker_detail(info: Any) -> str:
+    """``"float32+int4, loaded in 8.1 s (registry 0.9, ...), first token 0.4 s after"`` from a worker's
+    etcd record (engine path, docs/engine.md; load phases, docs/model-loading.md); "" when it has neither."""
+    from actors.worker.load_phases import describe
+
+    if not isinstance(info, dict):
+        return ""
+    dtype, quant = info.get("dtype"), info.get("quantization")
+    path = f"{dtype}{'+' + quant if quant else ''}" if dtype and info.get("engine") != "zero-compute" else ""
+    return ", ".join(p for p in (path, describe(info.get("load_phases") or {}, info.get("load_s")),
+                                 _residency(info.get("memory"))) if p)
+
+
+def _residency(memory: Any) -> str:
+    """``"resident m@1 int4 (weights 120.0 MiB + KV 256.0 MiB) of budget 376.0 MiB"`` from a worker record's
+    ``memory`` (docs/model-loading.md); "" without one."""
+    if not isinstance(memory, dict) or not isinstance(memory.get("resident"), list):
+        return ""
+    mib = lambda n: f"{(n or 0) / 2**20:.1f} MiB"  # noqa: E731
+    rows = [f"{r.get('model')} {r.get('quantization')} (weights {mib(r.get('weights_bytes'))} + KV "
+            f"{mib(r.get('kv_bytes'))})" for r in memory["resident"] if isinstance(r, dict)]
+    return f"resident {'; '.join(rows)} of budget {mib(memory.get('budget_bytes'))}" if rows else ""

@@ -1,0 +1,41 @@
+"""The bytes an engine holds (actors/worker/engine/memory.py): weights counted once per storage, and a memory
+budget that gives the KV cache what the weights leave."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actors.worker.engine.engine import EngineConfig, LLMEngine
+from actors.worker.engine.memory import MIN_KV_BYTES, kv_bytes_for_budget, tensor_bytes
+from tests.engine_fixtures import write_tiny_llama_gguf
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    a = torch.zeros(10, 10)  # 400 bytes
+    tied = SimpleNamespace(embed=a, lm_head=a[:5], layers=[SimpleNamespace(w=torch.zeros(4, dtype=torch.int8))])
+    assert tensor_bytes(tied) == 400 + 4
+    assert tensor_bytes({"x": [torch.zeros(2, dtype=torch.bfloat16)], "n": 3}) == 4
+
+
+def test_a_budget_below_the_weights_names_both_figures():
+    assert kv_bytes_for_budget(10 * MIN_KV_BYTES, MIN_KV_BYTES) == 9 * MIN_KV_BYTES
+    with pytest.raises(ValueError, match=r"memory_budget_bytes 100 leaves -900 bytes .* 1000 bytes of weights"):
+        kv_bytes_for_budget(100, 1000)
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        EngineConfig(model_path="x", memory_budget_bytes=-1)
+
+
+def test_the_kv_cache_gets_what_the_weights_leave_of_the_budget(tmp_path):
+    path = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"))
+    plain = LLMEngine(EngineConfig(model_path=path, dtype="float32", kv_cache_bytes=2 * 2**20))
+    assert plain.weights_bytes > 0 and plain.kv.num_bytes <= 2 * 2**20
+    budget = plain.weights_bytes + 8 * 2**20
+    eng = LLMEngine(EngineConfig(model_path=path, dtype="float32", memory_budget_bytes=budget))
+    assert eng.weights_bytes == plain.weights_bytes
+    assert budget - eng.kv.block_bytes < eng.weights_bytes + eng.kv.num_bytes <= budget
+    assert eng.max_model_len <= eng.kv.capacity_tokens
+    with pytest.raises(ValueError, match="leaves"):
+        LLMEngine(EngineConfig(model_path=path, dtype="float32", memory_budget_bytes=plain.weights_bytes))
