@@ -8,8 +8,9 @@
    evicted from the caches before each pass (decode streams them from memory); pick by
    ``kernel_policy.decide``.
 4. Cache the answer as JSON in ``cache_path()`` (``$ACTORSERVE_CACHE_DIR`` or ``~/.cache/actorserve``,
-   file ``kernel_choice.json``) under a key of: the ISA flags, the model file (path, size, mtime) and
-   version, the pins, the sources of the kernels / quantizers / this policy, torch's version and the
+   file ``kernel_choice.json``) under a key of: the ISA flags, the model file (path, size, mtime), the
+   pins (a manifest's quantization included; not the version's name: a new version of the same file
+   reuses the answer), the sources of the kernels / quantizers / this policy, torch's version and the
    thread count.  A later start with the same key reads it (no GGUF parse, no measurement).
 
 Shapes come from the GGUF header (``read_shapes``: tensor names, types and dims only; the tokenizer
@@ -277,15 +278,15 @@ def cache_path() -> Path:
     return Path(os.environ.get("ACTORSERVE_CACHE_DIR") or Path.home() / ".cache" / "actorserve") / CACHE_FILE
 
 
-def cache_key(model_path: str, model_version: str, flags, device: str, dtype: str, quantization: str) -> str:
-    """sha256 over what the answer depends on (module docstring, step 4)."""
+def cache_key(model_path: str, flags, device: str, dtype: str, quantization: str) -> str:
+    """sha256 over what the answer depends on (module docstring, step 4): the file, not the version naming it."""
     import torch
 
     here = Path(__file__).parent
     h = hashlib.sha256()
     st = os.stat(model_path)
     parts = [",".join(sorted(flags)), os.path.abspath(model_path), str(st.st_size), str(st.st_mtime_ns),
-             model_version, device, dtype, quantization, torch.__version__, str(torch.get_num_threads()),
+             device, dtype, quantization, torch.__version__, str(torch.get_num_threads()),
              "block_quant=" + os.environ.get("ACTORSERVE_BLOCK_QUANT", ""), "isa=" + os.environ.get("ACTORSERVE_ISA", "")]
     h.update("\n".join(parts).encode())
     for name in (*_SOURCES, *[f"csrc/{p.name}" for p in sorted((here / "csrc").glob("*.cpp"))]):
@@ -356,7 +357,7 @@ def choose(model_path: str, model_version: str = "", device: str = "cpu", dtype:
         c = policy.rank(flags, device, None, dtype, quant, cuda_bf16=bf16_matmul_supported(device))[0]
         return Choice(c.dtype, c.quantization, f"{c.label}: {device}" + (f" ({why})" if why else ""), {})
     path = cache_path()
-    key = cache_key(model_path, model_version, flags, device, dtype, quant)
+    key = cache_key(model_path, flags, device, dtype, quant)
     if use_cache:
         hit = _read_cache(path).get(key)
         if isinstance(hit, dict) and hit.get("dtype") in policy.DTYPES:
