@@ -111,7 +111,9 @@ class ChoiceMerger:
         """Totals: each prompt's tokens once, every choice's completion tokens."""
         prompt = sum(u.get("prompt_tokens", 0) for i, u in self.usages.items() if i % self.n == 0)
         completion = sum(u.get("completion_tokens", 0) for u in self.usages.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(cached_tokens(u) for i, u in self.usages.items() if i % self.n == 0)  # per prompt, once
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": min(prompt, cached)}}
 
     # ------------------------------------------------------------------ streaming
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
@@ -171,3 +173,9 @@ class ChoiceMerger:
                 "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": {**self.usage(), "actorserve_timing": self.final_timing()}, "system_fingerprint": None}
+
+
+def cached_tokens(usage: dict | None) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix cache), 0 when absent."""
+    details = (usage or {}).get("prompt_tokens_details")
+    return int(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0

@@ -164,6 +164,8 @@ def _components() -> dict:
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
                             "total_tokens": {"type": "integer"},
+                            "prompt_tokens_details": {"type": "object", "properties": {
+                                "cached_tokens": {"type": "integer", "minimum": 0}}},
                             "actorserve_timing": {"type": "object", "additionalProperties": _NUM}}}
     head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
             "system_fingerprint": _NULLABLE_STR}

@@ -280,7 +280,9 @@ def usage(chat_usage: dict | None) -> dict:
     """Responses usage of chat usage (``prompt_tokens`` -> ``input_tokens`` ...)."""
     u = chat_usage or {}
     i, o = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
-    return {"input_tokens": i, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": o,
+    from gateway.merge import cached_tokens
+
+    return {"input_tokens": i, "input_tokens_details": {"cached_tokens": cached_tokens(u)}, "output_tokens": o,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}
 
 

@@ -379,7 +379,7 @@ class WorkerService:
                                            model=lv.req.model_ref, worker_id=self.cfg.worker_id, logprobs=logprobs,
                                            choice_index=lv.req.choice_index, tool_calls=calls))
             return
-        usage = self._usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids))
+        usage = self._usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids), out.num_cached_tokens)
         timing = self._timing(lv, now)
         reason = "tool_calls" if out.finish_reason == "stop" and lv.tools and lv.tools.num_calls else out.finish_reason
         await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids), True,
@@ -387,9 +387,10 @@ class WorkerService:
                                    logprobs, lv.req.choice_index, calls))
         await self._record(lv, "ok", reason, usage, timing)
 
-    def _usage(self, lv: _Live, num_prompt: int) -> dict:
+    def _usage(self, lv: _Live, num_prompt: int, num_cached: int = 0) -> dict:
         return {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,
-                "total_tokens": num_prompt + lv.num_generated}
+                "total_tokens": num_prompt + lv.num_generated,
+                "prompt_tokens_details": {"cached_tokens": min(num_prompt, int(num_cached))}}
 
     def _timing(self, lv: _Live, now: float) -> dict:
         """Worker part of the timing breakdown (ms): queue, prefill, decode."""

@@ -90,8 +90,10 @@ def assert_like_reference(chunks: list[Chunk], ref: tuple[list[int], str]) -> No
     assert chunks[-1].final and chunks[-1].error is None
     assert [t for c in chunks for t in c.token_ids] == ref[0]
     assert "".join(c.text for c in chunks) == ref[1]
-    assert chunks[-1].usage == {"prompt_tokens": chunks[-1].usage["prompt_tokens"], "completion_tokens": len(ref[0]),
-                                "total_tokens": chunks[-1].usage["prompt_tokens"] + len(ref[0])}
+    usage = chunks[-1].usage
+    assert usage == {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": len(ref[0]),
+                     "total_tokens": usage["prompt_tokens"] + len(ref[0]),
+                     "prompt_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}}
 
 
 async def test_a_notice_moves_running_sequences_and_they_continue_identically(tiny_path):

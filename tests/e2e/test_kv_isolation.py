@@ -23,10 +23,12 @@ def prompt(tag: str) -> str:
     return f"{tag}: " + " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(120))
 
 
-def complete(stack, key: str, text: str) -> None:
+def complete(stack, key: str, text: str) -> int:
+    """Complete 1 token; the response's ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field)."""
     r = httpx.post(stack.gateway_url(0) + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
                    json={"model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def tenant_hits(stack) -> dict[str, float]:
@@ -64,9 +66,10 @@ def test_no_prefix_hit_across_tenants_unless_they_share_a_group(stack):
     time.sleep(2.5)  # the scheduler re-reads tenant records every 2 s
 
     p = prompt(f"isolation {run}")
-    complete(stack, keys[a], p)
-    complete(stack, keys[b], p)  # another tenant, same prompt: must miss
-    complete(stack, keys[a], p)  # positive control: a's own prompt hits
+    cached = [complete(stack, keys[a], p),
+              complete(stack, keys[b], p),  # another tenant, same prompt: must miss
+              complete(stack, keys[a], p)]  # positive control: a's own prompt hits
+    assert cached[0] == cached[1] == 0 and cached[2] >= 16 * 8 and cached[2] % 16 == 0, cached  # the usage field
     hits = wait_hits(stack, a, 16)
     assert hits.get(a, 0.0) >= 16 * 8, hits
     assert hits.get(b, 0.0) == 0.0, hits

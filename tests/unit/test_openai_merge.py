@@ -10,7 +10,7 @@ LP = [{"token": "Hi", "bytes": [72, 105], "logprob": -0.5,
 
 
 def chunks():
-    u = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    u = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}
     return [Chunk("r-1", 0, "Hi", (1,), logprobs=LP, choice_index=1),
             Chunk("r-0", 0, "Yo", (2,), logprobs=LP, choice_index=0),
             Chunk("r-0", 1, "!", (3,), True, "stop", u, {"decode_ms": 1.0}, logprobs=LP, choice_index=0),
@@ -36,6 +36,7 @@ def test_chat_stream_and_body_with_n2():
     assert sorted(finishes) == [(0, "stop"), (1, "length")]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens"] == 7  # prompt counted once
     assert events[-1]["usage"]["completion_tokens"] == 4 and "actorserve_timing" in events[-1]["usage"]
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}  # the prompt's, once
     assert all(e["usage"] is None for e in events[:-1])
     body = m.body()
     assert [c["message"]["content"] for c in body["choices"]] == ["Yo!", "Hi"]
@@ -49,3 +50,4 @@ def test_completions_logprobs_shape_and_no_usage_without_flag():
     lp = m.body()["choices"][0]["logprobs"]
     assert lp["tokens"] == ["Hi", "Hi"] and lp["text_offset"] == [0, 2] and lp["top_logprobs"][0] == {"Hi": -0.5}
     assert m.body()["usage"]["prompt_tokens"] == 14  # two prompts
+    assert m.body()["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}  # each prompt's hits

@@ -101,6 +101,19 @@ def test_scheduler_starts_hit_sequences_after_the_cached_prefix():
     sched.add("b", len(second), second)
     plan = sched.schedule()
     assert [(s.start, s.num_new_tokens) for s in plan.seqs] == [(16, 3)]
+    assert sched.cached_prompt_tokens("b") == 16 and sched.cached_prompt_tokens("nope") == 0
+
+
+def test_cached_prompt_tokens_is_the_first_admission_not_a_recompute():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    sched = IterationScheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add("a", 9, list(range(9)))
+    assert sched.cached_prompt_tokens("a") == 0  # not admitted yet
+    sched.commit(sched.schedule())
+    assert sched.cached_prompt_tokens("a") == 0  # a miss
+    sched._preempt(sched.running.pop(), None)  # its blocks are now cached: the recompute hits them
+    plan = sched.schedule()
+    assert plan.seqs[0].start == 8 and sched.cached_prompt_tokens("a") == 0  # still the request's own figure
 
 
 # --------------------------------------------------------------------------------- engine
@@ -148,7 +161,11 @@ def test_engine_warm_prefix_equals_cold(tiny_path):
     engine.reset_prefix_cache()
     _first_logits_and_tokens(engine, "fill", shared + [40, 41], 1)
     hits = engine.stats().extra["prefix_cache_hit_tokens"]
+    finished = []
+    orig_step = engine.step
+    engine.step = lambda: [o for o in orig_step() if not o.finished or finished.append(o) or True]
     warm_logits, warm_tokens = _first_logits_and_tokens(engine, "warm", prompt, 10)
     assert engine.stats().extra["prefix_cache_hit_tokens"] - hits == 96  # 6 full blocks of 16
+    assert [(o.request_id, o.num_cached_tokens) for o in finished] == [("warm", 96)]  # usage's cached_tokens
     assert warm_tokens == cold_tokens
     assert torch.allclose(warm_logits, cold_logits, atol=1e-4, rtol=0)

@@ -283,3 +283,9 @@ def test_idempotent_request_ids():
         with pytest.raises(ApiError) as exc:
             ra.idempotent_request_id("acme", bad)
         assert exc.value.param == "Idempotency-Key"
+
+
+def test_usage_carries_the_cached_prompt_tokens():
+    u = rf.usage({"prompt_tokens": 40, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 32}})
+    assert u["input_tokens"] == 40 and u["input_tokens_details"] == {"cached_tokens": 32} and u["total_tokens"] == 43
+    assert rf.usage(None)["input_tokens_details"] == {"cached_tokens": 0}

@@ -316,11 +316,12 @@ class LLMEngine(RequestBook):
             text += r.stop.feed(r.detok.flush())
             text += r.stop.flush()
             reason = "stop" if r.stop.stopped else reason
+        cached = self.scheduler.cached_prompt_tokens(r.req.request_id) if reason else 0
         if reason:
             self._finish(r)
         return StepOutput(
             r.req.request_id, (token,), text, reason is not None, reason, r.num_prompt, len(r.output_ids),
-            None if logprob is None else (logprob,),
+            None if logprob is None else (logprob,), cached,
         )
 
     def _stop_token_reason(self, r: _Request, token: int) -> str | None:

@@ -60,6 +60,7 @@ class SchedSeq:
     tenant: str = ""  # accounting key: KV share under contention (kv_share.py), prefix hits per tenant
     weight: float = 1.0  # the tenant's fair-share weight (scheduler's tenant record), for the KV share
     salt: bytes = b""  # prefix-cache salt (actors/cache_salt.py): blocks are shared only under equal salts
+    num_cached_prompt_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
 
     @property
     def num_pending(self) -> int:
@@ -235,6 +236,12 @@ class IterationScheduler:
             budget, i = budget - n, i + 1
         return budget
 
+    def cached_prompt_tokens(self, seq_id: str) -> int:
+        """Prompt tokens of ``seq_id`` found in the prefix cache when it was first admitted (tokens; 0 when
+        unknown or not admitted yet): OpenAI's ``usage.prompt_tokens_details.cached_tokens``."""
+        seq = self._seqs.get(seq_id)
+        return max(0, seq.num_cached_prompt_tokens) if seq is not None else 0
+
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         """Admit waiting sequences FCFS under the seq, token and block budgets; a step that admits an
         urgent sequence admits no ordinary one (its prefill would lengthen the urgent one's step)."""
@@ -250,6 +257,8 @@ class IterationScheduler:
             if self.bm.allocate(seq.seq_id, cached + n, tokens, seq.salt) is None:
                 return
             seq.num_computed_tokens = cached  # prefix-cache hit: those tokens' K/V are already there
+            if seq.num_cached_prompt_tokens < 0:  # a recompute after preemption is not the request's hit
+                seq.num_cached_prompt_tokens = cached
             if cached:
                 self.prefix_hits_by_tenant[seq.tenant] = self.prefix_hits_by_tenant.get(seq.tenant, 0) + cached
             self.waiting.popleft()

@@ -54,6 +54,7 @@ class StepOutput:
     num_generated_tokens: int = 0  # total generated so far, including this step (tokens)
     # per new token when SamplingParams.logprobs is set: (token id, logprob, ((top id, logprob), ...))
     logprobs: tuple | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (tokens; set on the finished output)
 
 
 @dataclass
