@@ -1,6 +1,6 @@
 """aiohttp HTTP front: OpenAI-compatible endpoints, health and readiness.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /healthz, GET /readyz,
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /healthz, GET /readyz,
 GET /metrics (Prometheus text: ``Authorization: Bearer <operator token>`` when the gateway has one, else
 only series without a tenant label; no API key), GET /dashboard and /dashboard/data (the operator dashboard,
 gateway/dashboard.py, same credential); with a tenancy layer on JetStream also /v1/usage, /v1/jobs and
@@ -102,6 +102,7 @@ class HttpFront:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         if self.tenancy is not None:
             self.tenancy.add_routes(app)  # /v1/usage, /v1/jobs
             if self.tenancy.quotas is not None:  # JetStream is there: /v1/responses (docs/responses.md)
@@ -166,6 +167,18 @@ class HttpFront:
         if self.tenancy is not None:
             data = self.tenancy.visible_models(request, data)
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}`` (OpenAI's retrieve model): the :meth:`models` entry of that id; 404
+        ``model_not_found`` for an id unknown or not allowed to the caller (indistinguishable by design)."""
+        from gateway.models import not_found
+
+        want = request.match_info["model"]
+        data = self.fe.resolver.snapshot.model_list()
+        if self.tenancy is not None:
+            data = self.tenancy.visible_models(request, data)
+        entry = next((m for m in data if m.get("id") == want), None)
+        return web.json_response(entry) if entry is not None else error_response(not_found(want))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""

@@ -201,11 +201,11 @@ def _components() -> dict:
                                "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                                           "content": _NULLABLE_STR,
                                                                           "tool_calls": tool_calls}}}}}}},
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                  "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                                 "owned_by": {"type": "string"}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"}, "data": {"type": "array", "items": {
-                "type": "object", "required": ["id", "object", "created", "owned_by"],
-                "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                               "owned_by": {"type": "string"}}}}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},
     }}
 
 
@@ -357,6 +357,11 @@ def openapi_document(models: list[str], server_url: str | None = None) -> dict:
             "/v1/models": {"get": {"summary": "Registered models", "security": [{"bearerAuth": []}],
                                    "responses": {"200": {"description": "models", "content": {"application/json": {
                                        "schema": {"$ref": "#/components/schemas/ModelList"}}}}, **_errors(401)}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One registered model (name, name@version or an adapter)", "security": [{"bearerAuth": []}],
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model", "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Model"}}}}, **_errors(401, 404)}}},
             "/v1/usage": {"get": {"summary": "The caller's usage, cost and budget (docs/budgets.md)",
                                   "security": [{"bearerAuth": []}], "responses": {"200": {
                                       "description": "usage report", "content": {"application/json": {

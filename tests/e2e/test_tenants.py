@@ -82,6 +82,7 @@ def test_dev_key_file_and_401s(gw3):
         r = httpx.post(url, json=BODY, headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(gw3.gateway_url(2) + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(gw3.gateway_url(2) + "/v1/models/tiny", timeout=30).status_code == 401
 
 
 def test_model_access_and_revocation_on_every_gateway(gw3):
@@ -91,12 +92,17 @@ def test_model_access_and_revocation_on_every_gateway(gw3):
     denied = httpx.post(urls[1] + "/v1/completions", json=BODY, headers=bearer(key), timeout=30)
     unknown = httpx.post(urls[1] + "/v1/completions", json={**BODY, "model": "nope"}, headers=bearer(key), timeout=30)
     assert denied.status_code == unknown.status_code == 404
+    one = [httpx.get(urls[0] + f"/v1/models/{m}", headers=bearer(key), timeout=30) for m in ("tiny", "nope")]
+    assert [r.status_code for r in one] == [404, 404] and one[0].json()["error"]["code"] == "model_not_found"
     assert denied.json()["error"]["message"].replace("tiny", "X") == unknown.json()["error"]["message"].replace(
         "nope", "X")
     admin(gw3, lambda adm: adm.allow_models(name, ["tiny"]))
     wait_until(lambda: {m["id"] for m in httpx.get(urls[2] + "/v1/models", headers=bearer(key)).json()["data"]}
                == {"tiny", "tiny@1"})
     assert httpx.post(urls[2] + "/v1/completions", json=BODY, headers=bearer(key), timeout=60).status_code == 200
+    wait_until(lambda: httpx.get(urls[0] + "/v1/models/tiny@1", headers=bearer(key), timeout=30).status_code == 200)
+    got = httpx.get(urls[0] + "/v1/models/tiny@1", headers=bearer(key), timeout=30).json()
+    assert got["id"] == "tiny@1" and got["object"] == "model"
     t0 = time.monotonic()
     admin(gw3, lambda adm: adm.revoke_key(key_id))
     pending = set(range(3))

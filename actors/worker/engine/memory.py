@@ -42,6 +42,7 @@ def kv_bytes_for_budget(budget_bytes: int, weights_bytes: int, floor_bytes: int 
     that is less than ``floor_bytes``."""
     left = int(budget_bytes) - int(weights_bytes)
     if left < floor_bytes:
-        raise ValueError(f"memory_budget_bytes {budget_bytes} leaves {left} bytes of KV cache beside "
-                         f"{weights_bytes} bytes of weights; at least {floor_bytes} are needed")
+        raise ValueError(f"memory_budget_bytes {budget_bytes} is too small: the loaded weights take {weights_bytes} "
+                         f"bytes and the KV cache needs at least {floor_bytes} more (at least "
+                         f"{int(weights_bytes) + floor_bytes} in all)")
     return left
