@@ -150,6 +150,7 @@ class Load:
         self.results: list[asyncio.Task] = []
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._closers: list[asyncio.Task] = []
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=300),
@@ -164,6 +165,24 @@ class Load:
                     await asyncio.wait_for(self._stop.wait(), 0.02)
             await asyncio.gather(*self.results)
 
+    def burst(self, n: int) -> None:
+        """Send ``n`` more requests at once (counted in :meth:`stop`'s outcomes): with 1-slot workers, more
+        concurrent streams than workers put one on every worker whatever the scheduler's tie-break."""
+        client = httpx.AsyncClient(timeout=DEADLINE_MS / 1e3 + 10)
+
+        async def send(i: int) -> Outcome:
+            return await one(client, self.sup, 10_000 + i, self.max_tokens)
+
+        tasks = [asyncio.create_task(send(k)) for k in range(n)]
+        closer = asyncio.create_task(self._close_after(client, tasks))
+        self.results.extend(tasks)
+        self._closers.append(closer)
+
+    @staticmethod
+    async def _close_after(client: httpx.AsyncClient, tasks: list[asyncio.Task]) -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.aclose()
+
     def start(self) -> "Load":
         self._task = asyncio.create_task(self._run())
         return self
@@ -172,6 +191,7 @@ class Load:
         """Stop sending; wait for every request sent; their outcomes."""
         self._stop.set()
         await self._task
+        await asyncio.gather(*self.results, *self._closers)
         return [t.result() for t in self.results]
 
 
