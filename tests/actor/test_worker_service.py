@@ -142,9 +142,21 @@ async def test_cancel_heard_before_the_dispatch_ends_the_request_unrun(tiny_path
         assert svc.num_aborted == 1 and svc.engine.stats().num_prompt_tokens == 0 and not svc.live
 
 
+def slowed(eng: LLMEngine, step_s: float) -> LLMEngine:
+    """``eng`` whose every step takes at least ``step_s`` more seconds: keeps requests running for a check
+    however fast this CPU decodes (CI saw 200 tokens x 4 sequences end in under 0.2 s)."""
+    step = eng.step
+
+    def slow_step():
+        time.sleep(step_s)
+        return step()
+    eng.step = slow_step
+    return eng
+
+
 async def test_refuses_beyond_credits_and_when_draining(tiny_path):
     bus = MemoryBus()
-    svc = WorkerService(bus, engine(tiny_path), WorkerConfig("w1", "m", "1"))
+    svc = WorkerService(bus, slowed(engine(tiny_path), 0.01), WorkerConfig("w1", "m", "1"))
     async with svc:
         results = [await dispatch(bus, gen(f"r{i}", max_tokens=200)) for i in range(6)]
         assert results == [True] * 4 + [False] * 2  # max_num_seqs = 4

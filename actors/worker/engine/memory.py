@@ -21,8 +21,8 @@ def tensor_bytes(root: Any, max_depth: int = 6) -> int:
 
 def _walk(obj: Any, depth: int, seen: dict[int, int], visited: set[int]) -> None:
     if isinstance(obj, torch.Tensor):
-        st = obj.untyped_storage()
-        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        key, nbytes = _storage(obj)
+        seen[key] = max(seen.get(key, 0), nbytes)
         return
     if depth <= 0 or id(obj) in visited or isinstance(obj, (str, bytes, int, float, bool, type(None))):
         return
@@ -35,6 +35,16 @@ def _walk(obj: Any, depth: int, seen: dict[int, int], visited: set[int]) -> None
         items = getattr(obj, "__dict__", {}).values()
     for x in items:
         _walk(x, depth - 1, seen, visited)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of a tensor's storage: its data pointer and size, or for an opaque tensor without a storage
+    (a oneDNN-packed weight, ``is_mkldnn``: seen on an AVX-512 BF16 CPU) its id and numel * element size."""
+    try:
+        st = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return -id(t), t.numel() * t.element_size()
+    return st.data_ptr(), st.nbytes()
 
 
 def kv_bytes_for_budget(budget_bytes: int, weights_bytes: int, floor_bytes: int = MIN_KV_BYTES) -> int:
