@@ -224,6 +224,8 @@ class ApiRequest(Message):
     priority: str = "interactive"  # priority class
     deadline: float = 0.0  # absolute deadline, Unix epoch seconds
     marks: dict[str, float] = field(default_factory=dict)  # timing marks, stage -> epoch s
+    adapter: str | None = None  # resolved LoRA adapter ("name:adapter" references; registry record checked)
+    adapter_path: str = ""  # the adapter's PEFT directory from its registry record (never from the client)
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,9 @@ class GenerateRequest(Message):
     priority: str = "interactive"
     deadline: float = 0.0  # absolute deadline, Unix epoch seconds
     marks: dict[str, float] = field(default_factory=dict)
-    adapter: str | None = None  # LoRA adapter (later issue)
+    adapter: str | None = None  # LoRA adapter name (resolved by the gateway; None = base model)
+    adapter_path: str = ""  # its PEFT directory (registry record via the gateway): a worker that has not seen the
+    # record yet registers the adapter from it (no race between the gateway's and the worker's registry reads)
     attempt: int = 0  # dispatch attempt (0 = first); bumped on re-dispatch after a worker loss
     echo_text: str = ""  # completions `echo`: prompt text the worker prepends to the first chunk's text
     choice_index: int = 0  # index of this choice in its API request's response (prompt_index * n + i)

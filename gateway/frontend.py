@@ -149,7 +149,7 @@ class Frontend:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "you must provide a model parameter", param="model")
-        name, version = self.resolver.snapshot.resolve(model, tenant=tenant, request_key=request_id)
+        name, version, adapter = self.resolver.snapshot.resolve_ref(model, tenant=tenant, request_key=request_id)
         priority = body.get("priority", "interactive")
         if priority not in PRIORITIES:
             raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
@@ -166,7 +166,8 @@ class Frontend:
         if self.observer is not None:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))
         req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,
-                         subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks)
+                         subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks,
+                         adapter=adapter, adapter_path=self.resolver.snapshot.adapter_path(name, adapter))
         content_log.log_content("request body", request_id, body)  # only with ACTORSERVE_LOG_PROMPTS=1
         try:
             await self._hand_to_validator(req)

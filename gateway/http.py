@@ -162,8 +162,9 @@ class HttpFront:
         return web.json_response(openapi_document(models, f"{request.scheme}://{request.host}"))
 
     async def models(self, request: web.Request) -> web.Response:
-        """``GET /v1/models``: registered models (``name`` and ``name@version``)."""
-        data = self.fe.resolver.snapshot.model_list()
+        """``GET /v1/models``: registered models (``name`` and ``name@version``) and the LoRA adapters the
+        caller may use (``name:adapter`` with ``parent``)."""
+        data = self.fe.resolver.snapshot.model_list(self._tenant_id(request))
         if self.tenancy is not None:
             data = self.tenancy.visible_models(request, data)
         return web.json_response({"object": "list", "data": data})
@@ -174,11 +175,15 @@ class HttpFront:
         from gateway.models import not_found
 
         want = request.match_info["model"]
-        data = self.fe.resolver.snapshot.model_list()
+        data = self.fe.resolver.snapshot.model_list(self._tenant_id(request))
         if self.tenancy is not None:
             data = self.tenancy.visible_models(request, data)
         entry = next((m for m in data if m.get("id") == want), None)
         return web.json_response(entry) if entry is not None else error_response(not_found(want))
+
+    def _tenant_id(self, request: web.Request) -> str | None:
+        """The caller's tenant id (401 without a valid key), None without tenancy."""
+        return self.tenancy.authenticate(request).id if self.tenancy is not None else None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""

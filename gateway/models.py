@@ -43,12 +43,21 @@ class ModelSnapshot:
     routing: dict[str, dict] = field(default_factory=dict)  # name -> routing record
     workers: dict[tuple[str, str], int] = field(default_factory=dict)  # (name, version) -> live workers
     read_at: float = 0.0  # time.time() of the read
+    adapters: dict[str, dict[str, dict]] = field(default_factory=dict)  # name -> adapter -> record
 
     def resolve(self, ref: str, *, tenant: str = "", request_key: str = "") -> tuple[str, str]:
-        """(name, version) for a model reference; ApiError 404 when unknown. Adapters: later issue.
+        """(name, version) for a model reference; ApiError 404 when unknown (see :meth:`resolve_ref`)."""
+        return self.resolve_ref(ref, tenant=tenant, request_key=request_key)[:2]
 
-        ``tenant`` and ``request_key`` (the request id) feed the canary split's stickiness.
+    def resolve_ref(self, ref: str, *, tenant: str = "", request_key: str = "") -> tuple[str, str, str | None]:
+        """(name, version, adapter or None) for a model reference; ApiError 404 when unknown.
+
+        ``tenant`` and ``request_key`` (the request id) feed the canary split's stickiness. ``name:adapter``
+        goes to the version the adapter was registered for, whatever the routing table says (a canary may not
+        fit the adapter); ``name@version:adapter`` only to that version. A retired adapter, one registered
+        for another version, or one whose tenant list leaves ``tenant`` out is not found (404).
         """
+        from control.state.adapters import visible_to
         from control.state.names import parse_model_ref
         try:
             parsed = parse_model_ref(ref)
@@ -56,7 +65,19 @@ class ModelSnapshot:
             raise not_found(str(ref)) from None
         active = self.active_versions(parsed.name)
         if parsed.adapter:
-            raise not_found(ref)
+            rec = self.adapters.get(parsed.name, {}).get(parsed.adapter)
+            version = (rec or {}).get("version")
+            if (not visible_to(rec, tenant or None) or version not in active
+                    or (parsed.version and parsed.version != version)):
+                raise not_found(ref)
+            return parsed.name, version, parsed.adapter
+        return (*self._resolve_base(parsed, ref, active, tenant, request_key), None)
+
+    def adapter_path(self, name: str, adapter: str | None) -> str:
+        """The PEFT directory of ``name``'s adapter from its record ("" for none)."""
+        return str((self.adapters.get(name, {}).get(adapter) or {}).get("path", "")) if adapter else ""
+
+    def _resolve_base(self, parsed, ref: str, active: frozenset[str], tenant: str, request_key: str) -> tuple[str, str]:
         if parsed.version:
             if parsed.version not in active:
                 raise not_found(ref)
@@ -86,9 +107,24 @@ class ModelSnapshot:
         pool = served or list(active)
         return max(pool, key=version_order) if pool else None
 
-    def model_list(self) -> list[dict]:
+    def model_list(self, tenant: str | None = None) -> list[dict]:
         """``/v1/models`` entries: one per model name (``name``) and per active version (``name@version``);
-        retired and disabled versions (404 when asked for) are left out, so is a name without an active one."""
+        retired and disabled versions (404 when asked for) are left out, so is a name without an active one.
+        Then the active adapters (``name:adapter``, ``parent`` = ``name@version``) that ``tenant`` may use
+        (None: all)."""
+        return self._base_list() + self._adapter_list(tenant)
+
+    def _adapter_list(self, tenant: str | None) -> list[dict]:
+        from control.state.adapters import visible_to
+        out = []
+        for name, recs in sorted(self.adapters.items()):
+            for adapter, rec in sorted(recs.items()):
+                if visible_to(rec, tenant) and rec.get("version") in self.active_versions(name):
+                    out.append({"id": f"{name}:{adapter}", "object": "model", "created": int(rec.get("created", 0)),
+                                "owned_by": "actorserve", "parent": f"{name}@{rec['version']}"})
+        return out
+
+    def _base_list(self) -> list[dict]:
         out = []
         for name, vers in sorted(self.versions.items()):
             active = self.active_versions(name)
@@ -153,6 +189,7 @@ class ModelResolver:
         read was under way wins over the (older) one read here."""
         seq0 = self._seq
         models = await self.registry.list_models()
+        adapters = await self.registry.list_adapters()
         routing, workers = {}, {}
         for name, vers in models.items():
             routing[name] = await self.registry.get_routing(name) or {}
@@ -161,7 +198,7 @@ class ModelResolver:
         for name, (seq, record) in self._watched.items():
             if seq > seq0:
                 routing[name] = record or {}
-        self.snapshot = ModelSnapshot(models, routing, workers, time.time())
+        self.snapshot = ModelSnapshot(models, routing, workers, time.time(), adapters)
 
     def apply_routing(self, name: str, record: dict | None) -> None:
         """Install one model's routing record in the snapshot now (from the watch)."""
@@ -169,7 +206,7 @@ class ModelResolver:
         self._watched[name] = (self._seq, record)
         snap = self.snapshot
         routing = {**snap.routing, name: record or {}}
-        self.snapshot = ModelSnapshot(snap.versions, routing, snap.workers, snap.read_at)
+        self.snapshot = ModelSnapshot(snap.versions, routing, snap.workers, snap.read_at, snap.adapters)
 
     async def _watch(self) -> None:
         from control.state.names import models_prefix, routing_key

@@ -288,7 +288,8 @@ class ValidatorService:
                 rid = req.request_id if n * len(prepared) == 1 else f"{req.request_id}-{index}"
                 out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids),
                                            params.seeded(i), req.priority, req.deadline, marks, echo_text=echo,
-                                           choice_index=index, **tool_kw))
+                                           choice_index=index, adapter=req.adapter,
+                                           adapter_path=req.adapter_path, **tool_kw))
         return out
 
     def _prepare_prompt(self, req: ApiRequest, validated: ValidatedRequest, prompt, assets: ModelAssets

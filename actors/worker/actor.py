@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes for weights + KV cache together: the KV cache gets what the loaded weights "
                         "leave (default 0: --kv-cache-bytes of KV beside the weights; docs/model-loading.md)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequence slots in the running batch")
+    parser.add_argument("--max-loras", type=int, default=4, help="LoRA adapters in accelerator slots at once "
+                        "(0: adapter requests are refused; docs/lora.md)")
+    parser.add_argument("--max-cpu-loras", type=int, default=16, help="LoRA adapters kept in CPU memory (>= --max-loras)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank r accepted")
+    parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
+                        help="ranks sharing the model in this worker (heads and MLP columns split, Megatron-LM; "
+                        "one logical worker). 0 (default): the manifest's tensor_parallel, else 1 (docs/tensor-parallel.md)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="compute dtype (default auto: the fastest correct path for this CPU and model, "
@@ -111,11 +118,37 @@ def build_engine(manifest: dict, args: argparse.Namespace):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=manifest.get("context_length") or None, progress=not args.no_progress,
                        weights_cache=getattr(args, "weights_cache", True),
-                       memory_budget_bytes=getattr(args, "memory_budget_bytes", 0) or 0)
+                       memory_budget_bytes=getattr(args, "memory_budget_bytes", 0) or 0,
+                       max_loras=getattr(args, "max_loras", 4), max_cpu_loras=getattr(args, "max_cpu_loras", 16),
+                       max_lora_rank=getattr(args, "max_lora_rank", 16),
+                       tensor_parallel=tensor_parallel_of(manifest, args))
     engine = LLMEngine(cfg)
     engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
     engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included
     return engine
+
+
+def tensor_parallel_of(manifest: dict, args: argparse.Namespace) -> int:
+    """Ranks of this worker: ``--tensor-parallel``, else the manifest's ``tensor_parallel``, else 1.
+    ValueError for a value that is not an integer >= 1."""
+    n = getattr(args, "tensor_parallel", 0) or manifest.get("tensor_parallel", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel must be an integer >= 1, got {n!r}")
+    return n
+
+
+def _leave_on_group_loss(engine) -> None:
+    """A tensor-parallel worker whose rank is gone exits at once (status 75): its lease lapses and the
+    scheduler re-dispatches its requests that had no token yet to other workers; the other ranks die with it."""
+    tp = getattr(engine, "tp", None)
+    if tp is None:
+        return
+
+    def leave(why: str) -> None:
+        log.error("worker leaving: %s", why)
+        logging.shutdown()
+        os._exit(75)
+    tp.on_lost = leave
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -139,6 +172,9 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
         raise SystemExit(f"model version {ref.name}@{ref.version} is not registered")
     timeline.mark("registry")
     engine = await asyncio.to_thread(build_engine, manifest, args)
+    _leave_on_group_loss(engine)
+    if getattr(engine, "tp", None) is not None:  # runs last (closers in reverse): after the service stopped
+        ctx.on_stop(lambda: asyncio.to_thread(engine.close), timeout_s=8.0, what="tensor-parallel ranks")
     _add_engine_phases(timeline, getattr(engine, "load_phases", {}))
     log.info("worker %s loaded %s@%s; %s", worker_id, ref.name, ref.version,
              engine.kv.describe() if hasattr(engine, "kv") else getattr(engine, "describe", lambda: "?")())
@@ -150,6 +186,7 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
         from actors.worker.engine.warmup import warm_up
         await svc.run_on_engine_thread(warm_up, engine)  # the thread whose OpenMP team serves the steps
         timeline.mark("warmup")
+    sync = await _follow_adapters(ctx, reg, svc, ref)  # before credits: the registry's adapters are servable
     await svc.start()
     timeline.mark("credits")
     ctx.on_stop(svc.stop, timeout_s=10.0, what="worker service")
@@ -159,8 +196,10 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
             "device": args.device, "dtype": getattr(engine, "dtype_name", args.dtype),
             "quantization": getattr(engine, "quantization", None),
             "path": getattr(getattr(engine, "path_choice", None), "reason", None),
-            "max_num_seqs": args.max_num_seqs, "adapters": [], "pool": getattr(args, "pool", "default"),
+            "max_num_seqs": args.max_num_seqs, "adapters": sorted(sync.applied), "pool": getattr(args, "pool", "default"),
             "engine": getattr(args, "engine", "torch")}
+    if getattr(engine, "tp", None) is not None:  # one logical worker over several ranks: bytes per rank
+        info.update(tensor_parallel=engine.tp.world, ranks=engine.tp.rank_bytes)
     info.update(load_phases=timeline.as_dict(), load_s=round(timeline.ready_s, 3))
     if (memory := memory_record(engine, manifest, args, ref)) is not None:
         info["memory"] = memory
@@ -194,8 +233,8 @@ def _add_engine_phases(timeline: LoadTimeline, phases: dict) -> None:
 
 
 def memory_record(engine, manifest: dict, args: argparse.Namespace, ref) -> dict | None:
-    """The worker record's ``memory`` (bytes): ``budget_bytes`` (``--memory-budget-bytes``, else weights + KV),
-    ``weights_bytes``, ``kv_bytes`` and ``resident``: one row per resident version (``model``, ``quantization``,
+    """The worker record's ``memory`` (bytes): ``budget_bytes`` (``--memory-budget-bytes``, else weights + KV +
+    adapter slots), ``weights_bytes``, ``kv_bytes``, ``adapters_bytes`` (LoRA slots reserved) and ``resident``: one row per resident version (``model``, ``quantization``,
     ``weights_bytes``, ``kv_bytes``, ``share_key``: the artifact + quantization its weights come from). None
     for an engine that holds no weights (zero-compute)."""
     weights = getattr(engine, "weights_bytes", None)
@@ -204,8 +243,9 @@ def memory_record(engine, manifest: dict, args: argparse.Namespace, ref) -> dict
     kv, quant = int(engine.kv.num_bytes), getattr(engine, "quantization", None)
     row = {"model": f"{ref.name}@{ref.version}", "quantization": quant or engine.dtype_name,
            "weights_bytes": int(weights), "kv_bytes": kv, "share_key": f"{manifest['artifact']}|{quant or 'none'}"}
-    return {"budget_bytes": int(getattr(args, "memory_budget_bytes", 0) or weights + kv), "weights_bytes": int(weights),
-            "kv_bytes": kv, "resident": [row]}
+    adapters = int(getattr(engine, "lora_reserve_bytes", 0))  # LoRA slots kept out of the budget (docs/lora.md)
+    return {"budget_bytes": int(getattr(args, "memory_budget_bytes", 0) or weights + kv + adapters),
+            "weights_bytes": int(weights), "kv_bytes": kv, "adapters_bytes": adapters, "resident": [row]}
 
 
 def _track_memory(memory: dict) -> None:
@@ -251,6 +291,25 @@ def _record_load(svc: WorkerService, reg, holder: list, info: dict, timeline: Lo
         put()
     put()
     svc.on_first_token = first
+
+
+async def _follow_adapters(ctx: ActorContext, reg, svc: WorkerService, ref):
+    """The registry's adapters of this version registered in the engine now, then kept in step (until stop)."""
+    from actors.worker.adapter_sync import AdapterSync, follow_registry, track_lora_metrics
+    from control.state.adapters import served_by
+
+    sync = AdapterSync()
+    with contextlib.suppress(Exception):  # etcd slow: the follower below retries
+        async with asyncio.timeout(5.0):
+            records = (await reg.list_adapters()).get(ref.name, {})
+            await svc.run_on_engine_thread(sync.apply, svc.engine, served_by(records, ref.version))
+    task = asyncio.create_task(follow_registry(reg, svc, ref.name, ref.version, sync))
+    track_lora_metrics(svc.engine, f"{ref.name}@{ref.version}")
+
+    async def cancel() -> None:
+        task.cancel()
+    ctx.on_stop(cancel, timeout_s=1.0, what="adapter follower")
+    return sync
 
 
 def _watch_notices(ctx: ActorContext, reg, svc: WorkerService, ref, worker_id: str) -> None:

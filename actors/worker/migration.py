@@ -72,7 +72,8 @@ def engine_request(req: GenerateRequest, urgent: bool) -> EngineRequest:
     st = resume_of(req.resume)
     return EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling, arrival_time=time.monotonic(),
                          priority=req.priority, tenant=req.tenant, urgent=urgent, tenant_weight=req.tenant_weight,
-                         cache_salt=bytes.fromhex(req.cache_salt),
+                         cache_salt=bytes.fromhex(req.cache_salt), adapter=req.adapter or None,
+                         adapter_path=req.adapter_path,
                          resumed_output_ids=st.output_ids if st else (), rng_state=st.rng_state if st else None)
 
 

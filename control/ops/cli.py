@@ -5,6 +5,7 @@ Verbs::
     actorserve up [--state-dir DIR] [--host H] [--port P] [--gateways N] [--workers N] [--model-file PATH]
     actorserve actor {gateway,validator,scheduler,worker} [--nats URL] [--etcd URL] [actor options]
     actorserve models {register,list,show,retire,register-default} ...   (control/ops/models_cli.py)
+    actorserve adapters {register,list,retire} ...   (control/ops/adapters_cli.py)
     actorserve status [--state-dir DIR] [--json]
     actorserve tenants {create,list,show,keys,set-quota,allow-models,priority,set-weight} ...
     actorserve rollout {start,set-weight,promote,rollback,status} NAME ...   (control/ops/rollout_cli.py)
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     from control.ops.tenants_cli import add_tenant_commands
 
     add_models_commands(sub)
+    from control.ops.adapters_cli import add_adapters_commands
+    add_adapters_commands(sub)
     add_tenant_commands(sub)
     add_rollout_commands(sub)
     add_diagnose_command(sub)

@@ -123,6 +123,16 @@ def model_version_key(name: str, version: str) -> str:
     return f"{model_versions_prefix(name)}{validate_name('model version', version)}"
 
 
+def adapters_prefix(name: str) -> str:
+    """Prefix of a model's LoRA adapter records: ``/actorserve/models/{name}/adapters/``."""
+    return f"{model_prefix(name)}adapters/"
+
+
+def adapter_key(name: str, adapter: str) -> str:
+    """Key of one adapter record: ``/actorserve/models/{name}/adapters/{adapter}`` (control/state/adapters.py)."""
+    return f"{adapters_prefix(name)}{validate_name('adapter name', adapter)}"
+
+
 def routing_key(name: str) -> str:
     """Key of a model's routing table: ``/actorserve/models/{name}/routing``."""
     return f"{model_prefix(name)}routing"

@@ -279,6 +279,16 @@ class Registry:
                 out.setdefault(parts[0], {})[parts[2]] = v
         return out
 
+    async def list_adapters(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Return ``{model name: {adapter: record}}`` for every adapter record (control/state/adapters.py)."""
+        prefix = names.models_prefix()
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for k, v in (await self.get_prefix_json(prefix)).items():
+            parts = k[len(prefix):].split("/")
+            if len(parts) == 3 and parts[1] == "adapters":
+                out.setdefault(parts[0], {})[parts[2]] = v
+        return out
+
     async def get_routing(self, name: str) -> dict[str, Any] | None:
         """Return the routing table of model ``name``, or None if it has none."""
         return await self.get_json(names.routing_key(name))

@@ -35,7 +35,10 @@ def test_the_kv_cache_gets_what_the_weights_leave_of_the_budget(tmp_path):
     budget = plain.weights_bytes + 8 * 2**20
     eng = LLMEngine(EngineConfig(model_path=path, dtype="float32", memory_budget_bytes=budget))
     assert eng.weights_bytes == plain.weights_bytes
-    assert budget - eng.kv.block_bytes < eng.weights_bytes + eng.kv.num_bytes <= budget
+    held = eng.weights_bytes + eng.lora_reserve_bytes + eng.kv.num_bytes  # LoRA slots are reserved out of the budget
+    assert eng.lora_reserve_bytes > 0 and budget - eng.kv.block_bytes < held <= budget
+    no_lora = LLMEngine(EngineConfig(model_path=path, dtype="float32", memory_budget_bytes=budget, max_loras=0))
+    assert no_lora.lora_reserve_bytes == 0 and no_lora.kv.num_bytes == eng.kv.num_bytes + eng.lora_reserve_bytes
     assert eng.max_model_len <= eng.kv.capacity_tokens
     with pytest.raises(ValueError, match="too small"):
         LLMEngine(EngineConfig(model_path=path, dtype="float32", memory_budget_bytes=plain.weights_bytes))

@@ -39,6 +39,12 @@ class Snapshot:
     def resolve(self, ref, *, tenant="", request_key=""):
         return ref, "1"
 
+    def resolve_ref(self, ref, *, tenant="", request_key=""):
+        return ref, "1", None
+
+    def adapter_path(self, name, adapter):
+        return ""
+
 
 async def stack() -> tuple[MemoryBus, Frontend]:
     """A Frontend on a MemoryBus whose validator accepts every request and plays its prompt's script."""

@@ -205,6 +205,12 @@ class Snapshot:
     def resolve(self, ref, *, tenant="", request_key=""):
         return ref, "1"
 
+    def resolve_ref(self, ref, *, tenant="", request_key=""):
+        return ref, "1", None
+
+    def adapter_path(self, name, adapter):
+        return ""
+
 
 class Tenancy:
     """Records admissions and releases; ``refuse`` = the ApiError admission raises."""

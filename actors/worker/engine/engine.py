@@ -19,6 +19,7 @@ Output conventions:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,8 +33,12 @@ from .detokenizer import IncrementalDetokenizer, StopStringMatcher, replay
 from .hardware import DTYPES, resolve_dtype
 from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
+from .adapters import AdapterManager
 from .kv_cache import KVCache, bytes_per_block
+from .lora import lora_batch, slot_bytes
 from .memory import kv_bytes_for_budget, tensor_bytes
+from .tensor_parallel import shard_config, shard_plan, shard_weights, wrap_row_parallel
+from .tp_group import LeaderModel, TPGroup
 from .model import BatchMetadata, LlamaModel, packed_linear_factory
 from .sampler import generator_state, make_generator, sample_batch, set_generator_state, top_logprobs
 from .step_rates import StepRates
@@ -67,6 +72,12 @@ class EngineConfig:
     small_step_tokens: int = 0  # steps with <= this many tokens run on one thread (0 = never; see 0006)
     weights_cache: bool = False  # read / write the converted-weights cache (weights_cache.py; the worker's default)
     memory_budget_bytes: int = 0  # > 0: weights + KV cache within this (the KV cache gets the rest; memory.py)
+    max_loras: int = 4  # LoRA adapters in accelerator slots at once (0 = adapters refused; lora_tiers.py)
+    max_cpu_loras: int = 16  # LoRA adapters kept in the CPU tier (>= max_loras)
+    max_lora_rank: int = 16  # largest adapter r accepted; with a memory budget, max_loras slots of this rank are kept
+    tensor_parallel: int = 1  # ranks sharing the model (tensor_parallel.py; > 1: LoRA adapters are not served)
+    tp_rank: int = 0  # this process's rank (0: the engine that schedules; followers are started by it)
+    tp_init: str = ""  # followers: the group's rendezvous (tcp://127.0.0.1:PORT), set by rank 0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -80,6 +91,10 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if int(self.memory_budget_bytes) < 0:
             raise ValueError("memory_budget_bytes must be >= 0")
+        if self.max_loras < 0 or self.max_lora_rank < 1 or (self.max_loras and self.max_cpu_loras < self.max_loras):
+            raise ValueError("max_loras must be >= 0, max_lora_rank >= 1 and max_cpu_loras >= max_loras")
+        if self.tensor_parallel < 1 or not 0 <= self.tp_rank < self.tensor_parallel:
+            raise ValueError("tensor_parallel must be >= 1 and tp_rank in 0 .. tensor_parallel - 1")
         if self.quantization not in (None, "auto", *QUANTIZERS):
             raise ValueError(f"quantization must be None or one of {sorted([*QUANTIZERS, 'auto'])}")
 
@@ -140,20 +155,37 @@ class LLMEngine(RequestBook):
         packs = PackCache(config.model_path, dtype, self.quantization, kernels) \
             if config.weights_cache and factory is not None else None
         clock.mark("kernels")
-        self.model = LlamaModel(self.model_config, art.weights, limit,
+        self.tp, shard_cfg = self._open_group(art, config)
+        if self.tp is not None:
+            packs = None  # the pack cache holds whole projections, not a rank's shard
+        self.model = LlamaModel(shard_cfg, art.weights, limit,
                                 packs.wrap(factory) if packs else factory, config.native_kernels)
+        if self.tp is not None:
+            wrap_row_parallel(self.model, None)  # the default process group: the TP group
         if packs:
             packs.save()
         clock.mark("quantize")
         self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
-        kv_bytes = (kv_bytes_for_budget(config.memory_budget_bytes, self.weights_bytes)
+        lora_slots = config.max_loras if self.tp is None else 0
+        self.adapters = (AdapterManager(self.model_config, dtype, config.device, lora_slots, config.max_cpu_loras,
+                                        config.max_lora_rank) if lora_slots else None)
+        self.lora_reserve_bytes = lora_slots * slot_bytes(self.model_config, config.max_lora_rank, dtype)
+        kv_bytes = (kv_bytes_for_budget(config.memory_budget_bytes, self.weights_bytes + self.lora_reserve_bytes)
                     if config.memory_budget_bytes else config.kv_cache_bytes)
-        self.kv = KVCache(self.model_config, kv_bytes, config.block_size, dtype, config.device)
+        if self.tp is not None:
+            kv_bytes = self._group_kv_bytes(kv_bytes, shard_cfg, dtype)
+        self.kv = KVCache(shard_cfg, kv_bytes, config.block_size, dtype, config.device)
         log.info(self.kv.describe())
+        if self.tp is not None:
+            self.tp.describe(self.weights_bytes, self.kv.num_bytes)
+            if config.tp_rank == 0:
+                self.model = LeaderModel(self.model, self.tp)
         self.max_model_len = min(limit, self.kv.capacity_tokens)  # one sequence always fits alone
         self.load_phases = clock.phases  # {phase: s}: artifact_read, convert, kernels, quantize
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        if self.adapters is not None:
+            self.scheduler.admit_gate = lambda name, in_use: self.adapters.place(name, in_use) is not None
         self.token_bytes = art.token_bytes
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -170,6 +202,35 @@ class LLMEngine(RequestBook):
         self._threads = torch.get_num_threads()
         log.info("engine: dtype %s, quantization %s, %d torch threads", self.dtype_name, self.quantization,
                  self._threads)
+
+    def _open_group(self, art, config: EngineConfig):
+        """(TPGroup or None, the ModelConfig this rank builds): with ``tensor_parallel`` > 1 the group is joined
+        (rank 0 starts the followers) and ``art.weights`` cut to this rank's shard (tensor_parallel.py)."""
+        if config.tensor_parallel == 1:
+            return None, self.model_config
+        plan = shard_plan(self.model_config.num_heads, self.model_config.num_kv_heads, self.model_config.ffn_size,
+                          config.tensor_parallel)  # ValueError before any process starts
+        if config.num_threads is None and config.device == "cpu":  # the ranks share this machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel))
+        group = TPGroup.open(config, self.dtype_name, self.quantization)
+        shard = plan[config.tp_rank]
+        shard_weights(art.weights, self.model_config, shard)
+        log.info("tensor parallel rank %d of %d: query heads %s, KV heads %s, MLP columns %s", shard.rank,
+                 shard.world, shard.q_heads, shard.kv_heads, shard.ffn)
+        return group, shard_config(self.model_config, shard)
+
+    def _group_kv_bytes(self, kv_bytes: int, shard_cfg, dtype: torch.dtype) -> int:
+        """This rank's KV bytes for the blocks every rank can hold: ``kv_cache_bytes`` sizes the whole model's
+        KV (all heads); a memory budget is per rank (its own weights and heads)."""
+        bs = self.config.block_size
+        full = bytes_per_block(self.model_config, bs, dtype)
+        blocks = kv_bytes // (bytes_per_block(shard_cfg, bs, dtype) if self.config.memory_budget_bytes else full)
+        return self.tp.agree_min(blocks) * bytes_per_block(shard_cfg, bs, dtype)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers and leave the group (nothing to do on one rank)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _eos_ids(self) -> tuple[int, ...]:
         """EOS (and end-of-turn, if distinct) token ids from GGUF metadata."""
@@ -200,6 +261,7 @@ class LLMEngine(RequestBook):
                              f"(vocabulary of {self.vocab_size})")
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request_id {req.request_id!r}")
+        self._check_adapter(req.adapter, req.adapter_path)
         grammar = self.structured.new_state(req.params.grammar) if req.params.grammar is not None else None
         generator = make_generator(req.params.seed)
         if req.rng_state is not None:
@@ -212,8 +274,35 @@ class LLMEngine(RequestBook):
             grammar.consume(t)
         self._requests[req.request_id] = r
         self.scheduler.add(req.request_id, len(ids), r.token_ids, front=front, urgent=req.urgent,
-                           priority=req.priority, tenant=req.tenant, weight=req.tenant_weight, salt=req.cache_salt)
+                           priority=req.priority, tenant=req.tenant, weight=req.tenant_weight,
+                           salt=adapter_salt(req.cache_salt, req.adapter), adapter=req.adapter or "")
         return texts
+
+    def _check_adapter(self, name: str | None, path: str = "") -> None:
+        """Read a request's adapter into the CPU tier now (its first use); ValueError (lora.AdapterError)
+        when adapters are disabled, the name is not registered (and ``path`` does not name its directory),
+        or its files are corrupt or do not fit."""
+        if not name:
+            return
+        if self.adapters is None:
+            raise ValueError(f"adapter {name!r}: LoRA adapters are disabled on this worker (max_loras=0)")
+        if path and name not in self.adapters.paths:  # the request saw the registry record before this worker
+            self.adapters.register(name, path)
+        self.adapters.ensure_host(name, {r.req.adapter for r in self._requests.values() if r.req.adapter})
+
+    def register_adapter(self, name: str, path: str) -> None:
+        """Make LoRA adapter ``name`` (a PEFT directory at ``path``) servable; it is read on first use.
+        ValueError when adapters are disabled or the name is malformed (AdapterManager.register)."""
+        if self.adapters is None:
+            raise ValueError("LoRA adapters are disabled on this worker (max_loras=0)")
+        self.adapters.register(name, path)
+
+    def unregister_adapter(self, name: str) -> bool:
+        """Forget adapter ``name`` (retired); False, and nothing changes, while a live request names it."""
+        if self.adapters is None or any(r.req.adapter == name for r in self._requests.values()):
+            return False
+        self.adapters.unregister(name)
+        return True
 
     def detach_request(self, request_id: str) -> tuple[tuple[int, ...], bytes] | None:
         """Take a request out to migrate it (between steps): its blocks are freed (full ones stay in the
@@ -281,6 +370,10 @@ class LLMEngine(RequestBook):
             if item.samples:
                 logits_idx.append(len(ids) - 1)
         meta = self._metadata(plan.seqs, positions, slots, tables, logits_idx)
+        if self.adapters is not None:
+            adapters = [self._requests[i.seq_id].req.adapter for i in plan.seqs]
+            meta.lora = lora_batch([self.adapters.device_adapter(a) if a else None for a in adapters],
+                                   meta.query_lens, self.config.device)
         return self.model.forward(self._tensor(ids), meta, self.kv.tensor)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
@@ -384,5 +477,12 @@ class LLMEngine(RequestBook):
         return r.num_prompt if r else 0
 
     def _extra_stats(self) -> dict:
-        """num_constrained_steps, grammar_*, mask_ms_total (structured outputs) for ``stats().extra``."""
-        return self.structured.stats()
+        """num_constrained_steps, grammar_*, mask_ms_total (structured outputs) and lora_* (adapters) for
+        ``stats().extra``."""
+        return {**self.structured.stats(), **(self.adapters.stats() if self.adapters is not None else {})}
+
+
+def adapter_salt(salt: bytes, adapter: str | None) -> bytes:
+    """The prefix-cache salt of a request: its tenant salt, extended by its adapter's name, so blocks computed
+    with one adapter (or none) are never shared with another (different weights, different K/V)."""
+    return salt + b"\x00lora:" + adapter.encode() if adapter else salt

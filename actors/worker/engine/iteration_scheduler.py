@@ -15,7 +15,8 @@ Policy per ``schedule()``:
 2. If nothing was preempted, waiting sequences are admitted in queue order while ``max_num_seqs``,
    ``max_num_batched_tokens`` and free blocks allow (no skipping: the queue head blocks the rest).
    A sequence whose tokens start with cached full blocks (block manager prefix cache) starts with
-   those tokens computed; only the rest counts against the token budget.
+   those tokens computed; only the rest counts against the token budget.  A sequence with a LoRA adapter
+   is admitted only when ``admit_gate`` finds its adapter a slot (lora_tiers.py); otherwise it waits.
 Sequences join and leave the running set only between steps.
 
 Prefill priority (docs/decisions/0021-latency-isolation.md): a sequence added with ``urgent=True``
@@ -61,6 +62,7 @@ class SchedSeq:
     weight: float = 1.0  # the tenant's fair-share weight (scheduler's tenant record), for the KV share
     salt: bytes = b""  # prefix-cache salt (actors/cache_salt.py): blocks are shared only under equal salts
     num_cached_prompt_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
+    adapter: str = ""  # LoRA adapter name ("" = base model): admission needs a slot for it (``admit_gate``)
 
     @property
     def num_pending(self) -> int:
@@ -111,6 +113,9 @@ class IterationScheduler:
         self.num_preemptions = 0
         self.num_kv_reclaims = 0  # sequences preempted to give a waiting tenant its KV share
         self.prefix_hits_by_tenant: dict[str, int] = {}  # prompt tokens found in the prefix cache, per tenant
+        # ``admit_gate(adapter, adapters of the running sequences) -> bool``: called before a waiting sequence
+        # with an adapter is admitted; False keeps it (and, FCFS, the queue behind it) waiting (no LoRA slot).
+        self.admit_gate = None
 
     @property
     def num_waiting(self) -> int:
@@ -126,7 +131,7 @@ class IterationScheduler:
 
     def add(self, seq_id: str, num_prompt_tokens: int, token_ids: list[int] | None = None,
             front: bool = False, urgent: bool = False, priority: str = "interactive", tenant: str = "",
-            weight: float = 1.0, salt: bytes = b"") -> None:
+            weight: float = 1.0, salt: bytes = b"", adapter: str = "") -> None:
         """Queue a new sequence at the tail of the waiting queue (``front``: at its head; ``urgent``:
         behind the urgent sequences at the head, ahead of the others).
 
@@ -134,12 +139,12 @@ class IterationScheduler:
         caller); given, the block manager's prefix cache is consulted on admission and filled as
         blocks complete.  ``priority``: "interactive" or "batch" (bus.messages.PRIORITIES).  ``tenant`` and
         ``weight``: its tenant and fair-share weight (KV share under contention, kv_share.py); ``salt``: its
-        prefix-cache salt (actors/cache_salt.py).
+        prefix-cache salt (actors/cache_salt.py); ``adapter``: its LoRA adapter ("" = none; see ``admit_gate``).
         """
         if seq_id in self._seqs:
             raise ValueError(f"duplicate sequence id {seq_id!r}")
         seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids, batch=priority == "batch", urgent=urgent,
-                       tenant=tenant, weight=weight, salt=salt)
+                       tenant=tenant, weight=weight, salt=salt, adapter=adapter)
         self._seqs[seq_id] = seq
         if front:
             self.waiting.appendleft(seq)
@@ -249,6 +254,9 @@ class IterationScheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if urgent_step and not seq.urgent:
+                return
+            if seq.adapter and self.admit_gate is not None and not self.admit_gate(
+                    seq.adapter, {s.adapter for s in self.running if s.adapter}):
                 return
             urgent_step = urgent_step or seq.urgent
             tokens = None if seq.token_ids is None else seq.token_ids[: seq.num_tokens]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 from .gguf_loader import ModelConfig
+from .lora import LoraBatch
 
 # A decode group may pad its members' contexts by at most this many blocks beyond the shortest.
 DECODE_PAD_SLACK = 4
@@ -56,6 +57,7 @@ class BatchMetadata:
     logits_indices: torch.Tensor
     block_tables: list[list[int]] | None = None
     plan: "_AttnPlan | None" = field(default=None, repr=False)
+    lora: "LoraBatch | None" = None  # LoRA adapters of the step's rows (lora.py); None = base model only
 
 
 @dataclass
@@ -292,11 +294,11 @@ class LlamaModel:
         else:
             cos, sin = self.rope.tables(meta.positions)
             for layer, lw in enumerate(self.layers):
-                h = h + self._attention(lw, h, meta, kv_cache[layer], cos, sin)
+                h = h + self._attention(lw, h, meta, kv_cache[layer], cos, sin, layer)
                 x = rms_norm(h, lw.ffn_norm, cfg.rms_eps)
-                gu = lw.gate_up(x)
+                gu = _adapted(lw.gate_up, x, meta.lora, layer, "gate_up")
                 f = gu.shape[-1] // 2
-                h = h + lw.down(F.silu(gu[:, :f]) * gu[:, f:])
+                h = h + _adapted(lw.down, F.silu(gu[:, :f]) * gu[:, f:], meta.lora, layer, "down")
         h = rms_norm(h[meta.logits_indices], self.norm, cfg.rms_eps)
         if h.shape[0] > 1 and not isinstance(self.lm_head_1, PackedLinear):
             # [V, d] @ [d, S]: measured 1.7x faster than x @ W^T for the 49152x576 head at S=32..64
@@ -318,8 +320,10 @@ class LlamaModel:
         caches = self._layer_caches(kv_cache)
         out = h.new_empty(T, H * hd)
         out3 = out.view(T, H, hd)
-        for lw, (k_cache, v_cache) in zip(self.layers, caches):
-            qkv = lw.qkv(nk.add_rms_norm(h, delta, lw.attn_norm, cfg.rms_eps))  # h += previous MLP output
+        lora = meta.lora
+        fuse_swiglu = lora is None or not lora.adapts("gate_up")
+        for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
+            qkv = _adapted(lw.qkv, nk.add_rms_norm(h, delta, lw.attn_norm, cfg.rms_eps), lora, i, "qkv")  # h += MLP
             nk.rope_kv(qkv, H, Hkv, hd, meta.positions, self.rope.cos, self.rope.sin, meta.slot_mapping,
                        k_cache, v_cache)
             q = (qkv.as_strided((T, H, hd), (qkv.stride(0), hd, 1)) if qkv.stride(1) == 1
@@ -328,19 +332,22 @@ class LlamaModel:
             if meta.plan.prefills or meta.plan.decodes:
                 k = qkv[:, H * hd : (H + Hkv) * hd].view(T, Hkv, hd)
                 v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
-            attn = lw.o(self._paged_attention(q, k, v, meta.plan, (k_cache, v_cache), out3).view(T, H * hd))
+            attn = _adapted(lw.o, self._paged_attention(q, k, v, meta.plan, (k_cache, v_cache), out3).view(T, H * hd),
+                            lora, i, "o")
             x = nk.add_rms_norm(h, attn, lw.ffn_norm, cfg.rms_eps)  # h += attention output
             gate_up = lw.gate_up
-            delta = lw.down(gate_up.swiglu(x) if getattr(gate_up, "fused_swiglu", False) else nk.silu_mul(gate_up(x)))
+            act = (gate_up.swiglu(x) if fuse_swiglu and getattr(gate_up, "fused_swiglu", False)
+                   else nk.silu_mul(_adapted(gate_up, x, lora, i, "gate_up")))
+            delta = _adapted(lw.down, act, lora, i, "down")
         return h if delta is None else h.add_(delta)
 
     def _attention(self, lw: _Layer, h: torch.Tensor, meta: BatchMetadata, cache: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   cos: torch.Tensor, sin: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """Self-attention block; ``cache`` [2, num_blocks, block_size, Hkv, hd] for this layer."""
         cfg = self.config
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = h.shape[0]
-        qkv = lw.qkv(rms_norm(h, lw.attn_norm, cfg.rms_eps))
+        qkv = _adapted(lw.qkv, rms_norm(h, lw.attn_norm, cfg.rms_eps), meta.lora, layer, "qkv")
         qk = self.rope.rotate(qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd), cos, sin)
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
@@ -349,7 +356,7 @@ class LlamaModel:
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
         out = self._paged_attention(q, k, v, meta.plan, cache)
-        return lw.o(out.reshape(T, H * hd))
+        return _adapted(lw.o, out.reshape(T, H * hd), meta.lora, layer, "o")
 
     def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) views [num_blocks, bs, Hkv, hd] of every layer of ``kv_cache``, made once per cache tensor."""
@@ -424,6 +431,12 @@ class LlamaModel:
         vs = v_blocks.index_select(0, flat).view(B, L, Hkv, hd).transpose(1, 2).to(qg.dtype)
         o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=g.mask)  # [B, Hkv, G, hd]
         return o.reshape(B, Hkv * G, hd)
+
+
+def _adapted(linear, x: torch.Tensor, lora: LoraBatch | None, layer: int, proj: str) -> torch.Tensor:
+    """``linear(x)`` plus the LoRA deltas of the step's adapters for ``proj`` of ``layer`` (x [T, in])."""
+    y = linear(x)
+    return y if lora is None else lora.add_delta(layer, proj, x, y)
 
 
 def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor | None:

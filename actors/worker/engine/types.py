@@ -25,7 +25,8 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]  # tokenized prompt, len >= 1
     params: SamplingParams
     model_key: str = ""  # which loaded model serves it ("" = the worker's only model)
-    adapter: str | None = None  # LoRA adapter name (later issue); None = base model
+    adapter: str | None = None  # LoRA adapter name; None = base model
+    adapter_path: str = ""  # its PEFT directory (registry record, via the gateway): registers it if the engine lacks it
     arrival_time: float = 0.0  # time.monotonic() at arrival (s), for FCFS ordering
     priority: str = "interactive"  # priority class (bus.messages.PRIORITIES): "batch" is preempted first
     tenant: str = ""  # accounting key of the service counters (EngineStats.served)
