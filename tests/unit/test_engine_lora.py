@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.worker.engine.engine import EngineConfig, LLMEngine
-from actors.worker.engine.lora import AdapterError, lora_batch
+from actors.worker.engine.lora import AdapterError
 from actors.worker.engine.model import BatchMetadata
 from tests.engine_fixtures import load_hf_llama, write_tiny_llama_gguf
 from tests.unit.test_engine_tiny import GREEDY, req, run_all, tokens
@@ -71,7 +71,7 @@ def logits_with(e: LLMEngine, prompt: list[int], name: str | None) -> torch.Tens
         if name is not None:
             e.adapters.ensure_host(name, set())
             e.adapters.place(name, set())
-            meta.lora = lora_batch([e.adapters.device_adapter(name)], [n], "cpu")
+            meta.lora = e.adapters.batch([name], [n])
         return e.model.forward(e._tensor(prompt), meta, e.kv.tensor)
     finally:
         e.block_manager.free("__probe__")
@@ -167,10 +167,15 @@ def test_slot_identity_is_checked_when_a_step_is_assembled(tiny_path, adapters):
     e.add_request(adapter_req("x", PROMPT, "a", 4))
     e.step()
     slot = e.adapters.tiers.slot_of("a")
-    e.adapters._slots[slot] = e.adapters._host["a"].to(torch.float32, "cpu")
-    e.adapters._slots[slot].name = "b"  # a slot reused behind the running sequence's back
+    e.adapters.stack.load(slot, e.adapters._host["b"] if "b" in e.adapters._host else load_b(e, adapters))
+    # a slot reused behind the running sequence's back
     with pytest.raises(RuntimeError, match="slot holds 'b'"):
         e.step()
+
+
+def load_b(e, adapters):
+    e.adapters.ensure_host("b", set())
+    return e.adapters._host["b"]
 
 
 def test_prefix_cache_is_never_shared_across_adapters(tiny_path, adapters):

@@ -2,8 +2,9 @@
 
 ``AdapterManager`` carries out ``AdapterTiers``' decisions: it reads an adapter from disk (lora.py) into the
 CPU tier when a request first names it, copies it into an accelerator slot when a sequence that needs it is
-admitted, and hands the step the slot contents with an identity check (``device_adapter``): a slot whose
-adapter is not the one a sequence was admitted with raises instead of computing with the wrong weights.
+admitted, and builds each step's products over the slots (lora_slots.py) with an identity check (``batch``): a
+slot whose adapter is not the one a sequence was admitted with raises instead of computing with the wrong
+weights.
 Load times are kept (``load_ms``) for the bench and ``/metrics``.
 """
 
@@ -13,21 +14,24 @@ import time
 
 import torch
 
-from .lora import AdapterError, DeviceAdapter, HostAdapter, load_peft
+from .lora import AdapterError, HostAdapter, load_peft
+from .lora_slots import LoraBatch, SlotStack, make_batch
 from .lora_tiers import AdapterTiers
 
 
 class AdapterManager:
     """Adapters of one engine.  ``max_loras`` accelerator slots, ``max_cpu_loras`` in the CPU tier,
-    ``max_rank`` the largest r accepted (0 = any). Not thread-safe: the engine's step thread calls it."""
+    ``max_rank`` the largest r accepted (each slot holds that rank; ValueError below 1). Not thread-safe: the engine's step thread calls it."""
 
     def __init__(self, model_config, dtype: torch.dtype, device: str, max_loras: int = 4,
                  max_cpu_loras: int = 16, max_rank: int = 64) -> None:
+        if max_rank < 1:
+            raise ValueError("max_rank must be >= 1")
         self.model_config, self.dtype, self.device, self.max_rank = model_config, dtype, device, max_rank
         self.tiers = AdapterTiers(max_loras, max_cpu_loras)
         self.paths: dict[str, str] = {}  # registered adapter name -> PEFT directory
         self._host: dict[str, HostAdapter] = {}  # the CPU tier's contents
-        self._slots: list[DeviceAdapter | None] = [None] * max_loras  # the accelerator slots' contents
+        self.stack = SlotStack(model_config, max_loras, max_rank, dtype, device)  # the accelerator slots
         self.load_ms: dict[str, list[float]] = {"disk": [], "cpu": []}  # ready times (ms) by source tier
 
     def register(self, name: str, path: str) -> None:
@@ -45,7 +49,7 @@ class AdapterManager:
         self._host.pop(name, None)
         slot = self.tiers.forget(name)
         if slot is not None:
-            self._slots[slot] = None
+            self.stack.clear(slot)
 
     def ensure_host(self, name: str, pinned: set[str]) -> None:
         """Read ``name`` into the CPU tier unless there; AdapterError (unregistered, corrupt, does not fit).
@@ -70,24 +74,30 @@ class AdapterManager:
         if decision is None or not decision.load:
             return None if decision is None else decision.slot
         t0 = time.perf_counter()
-        self._slots[decision.slot] = None  # the old contents go before the new copy is made
-        self._slots[decision.slot] = self._host[name].to(self.dtype, self.device)
+        self.stack.load(decision.slot, self._host[name])
         self.load_ms["cpu"].append((time.perf_counter() - t0) * 1e3)
         return decision.slot
 
-    def device_adapter(self, name: str) -> DeviceAdapter:
-        """The slot contents for a running sequence of ``name``; RuntimeError when the adapter is not in a
-        slot or its slot holds another adapter (must never happen: admission placed it and eviction skips
-        adapters of running sequences)."""
+    def slot_for(self, name: str) -> int:
+        """The slot of a running sequence of ``name``; RuntimeError when the adapter is not in a slot or its slot
+        holds another adapter (must never happen: admission placed it and eviction skips adapters of running
+        sequences)."""
         slot = self.tiers.slot_of(name)
-        held = None if slot is None else self._slots[slot]
-        if held is None or held.name != name:
-            raise RuntimeError(f"adapter {name!r}: its slot holds {None if held is None else held.name!r}")
-        return held
+        held = None if slot is None else self.stack.names[slot]
+        if held != name:
+            raise RuntimeError(f"adapter {name!r}: its slot holds {held!r}")
+        return slot
+
+    def batch(self, names: list[str | None], query_lens: list[int]) -> LoraBatch | None:
+        """The step's low-rank products for its sequences' adapters (None = base), identity checked; None when
+        no sequence has an adapter."""
+        if not any(names):
+            return None
+        return make_batch(self.stack, [self.slot_for(n) if n else None for n in names], query_lens, self.device)
 
     def slot_bytes(self) -> int:
-        """Bytes the accelerator slots hold now."""
-        return sum(s.nbytes for s in self._slots if s is not None)
+        """Bytes the accelerator slots hold now (0 before the first adapter is placed)."""
+        return self.stack.nbytes
 
     def stats(self) -> dict:
         """Counters for ``EngineStats.extra`` (lora_*): loads and evictions per tier, resident names, bytes."""

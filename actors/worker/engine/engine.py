@@ -35,7 +35,7 @@ from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resol
 from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
 from .adapters import AdapterManager
 from .kv_cache import KVCache, bytes_per_block
-from .lora import lora_batch, slot_bytes
+from .lora import slot_bytes
 from .memory import kv_bytes_for_budget, tensor_bytes
 from .tensor_parallel import shard_config, shard_plan, shard_weights, wrap_row_parallel
 from .tp_group import LeaderModel, TPGroup
@@ -372,8 +372,7 @@ class LLMEngine(RequestBook):
         meta = self._metadata(plan.seqs, positions, slots, tables, logits_idx)
         if self.adapters is not None:
             adapters = [self._requests[i.seq_id].req.adapter for i in plan.seqs]
-            meta.lora = lora_batch([self.adapters.device_adapter(a) if a else None for a in adapters],
-                                   meta.query_lens, self.config.device)
+            meta.lora = self.adapters.batch(adapters, meta.query_lens)
         return self.model.forward(self._tensor(ids), meta, self.kv.tensor)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:

@@ -5,13 +5,13 @@ and ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA, Kalajdzievski 
 PEFT ``save_pretrained`` (``adapter_config.json`` + ``adapter_model.safetensors``, keys
 ``base_model.model.model.layers.<i>.<self_attn|mlp>.<q|k|v|o|gate|up|down>_proj.lora_<A|B>.weight``).
 
-The engine fuses Q/K/V into one projection and gate/up into another (model.py), so an adapter is stored per
-layer and fused projection as ``A`` [sum r_i, in] (the sub-projections' A stacked) and ``B`` [out, sum r_i]
-(each sub-projection's B in its own output rows and rank columns, zero elsewhere; scale folded in), so one
-adapter costs two small products per projection.  A step serves many adapters at once (Punica, Chen et al.
-2023; S-LoRA, Sheng et al. 2023): ``LoraBatch`` groups the packed batch's rows by adapter and each group's
-delta is added to the rows of the base product (``index_add_``); rows with no adapter get none.  No
-per-adapter batches are formed.
+The engine fuses Q/K/V into one projection and gate/up into another (model.py); an adapter is kept per
+layer, fused projection and sub-projection (A [r, in], B [out_i, r], scale folded into B), and the slots
+(lora_slots.py) stack the sub-projections' A side by side and place each B in its own rank rows and output
+columns, so one adapter costs two small products per fused projection.  A step serves many adapters at once (Punica, Chen et al.
+2023; S-LoRA, Sheng et al. 2023): lora_slots.py keeps every slot's A and B stacked per projection and a
+step's ``LoraBatch`` adds each row's own adapter's delta (batched products over the slots); rows with no
+adapter get none.  No per-adapter batches are formed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -107,35 +107,18 @@ def read_tensors(name: str, path: str) -> dict[tuple[int, str, str], torch.Tenso
 
 @dataclass
 class HostAdapter:
-    """An adapter read from disk (the CPU tier): per (layer, fused projection) its A and scaled B, float32."""
+    """An adapter read from disk (the CPU tier), float32: per (layer, fused projection) and sub-projection index
+    (q, k, v = 0, 1, 2 of qkv; gate, up = 0, 1 of gate_up; 0 for o and down) its A [r, in] and scaled B [out_i, r]."""
 
     name: str
     rank: int  # adapter_config r
-    layers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, proj) -> (A [R, in], B [out, R])
+    layers: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
     @property
     def nbytes(self) -> int:
         """Bytes of its tensors (float32)."""
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.layers.values())
-
-    def to(self, dtype: torch.dtype, device: str) -> "DeviceAdapter":
-        """The copy one accelerator slot holds (model dtype, model device)."""
-        return DeviceAdapter(self.name, {k: (a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
-                                         for k, (a, b) in self.layers.items()})
-
-
-@dataclass
-class DeviceAdapter:
-    """An adapter in an accelerator slot: (layer, fused projection) -> (A [R, in], B [out, R]) in the model's
-    dtype and device; a projection it does not adapt is absent."""
-
-    name: str
-    layers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of its tensors on the device."""
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.layers.values())
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for subs in self.layers.values() for a, b in subs.values())
 
 
 def load_peft(name: str, path: str, model_config, max_rank: int = 0) -> HostAdapter:
@@ -161,70 +144,12 @@ def load_peft(name: str, path: str, model_config, max_rank: int = 0) -> HostAdap
             raise AdapterError(f"adapter {name!r}: layers.{layer}.{module} lora_A {tuple(a.shape)} / lora_B "
                                f"{tuple(b.shape)} do not fit [r, {want[1]}] / [{want[2]}, r]")
         parts.setdefault((layer, proj), {})[idx] = (a, b * cfg.scale(a.shape[0]))
-    return HostAdapter(name, cfg.rank, {k: _fuse(v, outs[k[1]]) for k, v in parts.items()})
-
-
-def _fuse(subs: dict[int, tuple[torch.Tensor, torch.Tensor]], outs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack the sub-projections' A ([sum r, in]) and place each B in its output rows and rank columns."""
-    order = sorted(subs)
-    a = torch.cat([subs[i][0] for i in order])
-    b = torch.zeros(sum(outs), a.shape[0])
-    col = 0
-    for i in order:
-        row, r = sum(outs[:i]), subs[i][0].shape[0]
-        b[row : row + outs[i], col : col + r] = subs[i][1]
-        col += r
-    return a, b
-
-
-@dataclass
-class LoraBatch:
-    """The adapters of one step: for each adapter present, the packed-batch rows it applies to.
-
-    ``groups``: (rows, adapter): rows int64 [n] indices into the step's packed tokens, or None for every row
-    (one adapter for the whole batch). Rows of no group get no delta (base model)."""
-
-    groups: list[tuple[torch.Tensor | None, DeviceAdapter]] = field(default_factory=list)
-
-    def add_delta(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` [T, out] += each group's ``(x[rows] A^T) B^T`` (x [T, in], model dtype); returns ``y``."""
-        for rows, adapter in self.groups:
-            ab = adapter.layers.get((layer, proj))
-            if ab is None:
-                continue
-            a, b = ab
-            if rows is None:
-                y.add_(torch.mm(torch.mm(x, a.t()), b.t()))
-            else:
-                y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a.t()), b.t()))
-        return y
-
-    def adapts(self, proj: str) -> bool:
-        """True when any adapter of the batch adapts ``proj`` in some layer."""
-        return any(p == proj for _, ad in self.groups for (_, p) in ad.layers)
-
-
-def lora_batch(row_adapters: list[DeviceAdapter | None], query_lens: list[int], device) -> LoraBatch | None:
-    """The step's LoraBatch from each sequence's adapter (None = base) and its tokens in the step (tokens, in
-    packed order); None when no sequence has an adapter."""
-    if not any(row_adapters):
-        return None
-    rows: dict[str, list[int]] = {}
-    by_name: dict[str, DeviceAdapter] = {}
-    start = 0
-    for ad, n in zip(row_adapters, query_lens):
-        if ad is not None:
-            rows.setdefault(ad.name, []).extend(range(start, start + n))
-            by_name[ad.name] = ad
-        start += n
-    if len(by_name) == 1 and all(row_adapters):
-        return LoraBatch([(None, next(iter(by_name.values())))])
-    return LoraBatch([(torch.tensor(rows[k], dtype=torch.int64, device=device), by_name[k]) for k in by_name])
+    return HostAdapter(name, cfg.rank, parts)
 
 
 def slot_bytes(model_config, rank: int, dtype: torch.dtype) -> int:
-    """Bytes one accelerator slot needs for an adapter of rank ``rank`` on every projection of every layer (the
-    fused A [n_sub * r, in] and B [out, n_sub * r] of ``load_peft``), in ``dtype``."""
+    """Bytes one accelerator slot needs for an adapter of rank ``rank`` on every projection of every layer (per
+    fused projection A [in, n_sub * r] and a block-diagonal B [n_sub * r, out]: lora_slots.SlotStack), in ``dtype``."""
     outs, ins = sub_outputs(model_config), in_features(model_config)
     per_layer = sum(len(o) * rank * (ins[p] + sum(o)) for p, o in outs.items())
     return per_layer * model_config.num_layers * torch.empty((), dtype=dtype).element_size()

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 from .gguf_loader import ModelConfig
-from .lora import LoraBatch
+from .lora_slots import LoraBatch
 
 # A decode group may pad its members' contexts by at most this many blocks beyond the shortest.
 DECODE_PAD_SLACK = 4
