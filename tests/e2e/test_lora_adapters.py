@@ -66,6 +66,25 @@ def engine_text(adapter_dir: str | None) -> str:
     return "".join(o.text for o in run_all(e)["r"])
 
 
+def lora_counters(stack) -> dict:
+    """``{(tier, "loads" | "evictions"): value}`` summed over the stack's workers' own /metrics."""
+    import asyncio
+    import re
+
+    from control.state.names import all_metrics_prefix
+    from control.state.registry import Registry
+
+    async def urls() -> list[str]:
+        async with Registry.connect(stack.etcd_url) as reg:
+            return [i["url"] for i in (await reg.get_prefix_json(all_metrics_prefix())).values() if i["kind"] == "worker"]
+    out: dict = {}
+    for url in asyncio.run(urls()):
+        for what, tier, value in re.findall(r'^actorserve_worker_lora_(loads|evictions)_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)',
+                                            httpx.get(url, timeout=10).text, re.M):
+            out[(tier, what)] = out.get((tier, what), 0) + float(value)
+    return out
+
+
 def wait_for(fn, timeout: float = 15.0):
     t_end = time.time() + timeout
     while True:
@@ -117,6 +136,9 @@ def test_adapter_registered_live_served_scoped_listed_and_retired(stack, adapter
     failed = wait_for(lambda: complete(stack, dev, f"{MODEL}:{broken}"))
     assert failed.status_code == 400 and "adapter_model.safetensors" in failed.json()["error"]["message"], failed.text
     assert complete(stack, dev, f"{MODEL}:{name}").json()["choices"][0]["text"] == text  # others unaffected
+
+    loads = lora_counters(stack)  # the worker's /metrics: read from disk into the CPU tier, copied into slots
+    assert loads.get(("disk", "loads"), 0) >= 2 and loads.get(("cpu", "loads"), 0) >= 2, loads
 
     listed = cli(stack, "adapters", "list", "--model", MODEL)
     assert f"{MODEL}:{name}" in listed.stdout and inside in listed.stdout
