@@ -1,4 +1,5 @@
-"""The per-worker detail line of ``actorserve status``: engine path, load phases, residency (bytes)."""
+"""The per-worker detail line of ``actorserve status``: engine path, load phases, residency (bytes),
+tensor-parallel ranks and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -15,7 +16,25 @@ def worker_detail(info: Any) -> str:
     dtype, quant = info.get("dtype"), info.get("quantization")
     path = f"{dtype}{'+' + quant if quant else ''}" if dtype and info.get("engine") != "zero-compute" else ""
     return ", ".join(p for p in (path, describe(info.get("load_phases") or {}, info.get("load_s")),
-                                 _residency(info.get("memory"))) if p)
+                                 _residency(info.get("memory")), _ranks(info), _adapters(info)) if p)
+
+
+def _ranks(info: dict) -> str:
+    """``"2 tensor-parallel ranks (0: weights 219.2 MiB + KV 42.7 MiB; 1: ...)"`` (docs/tensor-parallel.md); ""
+    for a one-rank worker."""
+    ranks = info.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) < 2:
+        return ""
+    mib = lambda n: f"{(n or 0) / 2**20:.1f} MiB"  # noqa: E731
+    rows = [f"{r.get('rank')}: weights {mib(r.get('weights_bytes'))} + KV {mib(r.get('kv_bytes'))}"
+            for r in ranks if isinstance(r, dict)]
+    return f"{len(ranks)} tensor-parallel ranks ({'; '.join(rows)})"
+
+
+def _adapters(info: dict) -> str:
+    """``"LoRA adapters sql, chat"`` (docs/lora.md); "" without any."""
+    names = info.get("adapters")
+    return f"LoRA adapters {', '.join(map(str, names))}" if isinstance(names, list) and names else ""
 
 
 def _residency(memory: Any) -> str:
