@@ -50,14 +50,16 @@ class ModelSnapshot:
         return self.resolve_ref(ref, tenant=tenant, request_key=request_key)[:2]
 
     def resolve_ref(self, ref: str, *, tenant: str = "", request_key: str = "") -> tuple[str, str, str | None]:
-        """(name, version, adapter or None) for a model reference; ApiError 404 when unknown.
+        """(name, version, adapter id or None) for a model reference; ApiError 404 when unknown. The adapter id
+        is ``adapter~revision`` (control/state/adapters.py ``adapter_id``): it changes when the name is registered
+        again, so workers and the prefix cache never mix two registrations' weights.
 
         ``tenant`` and ``request_key`` (the request id) feed the canary split's stickiness. ``name:adapter``
         goes to the version the adapter was registered for, whatever the routing table says (a canary may not
         fit the adapter); ``name@version:adapter`` only to that version. A retired adapter, one registered
         for another version, or one whose tenant list leaves ``tenant`` out is not found (404).
         """
-        from control.state.adapters import visible_to
+        from control.state.adapters import adapter_id, visible_to
         from control.state.names import parse_model_ref
         try:
             parsed = parse_model_ref(ref)
@@ -70,12 +72,15 @@ class ModelSnapshot:
             if (not visible_to(rec, tenant or None) or version not in active
                     or (parsed.version and parsed.version != version)):
                 raise not_found(ref)
-            return parsed.name, version, parsed.adapter
+            return parsed.name, version, adapter_id(rec)
         return (*self._resolve_base(parsed, ref, active, tenant, request_key), None)
 
     def adapter_path(self, name: str, adapter: str | None) -> str:
-        """The PEFT directory of ``name``'s adapter from its record ("" for none)."""
-        return str((self.adapters.get(name, {}).get(adapter) or {}).get("path", "")) if adapter else ""
+        """The PEFT directory of ``name``'s adapter (a name or an id ``adapter~revision``) from its record ("" for
+        none)."""
+        if not adapter:
+            return ""
+        return str((self.adapters.get(name, {}).get(adapter.split("~", 1)[0]) or {}).get("path", ""))
 
     def _resolve_base(self, parsed, ref: str, active: frozenset[str], tenant: str, request_key: str) -> tuple[str, str]:
         if parsed.version:

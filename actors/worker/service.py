@@ -277,8 +277,9 @@ class WorkerService:
             t_iter = time.perf_counter()
             self._expire_deadlines()
             for lv, why in self._apply_pending():
-                await self._finish_error(lv, error_dict(400, why, param="model" if why.startswith("adapter ")
-                                                        else "messages"))
+                adapter = why.startswith("adapter ")
+                await self._finish_error(lv, error_dict(400, why, param="model" if adapter else "messages",
+                                                        code="adapter_unavailable" if adapter else None))
             await self._flush_aborted()
             if unpublished and (self.migration.wanted or self.migration.deadline):
                 unpublished = await self._publish_now(unpublished)  # a hand-over sends lv.seq: chunks first

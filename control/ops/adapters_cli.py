@@ -15,10 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from actors.runtime import common_arguments
 from control.ops.cli_errors import run_on_registry
+
+DEFAULT_MAX_RANK = 16  # the worker's --max-lora-rank default (actors/worker/actor.py)
 
 
 def add_adapters_commands(sub: Any) -> None:
@@ -58,10 +61,18 @@ async def _register(reg, args) -> int:
         raise ValueError(f"--model {args.model}: no active version {ref.version} of {ref.name} is registered")
     path = os.path.abspath(os.path.expanduser(args.path))
     meta = check_peft_dir(path)
+    for t in args.tenant:
+        if await reg.get_tenant(t) is None:
+            raise ValueError(f"--tenant {t}: no such tenant (actorserve tenants list)")
     record = adapter_record(args.name, ref.name, ref.version, path, args.tenant, meta["rank"], meta["alpha"])
+    old = await reg.get_json(adapter_key(ref.name, args.name))
     await reg.put_json(adapter_key(ref.name, args.name), record)
-    print(f"adapter {ref.name}:{args.name} registered for {ref.name}@{ref.version} (r={meta['rank']}, {path}); "
+    again = " again (workers read its files anew)" if old else ""
+    print(f"adapter {ref.name}:{args.name} registered{again} for {ref.name}@{ref.version} (r={meta['rank']}, {path}); "
           f"requests name model \"{ref.name}:{args.name}\"")
+    if meta["rank"] > DEFAULT_MAX_RANK:
+        print(f"note: r={meta['rank']} is above the workers' default --max-lora-rank {DEFAULT_MAX_RANK}: "
+              "workers started with a lower one refuse its requests", file=sys.stderr)
     return 0
 
 
@@ -72,9 +83,9 @@ async def _list(reg, args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'ADAPTER':32} {'VERSION':20} {'STATUS':8} {'RANK':>4}  TENANTS  PATH")
+    print(f"{'ADAPTER':40} {'VERSION':32} {'STATUS':8} {'RANK':>4}  TENANTS  PATH")
     for r in rows:
-        print(f"{r['model'] + ':' + r['adapter']:32} {r['model'] + '@' + r['version']:20} {r.get('status', 'active'):8} "
+        print(f"{r['model'] + ':' + r['adapter']:40} {r['model'] + '@' + r['version']:32} {r.get('status', 'active'):8} "
               f"{r.get('rank', 0):>4}  {','.join(r.get('tenants') or []) or '*':7}  {r.get('path', '')}")
     return 0
 
@@ -83,13 +94,19 @@ async def _retire(reg, args) -> int:
     from control.state.adapters import retired
     from control.state.names import adapter_key
 
+    from control.state.names import parse_model_ref
+
+    model = parse_model_ref(args.model).name if args.model else None  # MODEL or MODEL@VERSION
     found = [(m, recs[args.name]) for m, recs in (await reg.list_adapters()).items()
-             if args.name in recs and (args.model is None or m == args.model)]
+             if args.name in recs and (model is None or m == model)]
     if not found:
         raise ValueError(f"no adapter {args.name!r} is registered" + (f" for {args.model}" if args.model else ""))
     if len(found) > 1:
         raise ValueError(f"adapter {args.name!r} exists for {', '.join(m for m, _ in found)}: name one with --model")
     model, record = found[0]
+    if record.get("status") == "retired":
+        print(f"adapter {model}:{args.name} was retired already")
+        return 0
     await reg.put_json(adapter_key(model, args.name), retired(record))
     print(f"adapter {model}:{args.name} retired")
     return 0

