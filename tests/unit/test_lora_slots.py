@@ -70,3 +70,29 @@ def test_no_adapter_no_batch_and_reloading_a_slot_clears_it(stack):
     assert not batch.adapts("qkv") and batch.adapts("o")
     assert not s.a[(0, "qkv")][2].any() and not s.b[(0, "qkv")][2].any()
     assert s.names[2] == "e" and s.nbytes > 0
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.25)])
+def test_native_kernel_equals_the_row_by_row_reference(dtype, atol):
+    """csrc/lora_sgmv.cpp: every row's own slot (and none), float32 and bf16 (rounded once, after the add)."""
+    from actors.worker.engine import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C++ compiler or a failed build: the torch forms serve (covered above)")
+    s = SlotStack(CFG, 4, 4, dtype, "cpu")
+    adapters = [host("a", 1, 4), host("b", 2, 2), host("c", 3, 4, projs=("qkv",)), host("d", 4, 3)]
+    for slot, h in enumerate(adapters):
+        s.load(slot, h)
+    s.kernels = kernels
+    seq_slots, lens = [0, 3, None, 2, 1, 0], [1, 2, 1, 1, 3, 1]
+    batch = make_batch(s, seq_slots, lens, "cpu")
+    assert batch.row_slots is not None
+    g = torch.Generator().manual_seed(9)
+    for layer in range(CFG.num_layers):
+        for proj, n_in in in_features(CFG).items():
+            xin = torch.randn(sum(lens), n_in, generator=g) * 0.5
+            base = torch.randn(sum(lens), sum(sub_outputs(CFG)[proj]), generator=g)
+            got = batch.add_delta(layer, proj, xin.to(dtype), base.to(dtype).clone()).float()
+            ref = base + reference(adapters, seq_slots, lens, layer, proj, xin.to(dtype).float())
+            assert (got - ref).abs().max().item() < atol * max(1.0, ref.abs().max().item() / 8), (layer, proj)

@@ -32,6 +32,7 @@ class AdapterManager:
         self.paths: dict[str, str] = {}  # registered adapter name -> PEFT directory
         self._host: dict[str, HostAdapter] = {}  # the CPU tier's contents
         self.stack = SlotStack(model_config, max_loras, max_rank, dtype, device)  # the accelerator slots
+        self.stack.kernels = _sgmv_kernels(dtype, device)
         self.load_ms: dict[str, list[float]] = {"disk": [], "cpu": []}  # ready times (ms) by source tier
 
     def register(self, name: str, path: str) -> None:
@@ -106,3 +107,12 @@ class AdapterManager:
                 "lora_disk_loads": t.num_disk_loads, "lora_cpu_evictions": t.num_cpu_evictions,
                 "lora_resident": [s for s in t.slots if s is not None], "lora_cpu": list(t.cpu),
                 "lora_slot_bytes": self.slot_bytes(), "lora_registered": sorted(self.paths)}
+
+
+def _sgmv_kernels(dtype: torch.dtype, device):
+    """The native kernels when they serve this dtype and device (``lora_sgmv``), else None (torch products)."""
+    from . import cpu_kernels
+
+    if not cpu_kernels.CpuKernels.supports(dtype, device):
+        return None
+    return cpu_kernels.load()

@@ -11,6 +11,7 @@
   ``AmxInt4Linear``);
 * ``prefill_attention`` (csrc/prefill_attention.cpp, AMX-BF16, head_dim 64): causal attention of
   a fresh prefill chunk, flash-style on the tile unit (model.py ``_fresh_prefill``);
+* ``lora_sgmv`` (csrc/lora_sgmv.cpp, any CPU): every row's own LoRA adapter delta in one call (lora_slots.py);
 * ``qgemm`` (csrc/qgemm.cpp, any x86-64): block-quantized weights (Q8_0 / Q4_1 forms) times
   activations quantized per row and 32-block to int8, integer dot products on AVX-512 VNNI
   (``VPDPBUSD``) or AVX2 (``VPMADDUBSW``), portable C++ elsewhere (quant.py ``QuantLinear``).
@@ -54,7 +55,7 @@ from .hardware import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp", "qgemm.cpp")]
+           for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp", "qgemm.cpp", "lora_sgmv.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf x16) for the AVX-512 softmax
 BUILD_TIMEOUT_S = 120
@@ -212,6 +213,7 @@ class CpuKernels:
             "actorserve_prefill_attention": [p, i64, p, p, i64, p, i64, i32, i32, i32, i32, f32],
             "actorserve_qgemm": [i32, i32, p, i64, p, p, i64, i32, i32, i32],
             "actorserve_qgemm_isa": [],
+            "actorserve_lora_sgmv": [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32, i32, i32, p],
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)
@@ -348,3 +350,22 @@ class CpuKernels:
         self._rc(self._qgemm(_DTYPE_CODES[x.dtype], bits, x.data_ptr(), x.stride(0), packed.data_ptr(),
                              out.data_ptr(), out.stride(0), M, out_features, K), "qgemm")
         return out
+
+
+def lora_sgmv(kernels: "CpuKernels", x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
+              slot: torch.Tensor, r_max: int, cols: torch.Tensor) -> None:
+    """``y[t] += (x[t] @ a[slot[t]]) @ b[slot[t]]`` for rows with ``slot[t] >= 0`` (csrc/lora_sgmv.cpp).
+
+    x [T, in], y [T, out]: contiguous rows, one dtype with a [S, in, R] and b [S, R, out] (contiguous; b
+    block-diagonal by sub-projection: rank rows [i r_max, (i+1) r_max) only in columns [cols[i], cols[i+1]));
+    slot int32 [T]; cols int32 [n_sub + 1]. ValueError on other layouts."""
+    T, n_in = x.shape
+    S, _, R = a.shape
+    out, n_sub = y.shape[1], cols.numel() - 1
+    _check(x.dtype == y.dtype == a.dtype == b.dtype and x.dtype in _DTYPE_CODES, "lora_sgmv: one float dtype")
+    _check(x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+           and a.shape[1] == n_in and b.shape == (S, R, out) and y.shape[0] == T, "lora_sgmv: shapes")
+    _check(slot.dtype == cols.dtype == torch.int32 and slot.numel() == T and R == n_sub * r_max, "lora_sgmv: indices")
+    kernels._rc(kernels._lora_sgmv(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
+                                   y.data_ptr(), y.stride(0), slot.data_ptr(), T, S, n_in, R, out, n_sub, r_max,
+                                   cols.data_ptr()), "lora_sgmv")

@@ -17,7 +17,11 @@ chosen per step from the rows:
   many adapters the batch holds (Punica's BGMV / S-LoRA's gathered products, Chen et al. 2023, Sheng et al.
   2023, without custom kernels);
 * ``groups``: per adapter ``index_select``, products, ``index_add_``; used when padding would more than
-  double the rows computed (a long prefill beside short decodes), where the products dominate anyway.
+  double the rows computed (a long prefill beside short decodes), where the products dominate anyway;
+* ``kernel``: on the CPU, steps of at most ``KERNEL_MAX_ROWS`` rows and several adapters call
+  csrc/lora_sgmv.cpp once per projection (rows grouped by slot, only B's non-zero blocks read;
+  cpu_kernels.lora_sgmv). 32 streams x 128 tokens over 8 adapters: 0.67 of the base tok/s against 0.56 for
+  the batched torch products (one run each, 2 AMD EPYC cores).
 
 Identity: ``SlotStack.names`` says which adapter each slot holds; actors/worker/engine/adapters.py checks a
 sequence's adapter against its slot when the step is assembled.
@@ -32,6 +36,11 @@ import torch
 from .lora import HostAdapter, in_features, sub_outputs
 
 
+#: steps of at most this many rows (and more than one adapter) use the native kernel (one thread per slot; long
+#: prefills, where the batched products' blocking pays, stay on the torch forms)
+KERNEL_MAX_ROWS = 128
+
+
 class SlotStack:
     """``num_slots`` adapter slots of every (layer, fused projection), allocated at the first load."""
 
@@ -43,11 +52,15 @@ class SlotStack:
         self.a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, proj) -> [S, n_sub * r_max, in]
         self.b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, proj) -> [S, n_sub * r_max, out]
         self.out_cols: dict[str, list[tuple[int, int]]] = {}  # proj -> output columns of each sub-projection
+        self.col_bounds: dict[str, torch.Tensor] = {}  # proj -> int32 [n_sub + 1] (the kernel's ``cols``)
+        self.kernels = None  # cpu_kernels.CpuKernels with ``lora_sgmv`` (AdapterManager sets it on the CPU), or None
 
     def _allocate(self) -> None:
         outs, ins = sub_outputs(self.config), in_features(self.config)
         kw, r = {"dtype": self.dtype, "device": self.device}, self.max_rank
         self.out_cols = {p: [(sum(o[:i]), sum(o[: i + 1])) for i in range(len(o))] for p, o in outs.items()}
+        self.col_bounds = {p: torch.tensor([0, *(c1 for _, c1 in cols)], dtype=torch.int32)
+                           for p, cols in self.out_cols.items()}
         for layer in range(self.config.num_layers):
             for proj, o in outs.items():
                 self.a[(layer, proj)] = torch.zeros(self.num_slots, ins[proj], len(o) * r, **kw)
@@ -93,6 +106,7 @@ class LoraBatch:
     rows: torch.Tensor | None = None  # "bmm": ``gather[valid]``, the rows the deltas go to
     m: int = 0  # "bmm": rows per slot after padding
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # "groups": (slot, rows [n])
+    row_slots: torch.Tensor | None = None  # "kernel": int32 [T], each row's slot (-1: none; cpu_kernels.lora_sgmv)
 
     def adapts(self, proj: str) -> bool:
         """True when an adapter of the step adapts ``proj`` in some layer."""
@@ -103,6 +117,11 @@ class LoraBatch:
         if proj not in self.projs:
             return y
         a, b = self.stack.a[(layer, proj)], self.stack.b[(layer, proj)]
+        if self.row_slots is not None:
+            from .cpu_kernels import lora_sgmv
+
+            lora_sgmv(self.stack.kernels, x, a, b, y, self.row_slots, self.stack.max_rank, self.stack.col_bounds[proj])
+            return y
         if self.whole is not None:
             return y.addmm_(torch.mm(x, a[self.whole]), b[self.whole])
         if self.gather is None:
@@ -130,6 +149,9 @@ def make_batch(stack: SlotStack, seq_slots: list[int | None], query_lens: list[i
     projs = frozenset().union(*(stack.projs[s] for s in by_slot))
     if len(by_slot) == 1 and all(s is not None for s in seq_slots):
         return LoraBatch(stack, projs, whole=next(iter(by_slot)))
+    if stack.kernels is not None and sum(query_lens) <= KERNEL_MAX_ROWS:  # decode-sized steps: one call per projection
+        row_slots = [s if s is not None else -1 for s, n in zip(seq_slots, query_lens) for _ in range(n)]
+        return LoraBatch(stack, projs, row_slots=torch.tensor(row_slots, dtype=torch.int32))
     order = list(range(stack.num_slots)) if 2 * len(by_slot) > stack.num_slots else sorted(by_slot)
     m, real = max(len(r) for r in by_slot.values()), sum(len(r) for r in by_slot.values())
     tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
