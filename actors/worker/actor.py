@@ -301,7 +301,7 @@ async def _follow_adapters(ctx: ActorContext, reg, svc: WorkerService, ref):
     sync = AdapterSync()
     with contextlib.suppress(Exception):  # etcd slow: the follower below retries
         async with asyncio.timeout(5.0):
-            records = (await reg.list_adapters()).get(ref.name, {})
+            records = await reg.list_model_adapters(ref.name)
             await svc.run_on_engine_thread(sync.apply, svc.engine, served_by(records, ref.version))
     task = asyncio.create_task(follow_registry(reg, svc, ref.name, ref.version, sync))
     track_lora_metrics(svc.engine, f"{ref.name}@{ref.version}")

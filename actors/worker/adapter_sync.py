@@ -65,7 +65,7 @@ async def follow_registry(reg, svc, name: str, version: str, sync: AdapterSync, 
             changed.clear()
             try:
                 async with asyncio.timeout(5.0):
-                    records = (await reg.list_adapters()).get(name, {})
+                    records = await reg.list_model_adapters(name)
                 await svc.run_on_engine_thread(sync.apply, svc.engine, served_by(records, version))
             except asyncio.CancelledError:
                 raise

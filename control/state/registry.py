@@ -271,21 +271,24 @@ class Registry:
 
     async def list_models(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Return ``{name: {version: manifest}}`` for every registered model version."""
-        prefix = names.models_prefix()
-        out: dict[str, dict[str, dict[str, Any]]] = {}
-        for k, v in (await self.get_prefix_json(prefix)).items():
-            parts = k[len(prefix):].split("/")
-            if len(parts) == 3 and parts[1] == "versions":
-                out.setdefault(parts[0], {})[parts[2]] = v
-        return out
+        return await self._per_model("versions")
 
     async def list_adapters(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Return ``{model name: {adapter: record}}`` for every adapter record (control/state/adapters.py)."""
+        return await self._per_model("adapters")
+
+    async def list_model_adapters(self, name: str) -> dict[str, dict[str, Any]]:
+        """Return ``{adapter: record}`` of one model (its adapters prefix only)."""
+        prefix = names.adapters_prefix(name)
+        return {k[len(prefix):]: v for k, v in (await self.get_prefix_json(prefix)).items()}
+
+    async def _per_model(self, segment: str) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{name: {key: value}}`` of the keys ``/actorserve/models/{name}/{segment}/{key}``."""
         prefix = names.models_prefix()
         out: dict[str, dict[str, dict[str, Any]]] = {}
         for k, v in (await self.get_prefix_json(prefix)).items():
             parts = k[len(prefix):].split("/")
-            if len(parts) == 3 and parts[1] == "adapters":
+            if len(parts) == 3 and parts[1] == segment:
                 out.setdefault(parts[0], {})[parts[2]] = v
         return out
 

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp", "qgemm.cpp", "lora_sgmv.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # included by SOURCES: part of the build key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf x16) for the AVX-512 softmax
 BUILD_TIMEOUT_S = 120
@@ -129,7 +130,7 @@ def _build(cxx: list[str], isa: str = "avx512") -> Path:
     missing, failing or over ``BUILD_TIMEOUT_S``)."""
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = [*FLAGS, *ISA_FLAGS[isa]]
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), *flags, *LIBS, version, " ".join(sorted(cpu_flags()))])
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in [*SOURCES, *HEADERS]), *flags, *LIBS, version, " ".join(sorted(cpu_flags()))])
                          .encode()).hexdigest()[:16]
     out = _kernel_dir() / f"cpu_kernels-{key}.so"
     if _verified(out):

@@ -21,21 +21,16 @@
 #include <vector>
 
 #include <omp.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {
-  uint32_t u = __builtin_bit_cast(uint32_t, x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) { *p = static_cast<uint16_t>((u >> 16) | 0x40u); return; }  // NaN
-  *p = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using actorserve::store;
+using actorserve::to_f32;
 
 // In place over each of the G rows of ``scores`` [G, ctx]: softmax (max-subtracted, float32).
 void softmax_rows(float* scores, int G, int ctx) {

@@ -18,16 +18,12 @@
 
 #include <omp.h>
 
+#include "bf16.h"
+
 namespace {
 
-inline float lf(float x) { return x; }
-inline float lf(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
-inline void ls(float* p, float x) { *p = x; }
-inline void ls(uint16_t* p, float x) {
-  uint32_t u = __builtin_bit_cast(uint32_t, x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) { *p = static_cast<uint16_t>((u >> 16) | 0x40u); return; }
-  *p = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using actorserve::store;
+using actorserve::to_f32;
 
 constexpr int kMaxRank = 1024;
 constexpr int kCols = 256;  // output columns accumulated at once per row
@@ -42,9 +38,9 @@ void slot_delta(const T* x, int64_t xs, const T* a, const T* b, T* y, int64_t ys
   float af[kMaxRank], bf[kCols];
   for (int k = 0; k < in; ++k) {
     const T* ar = a + static_cast<int64_t>(k) * R;
-    for (int j = 0; j < R; ++j) af[j] = lf(ar[j]);
+    for (int j = 0; j < R; ++j) af[j] = to_f32(ar[j]);
     for (size_t r = 0; r < n; ++r) {
-      const float xv = lf(x[rows[r] * xs + k]);
+      const float xv = to_f32(x[rows[r] * xs + k]);
       float* xr = xa.data() + r * R;
       for (int j = 0; j < R; ++j) xr[j] += xv * af[j];
     }
@@ -55,7 +51,7 @@ void slot_delta(const T* x, int64_t xs, const T* a, const T* b, T* y, int64_t ys
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int j = i * r_max; j < (i + 1) * r_max; ++j) {
         const T* br = b + static_cast<int64_t>(j) * out + c0;
-        for (int c = 0; c < w; ++c) bf[c] = lf(br[c]);
+        for (int c = 0; c < w; ++c) bf[c] = to_f32(br[c]);
         for (size_t r = 0; r < n; ++r) {
           const float v = xa[r * R + j];
           float* ar = acc.data() + r * kCols;
@@ -65,7 +61,7 @@ void slot_delta(const T* x, int64_t xs, const T* a, const T* b, T* y, int64_t ys
       for (size_t r = 0; r < n; ++r) {
         T* yr = y + rows[r] * ys + c0;
         const float* ar = acc.data() + r * kCols;
-        for (int c = 0; c < w; ++c) ls(yr + c, lf(yr[c]) + ar[c]);
+        for (int c = 0; c < w; ++c) store(yr + c, to_f32(yr[c]) + ar[c]);
       }
     }
   }
