@@ -8,6 +8,7 @@ Cost: about 5-7 s (certificates, three etcd processes, auth setup).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -33,6 +34,19 @@ def tls_cluster(tmp_path):
         yield c, certs
     finally:
         c.stop()
+
+
+async def _wait_for_leader(cluster, certs, timeout_s: float = 20.0) -> None:
+    """Until the members left answer ``/health`` true (they have a leader again). Killing member 1 may kill
+    the raft leader; on a loaded 2-core CI machine the election can outlast a 3 s request, and the server then
+    ends reads with "context deadline exceeded". That latency is test_etcd_cluster.py's subject; this test's
+    is what the certificates and roles may do with a member gone."""
+    deadline = time.monotonic() + timeout_s
+    alive = [i for i, p in enumerate(cluster.procs) if p is not None and p.poll() is None]
+    while not all([await asyncio.to_thread(_https_health, f"{cluster.client_url(i)}/health", certs)
+                   for i in alive]):
+        assert time.monotonic() < deadline, f"the members left had no leader {timeout_s:g} s after the kill"
+        await asyncio.sleep(0.1)
 
 
 async def _denied(aw) -> bool:
@@ -70,3 +84,4 @@ async def test_rbac_over_mutual_tls_survives_a_member_loss(tls_cluster):
             assert set(await g.list_tenants()) == {"t1"}, phase
             if phase == "all members":
                 cluster.kill(1)
+                await _wait_for_leader(cluster, certs)
