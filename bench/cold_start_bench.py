@@ -5,7 +5,9 @@ the default model (same artifact) with ``actorserve models register`` and stream
 ``NAME@N`` every 50 ms until one answers with a token. The time from the register command's return (the edit
 is in etcd) to that token covers the supervisor seeing the edit, the new scheduler's start and election, the
 worker's load (registry read, artifact or converted-weights cache read, quantization, warm-up), credits,
-routing and the first token.
+routing and the first token. With ``--multi-model`` the worker is a multi-version host (actors/worker/host.py):
+the new scheduler asks it to load the version, and the load shares the running version's weights (same
+artifact), so it costs a KV cache allocation, not a process start or a weights read.
 
 Two runs in the same stack: *cold* (the converted-weights cache emptied first; the CPU-kernel build and
 path-choice caches kept, they are per machine) and *warm* (the next version, the cache written by the cold
@@ -83,6 +85,21 @@ def worker_load(sup, version: str) -> dict[str, Any]:
     return {"load_phases": rec.get("load_phases"), "load_s": rec.get("load_s"), "memory": rec.get("memory")}
 
 
+def host_rows(sup) -> list[dict]:
+    """The multi-version host's resident rows (model, weights / KV bytes, shared) from its etcd record."""
+    import asyncio
+
+    from control.state.names import hosts_prefix
+    from control.state.registry import Registry
+
+    async def read() -> dict:
+        async with Registry.connect(sup.etcd_url, timeout=5) as reg:
+            return next(iter((await reg.get_prefix_json(hosts_prefix())).values()), {})
+    rec = asyncio.run(read())
+    return [{k: r.get(k) for k in ("model", "weights_bytes", "kv_bytes", "shared")} for r in rec.get("resident", [])] \
+        + [{"held_bytes": rec.get("held_bytes"), "budget_bytes": rec.get("budget_bytes")}]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the stack, time the cold then the warm version; the report."""
     from control.ops.supervisor import Supervisor
@@ -91,7 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cache = Path(tmp) / "cache"
         kernel_caches(cache)
         sup = Supervisor(Path(tmp) / "state", port=0, supervise=True, env={"ACTORSERVE_CACHE_DIR": str(cache)},
-                         actor_args={"worker": ["--no-progress", *args.worker_arg]})
+                         actor_args={"worker": ["--no-progress", *args.worker_arg]},
+                         multi_model=args.multi_model)
         sup.start()
         try:
             sup.wait_ready(timeout=300)
@@ -105,9 +123,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 took = first_token_s(url, key, f"{sup.model_name}@{version}") - t0
                 out[kind] = {"version": version, "edit_to_first_token_s": round(took, 3),
                              "target_s": TARGETS_S[kind], "met": took <= TARGETS_S[kind], **worker_load(sup, version)}
+            hosts = host_rows(sup) if args.multi_model else []
         finally:
             sup.stop()
-    return {"cpu": cpu_name(), "runs": out, "warm_over_cold": round(out["warm"]["edit_to_first_token_s"]
+    return {"cpu": cpu_name(), "multi_model": args.multi_model, "runs": out, "host_resident": hosts, "warm_over_cold": round(out["warm"]["edit_to_first_token_s"]
                                                                    / out["cold"]["edit_to_first_token_s"], 3)}
 
 
@@ -122,6 +141,9 @@ def cpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cold_start_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable)")
+    p.add_argument("--multi-model", action="store_true", help="the stack's worker is a multi-version host "
+                   "(``up --multi-model``): the new version is loaded into the running worker process, sharing the "
+                   "weights of the same artifact")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     rep = run(args)
@@ -130,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: registry edit -> first token {r['edit_to_first_token_s']:.2f} s (target <= {r['target_s']} s: "
               f"{'met' if r['met'] else 'MISSED'}); worker load {r['load_s']} s {r['load_phases']}")
     print(f"warm / cold: {rep['warm_over_cold']}")
+    for row in rep["host_resident"]:
+        print(f"host: {row}")
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=2))
     return 0 if all(r["met"] for r in rep["runs"].values()) else 1

@@ -62,6 +62,13 @@ def work(worker_id: str) -> str:
     return f"as.int.work.{_token(worker_id, 'worker id')}"
 
 
+def host_load(host_id: str) -> str:
+    """``as.int.host.<host_id>.load``: a scheduler asks a multi-version worker host to make its version
+    resident (request-reply, HostLoad / HostLoadAck; actors/worker/host.py). Extension of the original map
+    (issue [11])."""
+    return f"as.int.host.{_token(host_id, 'host id')}.load"
+
+
 def cancel(request_id: str) -> str:
     """``as.int.cancel.<request_id>``: cancel, heard by whoever holds the request."""
     return f"as.int.cancel.{_token(request_id, 'request id')}"

@@ -31,7 +31,18 @@ log = logging.getLogger("actorserve.worker")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Worker options (common --nats/--etcd/--state-dir are added by actors.runtime)."""
-    parser.add_argument("--model", required=True, help="NAME@VERSION served by this worker")
+    parser.add_argument("--model", action="append", default=None, metavar="NAME@VERSION",
+                        help="the version served by this worker (required, once) or, with --host, a version loaded "
+                        "at start (repeatable)")
+    parser.add_argument("--host", action="store_true", help="multi-version host: hold the versions schedulers ask "
+                        "for within --memory-budget-bytes, evicting by the residency policy (docs/model-loading.md)")
+    parser.add_argument("--pin", action="append", default=[], metavar="NAME@VERSION",
+                        help="with --host: a version always resident (repeatable)")
+    parser.add_argument("--kv-floor-bytes", type=int, default=64 * 2**20, metavar="N",
+                        help="with --host: the least KV cache of a resident version (bytes, default 64 MiB)")
+    parser.add_argument("--drain-bound", type=float, default=30.0, metavar="S",
+                        help="with --host: seconds a version chosen for eviction may drain before what still "
+                        "runs on it is ended with a retryable 503 (default 30)")
     parser.add_argument("--worker-id", default=None, help="unique id (default: host-pid-random)")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024, help="KV cache budget (bytes)")
     parser.add_argument("--memory-budget-bytes", type=int, default=0, metavar="N",
@@ -88,7 +99,9 @@ def choose_path(manifest: dict, args: argparse.Namespace):
 
     from actors.worker.engine.kernel_choice import choose
 
-    version = getattr(args, "model", None) or f"{manifest.get('name', '')}@{manifest.get('version', '')}"
+    model = getattr(args, "model", None)  # a list (--model repeatable); the label of a record of the choice
+    model = model[0] if isinstance(model, list) and len(model) == 1 and not getattr(args, "host", False) else model
+    version = model if isinstance(model, str) else f"{manifest.get('name', '')}@{manifest.get('version', '')}"
     choice = choose(manifest["artifact"], version, device=args.device, dtype=getattr(args, "dtype", "auto"),
                     quantization=getattr(args, "quantization", "auto"),
                     manifest_quantization=manifest.get("quantization"))
@@ -155,11 +168,18 @@ async def main(args: argparse.Namespace) -> None:
     """Run the worker until cancelled, then drain."""
     from control.state.names import parse_model_ref
 
-    ref = parse_model_ref(args.model)
-    if not ref.version:
-        raise SystemExit("--model must be NAME@VERSION")
+    models = [args.model] if isinstance(args.model, str) else list(args.model or [])
+    refs = [parse_model_ref(m) for m in models + list(args.pin)]
+    if any(not r.version for r in refs):
+        raise SystemExit("--model and --pin must be NAME@VERSION")
     worker_id = args.worker_id or default_worker_id()
-    await serve(args, f"worker-{worker_id}", functools.partial(run_worker, ref=ref, worker_id=worker_id))
+    if args.host:
+        from actors.worker.host_actor import run_host
+        await serve(args, f"worker-{worker_id}", functools.partial(run_host, host_id=worker_id))
+        return
+    if len(models) != 1 or args.pin:
+        raise SystemExit("a worker serves one --model NAME@VERSION (several, and --pin, need --host)")
+    await serve(args, f"worker-{worker_id}", functools.partial(run_worker, ref=refs[0], worker_id=worker_id))
 
 
 async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:

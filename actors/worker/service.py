@@ -71,7 +71,8 @@ class WorkerConfig:
 class WorkerService:
     """Runs the engine for one model version on one bus. Use ``async with`` or ``start()/stop()``."""
 
-    def __init__(self, bus: Bus, engine, config: WorkerConfig, faults=None) -> None:
+    def __init__(self, bus: Bus, engine, config: WorkerConfig, faults=None,
+                 engine_thread: ThreadPoolExecutor | None = None) -> None:
         self.bus, self.engine, self.cfg = bus, engine, config
         self.faults = faults  # test-only FaultInjector (actors/worker/faults.py), None in production
         self._fault_tasks: set[asyncio.Task] = set()
@@ -93,7 +94,9 @@ class WorkerService:
         self.migration = Migrator(self)  # preemption notices and drains: running sequences move (migration.py)
         # every step on one thread: torch's OpenMP team (and its thread count) belongs to the calling thread,
         # so a pool of step threads would each start and spin their own team on the same cores
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        # (a multi-version host passes one thread for all its versions: actors/worker/host.py)
+        self._own_thread = engine_thread is None
+        self._engine_thread = engine_thread or ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.on_first_token = None  # called once, at this worker's first generated token (load timing)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -133,7 +136,8 @@ class WorkerService:
         _, pending = await asyncio.wait(self._tasks, timeout=5.0)
         for t in pending:
             log.warning("task did not stop within 5 s: %s", t.get_stack())
-        self._engine_thread.shutdown(wait=False)
+        if self._own_thread:
+            self._engine_thread.shutdown(wait=False)
 
     async def __aenter__(self) -> "WorkerService":
         await self.start()

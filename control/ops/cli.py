@@ -220,6 +220,10 @@ def _add_up_command(sub: Any) -> None:
     up.add_argument("--no-autoscaler", action="store_true",  # issue 19: docs/autoscaling.md
                     help="do not run the autoscaler (counts stay fixed unless /actorserve/desired/ records are "
                          "written by hand)")
+    up.add_argument("--multi-model", action="store_true",  # issue [11]: docs/model-loading.md
+                    help="the workers are multi-version hosts: a version registered later is loaded into them on "
+                         "demand, within --worker-args '--memory-budget-bytes N' (default 80%% of memory), without "
+                         "a new process; the autoscaler is off")
     up.add_argument("--tls", action="store_true",  # h3: docs/security.md
                     help="TLS everywhere: certificates in <state-dir>/tls/ (made if missing), NATS and etcd over "
                          "TLS, etcd users per role, the gateways on HTTPS")
@@ -397,7 +401,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 for name in models
                 for version in models[name]
             }
-        return {"models": models, "workers": workers}
+            from control.state.names import hosts_prefix
+            hosts = list((await reg.get_prefix_json(hosts_prefix())).values())
+        return {"models": models, "workers": workers, "hosts": hosts}
 
     report: dict[str, Any] = {
         "state_dir": str(state_dir),
@@ -453,6 +459,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for w in sorted(ws):
                 if line := worker_detail(ws[w]):
                     print(f"    {w}: {line}")
+    if report.get("hosts"):
+        from control.ops.status_detail import host_lines
+        print("worker hosts:")
+        for line in host_lines(report["hosts"]):
+            print(f"  {line}")
     return 0
 
 

@@ -10,10 +10,12 @@ reading each actor's registry calls:
 role       permissions (R: read, RW: read and write; every range is a prefix)
 =========  =====================================================================================
 gateway    R models/ (manifests, routing; watched), R tenants/ (watched), R workers/, R desired/, R autoscaler/,
-           R notices/ (operator dashboard), RW metrics/gateway/
+           R notices/, R hosts/ (operator dashboard), RW metrics/gateway/
 validator  R models/, RW metrics/validator/
-scheduler  R tenants/, R workers/ (watched), RW schedulers/ (its election), RW metrics/scheduler/
-worker     R models/, RW workers/ (its leased registration), R notices/preemption/, RW metrics/worker/
+scheduler  R tenants/, R workers/ (watched), RW schedulers/ (its election), R hosts/ (load asks),
+           RW metrics/scheduler/
+worker     R models/, RW workers/ (its leased registration), RW hosts/ (a multi-version host's record),
+           R notices/preemption/, RW metrics/worker/
 jobs       R models/, R workers/ (its model resolver, like the gateway's), R tenants/ (spend budgets),
            RW metrics/jobs/
 control    RW models/ (routing tables of rollouts), R workers/, R tenants/, RW controllers/ (election),
@@ -75,10 +77,12 @@ def role_permissions() -> dict[str, list[tuple[str, str]]]:
     table = {
         "gateway": [(READ, models), (READ, tenants), (READ, workers),
                     (READ, names.desired_prefix()), (READ, names.autoscaler_prefix()),
-                    (READ, names.notices_prefix())],  # the operator dashboard (gateway/dashboard_feed.py)
+                    (READ, names.notices_prefix()), (READ, names.hosts_prefix())],  # dashboard (gateway/dashboard_feed.py)
         "validator": [(READ, models)],
-        "scheduler": [(READ, tenants), (READ, workers), (READWRITE, names.schedulers_prefix())],
-        "worker": [(READ, models), (READWRITE, workers), (READ, names.notices_prefix())],  # + its preemption notice
+        "scheduler": [(READ, tenants), (READ, workers), (READWRITE, names.schedulers_prefix()),
+                      (READ, names.hosts_prefix())],  # hosts: where to ask for a version resident nowhere
+        "worker": [(READ, models), (READWRITE, workers), (READ, names.notices_prefix()),  # + its preemption notice
+                   (READWRITE, names.hosts_prefix())],  # a multi-version host's record (actors/worker/host.py)
         "jobs": [(READ, models), (READ, workers), (READ, tenants)],  # tenants: budgets of job requests
         "control": [(READWRITE, models), (READ, workers), (READ, tenants),
                     (READWRITE, names.controllers_prefix()), (READWRITE, names.pools_prefix()),

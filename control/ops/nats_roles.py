@@ -149,7 +149,8 @@ def _spec() -> dict[str, dict[str, Any]]:
             "responses": True,  # acks of as.int.validate requests
         },
         "scheduler": {
-            "publish": [any_of(subjects.work), gw_replies, done, any_of(subjects.sched_leader), load_of("scheduler")]
+            "publish": [any_of(subjects.work), gw_replies, done, any_of(subjects.sched_leader), load_of("scheduler"),
+                        any_of(subjects.host_load)]
             + _jetstream(stream_subjects=(any_of(subjects.sched_journal),), streams_used=(subjects.ANY_STREAM,)),
             # a stream-name prefix (SCHED_) cannot be a NATS wildcard: any stream, but not the platform's others
             "publish_deny": [p for st in platform_streams() for p in subjects.js_stream_api(st)],
@@ -161,7 +162,7 @@ def _spec() -> dict[str, dict[str, Any]]:
         "worker": {
             "publish": [gw_replies, any_of(subjects.sched_events), done, any_of(subjects.credits),
                         any_of(subjects.stats), any_of(subjects.sched_migrate)],  # + hand-overs (resume)
-            "subscribe": [any_of(subjects.work), cancel],
+            "subscribe": [any_of(subjects.work), cancel, any_of(subjects.host_load)],  # + load asks (hosts)
             "responses": True,  # dispatch acks
         },
         "jobs": {

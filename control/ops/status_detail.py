@@ -46,3 +46,20 @@ def _residency(memory: Any) -> str:
     rows = [f"{r.get('model')} {r.get('quantization')} (weights {mib(r.get('weights_bytes'))} + KV "
             f"{mib(r.get('kv_bytes'))})" for r in memory["resident"] if isinstance(r, dict)]
     return f"resident {'; '.join(rows)} of budget {mib(memory.get('budget_bytes'))}" if rows else ""
+
+
+def host_lines(hosts: list) -> list[str]:
+    """Lines of the multi-version worker hosts (actors/worker/host.py, docs/model-loading.md): per host its
+    budget, free bytes, loads and evictions, then one line per resident version (weights / KV, shared, state)."""
+    mib = lambda n: f"{(n or 0) / 2**20:.1f} MiB"  # noqa: E731
+    out: list[str] = []
+    for h in sorted((h for h in hosts if isinstance(h, dict)), key=lambda h: str(h.get("host_id"))):
+        out.append(f"{h.get('host_id')} (pid {h.get('pid')}): budget {mib(h.get('budget_bytes'))}, free "
+                   f"{mib(h.get('free_bytes'))}, {h.get('loads', 0)} load(s), {h.get('evictions', 0)} eviction(s)"
+                   + (f", asked for {', '.join(h['asked'])}" if h.get("asked") else ""))
+        for r in h.get("resident") or []:
+            if isinstance(r, dict):
+                out.append(f"  {r.get('model')} as {r.get('worker_id')}: weights {mib(r.get('weights_bytes'))}"
+                           f"{' (shared)' if r.get('shared') else ''} + KV {mib(r.get('kv_bytes'))}, "
+                           f"{r.get('quantization')}, {r.get('state')}")
+    return out

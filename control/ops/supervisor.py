@@ -120,6 +120,7 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
         pool: str = "local",
         cores: int | None = None,
         max_workers: int | None = None,
+        multi_model: bool = False,
     ) -> None:
         from control.state.names import validate_name
 
@@ -134,7 +135,10 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
             os, "sched_getaffinity") else (os.cpu_count() or 1)
         if self.cores < 1 or (max_workers is not None and max_workers < 0):
             raise ValueError("cores must be >= 1 and max_workers >= 0")
-        self.autoscaler, self.pool = bool(autoscaler), pool
+        # multi_model: the workers are multi-version hosts (actors/worker/host.py): a version registered later
+        # gets a scheduler only and is loaded by a host on demand; the autoscaler (per-version workers) is off
+        self.multi_model = bool(multi_model)
+        self.autoscaler, self.pool = bool(autoscaler) and not self.multi_model, pool
         self.max_workers = int(max_workers) if max_workers is not None else max(int(workers), self.cores)
         self.state_dir = Path(state_dir).expanduser().resolve()
         self.host = host
@@ -392,6 +396,8 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
         worker ids)."""
         name, _, version = ref.partition("@")
         initial = ref == self.model_ref
+        if self.multi_model and not initial:  # the hosts load it when its scheduler asks
+            workers = 0
         out = [self._worker_actor(ref, n, self.pool) for n in range(workers)]
         sname = "scheduler-0" if initial else f"scheduler-{name}-{version}"
         out.append(self._named_actor(sname, "scheduler", self._base_argv("scheduler") + ["--model", ref], model=ref))
@@ -403,6 +409,8 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
         name, _, version = ref.partition("@")
         wid = f"worker-{n}" if ref == self.model_ref else f"worker-{name}-{version}-{n}"
         argv = self._base_argv("worker") + ["--model", ref, "--worker-id", wid]
+        if self.multi_model:
+            argv.append("--host")
         if scaling.kind_accepts("worker", "--pool"):
             argv += ["--pool", pool]
         a = self._named_actor(wid, "worker", argv, model=ref)

@@ -74,6 +74,7 @@ def main_up(args: argparse.Namespace) -> int:
         echo_worker_log=True,
         tls=bool(getattr(args, "tls", False)),
         autoscaler=not getattr(args, "no_autoscaler", False),
+        multi_model=bool(getattr(args, "multi_model", False)),
     )
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -166,6 +166,18 @@ def worker_key(name: str, version: str, worker_id: str) -> str:
     return f"{workers_prefix(name, version)}{validate_name('worker id', worker_id)}"
 
 
+def hosts_prefix() -> str:
+    """Prefix of every model-host record: ``/actorserve/hosts/`` (extension of the original map, issue [11])."""
+    return f"{ROOT}/hosts/"
+
+
+def host_key(host_id: str) -> str:
+    """Leased record of one multi-version worker host: ``/actorserve/hosts/{host_id}`` (value: budget, free
+    and resident bytes per version, evictions; actors/worker/host.py). Schedulers read it to pick the host
+    with the most free memory for a version resident nowhere."""
+    return f"{hosts_prefix()}{validate_name('host id', host_id)}"
+
+
 def schedulers_prefix() -> str:
     """Prefix of every scheduler election key: ``/actorserve/schedulers/``."""
     return f"{ROOT}/schedulers/"

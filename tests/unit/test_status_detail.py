@@ -17,3 +17,19 @@ def test_one_rank_and_no_adapters_add_nothing():
     line = worker_detail({"dtype": "float32", "quantization": "int4", "adapters": [],
                           "ranks": [{"rank": 0, "weights_bytes": 1, "kv_bytes": 1}]})
     assert line == "float32+int4" and worker_detail("x") == ""
+
+
+def test_host_lines_show_budget_residents_and_evictions():
+    from control.ops.status_detail import host_lines
+
+    lines = host_lines([{"host_id": "h1", "pid": 7, "budget_bytes": 64 * 2**20, "free_bytes": 2**20, "loads": 3,
+                         "evictions": 2, "asked": ["b@1"],
+                         "resident": [{"model": "a@1", "worker_id": "h1-v1", "weights_bytes": 2**20,
+                                       "kv_bytes": 2 * 2**20, "shared": False, "quantization": "float32",
+                                       "state": "serving"},
+                                      {"model": "a@2", "worker_id": "h1-v2", "weights_bytes": 2**20,
+                                       "kv_bytes": 2**20, "shared": True, "quantization": "float32",
+                                       "state": "draining"}]}])
+    assert lines[0] == "h1 (pid 7): budget 64.0 MiB, free 1.0 MiB, 3 load(s), 2 eviction(s), asked for b@1"
+    assert lines[1] == "  a@1 as h1-v1: weights 1.0 MiB + KV 2.0 MiB, float32, serving"
+    assert lines[2] == "  a@2 as h1-v2: weights 1.0 MiB (shared) + KV 1.0 MiB, float32, draining"

@@ -134,10 +134,17 @@ class _PhaseClock:
 class LLMEngine(RequestBook):
     """See module docstring.  Not thread-safe: call from one thread (the worker's engine loop)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_weights_of: "LLMEngine | None" = None) -> None:
+        """Load ``config.model_path``; with ``share_weights_of`` (an engine of the same artifact, dtype and
+        quantization, one rank) use its model's weights instead of loading a copy: this engine gets its own
+        KV cache, block manager, scheduler and adapters (a multi-version host's versions of one artifact,
+        actors/worker/host.py). ValueError when ``share_weights_of`` does not match."""
         self.config = config
         self.dtype_name = resolve_dtype(config.dtype, config.device)  # "auto" resolved
         dtype = _DTYPES[self.dtype_name]
+        if share_weights_of is not None:
+            self._init_shared(share_weights_of, dtype)
+            return
         art = read_artifact(config.model_path, dtype, config.device, config.progress, config.weights_cache)
         self.model_config, self.weights_cached = art.config, art.cached
         clock = _PhaseClock(art.phases)  # seconds per load phase (actors/worker/load_phases.py names them)
@@ -158,6 +165,7 @@ class LLMEngine(RequestBook):
         self.tp, shard_cfg = self._open_group(art, config)
         if self.tp is not None:
             packs = None  # the pack cache holds whole projections, not a rank's shard
+        self.position_limit = limit  # positions the model's tables cover (tokens)
         self.model = LlamaModel(shard_cfg, art.weights, limit,
                                 packs.wrap(factory) if packs else factory, config.native_kernels)
         if self.tp is not None:
@@ -166,6 +174,7 @@ class LLMEngine(RequestBook):
             packs.save()
         clock.mark("quantize")
         self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
+        self.weights_shared = False  # True: the weights belong to another engine (share_weights_of)
         lora_slots = config.max_loras if self.tp is None else 0
         self.adapters = (AdapterManager(self.model_config, dtype, config.device, lora_slots, config.max_cpu_loras,
                                         config.max_lora_rank) if lora_slots else None)
@@ -180,18 +189,63 @@ class LLMEngine(RequestBook):
             self.tp.describe(self.weights_bytes, self.kv.num_bytes)
             if config.tp_rank == 0:
                 self.model = LeaderModel(self.model, self.tp)
-        self.max_model_len = min(limit, self.kv.capacity_tokens)  # one sequence always fits alone
         self.load_phases = clock.phases  # {phase: s}: artifact_read, convert, kernels, quantize
+        self._build_blocks()
+        self.token_bytes, self.special_names = art.token_bytes, art.special_names
+        del art  # the model holds what it needs of the weights
+        self._init_requests()
+
+    def _build_blocks(self) -> None:
+        """Block manager and iteration scheduler over ``self.kv`` (at load, and after ``resize_kv``)."""
+        config = self.config
+        self.max_model_len = min(self.position_limit, self.kv.capacity_tokens)  # one sequence always fits alone
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         if self.adapters is not None:
             self.scheduler.admit_gate = lambda name, in_use: self.adapters.place(name, in_use) is not None
-        self.token_bytes = art.token_bytes
+
+    def _init_shared(self, other: "LLMEngine", dtype: torch.dtype) -> None:
+        """Adopt ``other``'s weights (see ``__init__``); the KV cache gets ``kv_cache_bytes`` (no budget math:
+        the host that shares weights keeps the budget)."""
+        config = self.config
+        if (other.config.model_path, other.dtype_name, other.config.device) != (config.model_path, self.dtype_name,
+                                                                                config.device) or other.tp is not None:
+            raise ValueError("share_weights_of must be a one-rank engine of the same model_path, dtype and device")
+        t0 = time.monotonic()
+        self.model_config, self.weights_cached, self.quantization = other.model_config, True, other.quantization
+        self.tp, self.model, self.position_limit = None, other.model, other.position_limit
+        self.weights_bytes, self.weights_shared = other.weights_bytes, True
+        self.adapters = (AdapterManager(self.model_config, dtype, config.device, config.max_loras, config.max_cpu_loras,
+                                        config.max_lora_rank) if config.max_loras else None)
+        self.lora_reserve_bytes = config.max_loras * slot_bytes(self.model_config, config.max_lora_rank, dtype) \
+            if config.max_loras else 0
+        self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
+        self._build_blocks()
+        self.token_bytes, self.special_names = other.token_bytes, other.special_names
+        self.load_phases = {"artifact_read": 0.0, "convert": 0.0, "kernels": 0.0,
+                            "quantize": time.monotonic() - t0}  # the KV cache's allocation
+        self._init_requests()
+
+    def resize_kv(self, kv_bytes: int) -> None:
+        """Replace the KV cache by one of ``kv_bytes`` bytes (a host re-splitting its budget when residency
+        changes). Only on an idle, one-rank engine: RuntimeError when a request is held or with tensor
+        parallelism; ValueError below one block. Cached prefixes are dropped."""
+        if self._requests or self._aborted or self.tp is not None:
+            raise RuntimeError("resize_kv needs an idle one-rank engine")
+        dtype = _DTYPES[self.dtype_name]
+        new = KVCache(self.model_config, int(kv_bytes), self.config.block_size, dtype, self.config.device)
+        self.kv = new
+        self._build_blocks()
+        self._stats.num_total_blocks = self.kv.num_blocks
+        log.info("KV cache resized: %s", self.kv.describe())
+
+    def _init_requests(self) -> None:
+        """Request book-keeping, statistics and threads (the end of every kind of load)."""
+        config = self.config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_ids()
         self.structured = Structured(config.model_path, self.token_bytes, self.eos_token_ids,
-                                     special_names=art.special_names)
-        del art  # the model holds what it needs of the weights
+                                     special_names=self.special_names)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[StepOutput] = []
         self._stats = EngineStats(num_total_blocks=self.kv.num_blocks)
