@@ -18,7 +18,7 @@ from typing import Any
 
 from bus import subjects
 from bus.base import BusError
-from bus.messages import HostLoad, HostLoadAck
+from bus.host_messages import HostLoad, HostLoadAck
 
 log = logging.getLogger("actorserve.scheduler")
 
@@ -76,5 +76,14 @@ async def follow_hosts(reg, bus, svc, name: str, version: str, period_s: float =
             log.debug("host ask for %s@%s failed: %r", name, version, exc)
             continue
         if verdict is False:
-            await svc.fail_queued(503, f"no worker host can hold {name}@{version}: " + "; ".join(reasons),
-                                  "model_not_resident")
+            await fail_queued(svc, f"no worker host can hold {name}@{version}: " + "; ".join(reasons))
+
+
+async def fail_queued(svc, message: str, code: str = "model_not_resident") -> int:
+    """End every request queued at ``svc`` (a SchedulerService) with a retryable 503 ``code`` (Retry-After: the
+    scheduler's ``retry_after_s``); returns how many."""
+    n = 0
+    while (p := svc.queue.pop()) is not None:
+        await svc._fail(p.item, 503, message, code)
+        n += 1
+    return n

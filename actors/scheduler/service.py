@@ -477,14 +477,6 @@ class SchedulerService(FairShareMixin):
                                    f"cache; your prompt has {len(req.prompt_token_ids)} tokens. Please reduce "
                                    f"the length of the prompt.", "context_length_exceeded", retryable=False)
 
-    async def fail_queued(self, status: int, message: str, code: str) -> int:
-        """End every queued request with a retryable ``status`` error (Retry-After); returns how many."""
-        n = 0
-        while (p := self.queue.pop()) is not None:
-            await self._fail(p.item, status, message, code)
-            n += 1
-        return n
-
     async def _fail(self, req: GenerateRequest, status: int, message: str, code: str,
                     retryable: bool = True) -> None:
         """End ``req`` with a final error chunk and a completion record."""

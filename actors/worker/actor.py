@@ -23,7 +23,9 @@ import time
 import uuid
 
 from actors.serve import ActorContext, serve
+from actors.worker.engine_build import build_engine, choose_path, tensor_parallel_of  # noqa: F401 (re-exported)
 from actors.worker.load_phases import LoadTimeline
+from actors.worker.registration import add_engine_phases, keep_registered, memory_record  # noqa: F401 (re-exported)
 from actors.worker.service import WorkerConfig, WorkerService
 
 log = logging.getLogger("actorserve.worker")
@@ -92,64 +94,6 @@ def default_worker_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:4]}".lower()
 
 
-def choose_path(manifest: dict, args: argparse.Namespace):
-    """``kernel_choice.Choice`` for the worker's ``--dtype`` / ``--quantization`` (auto or pins) on
-    ``manifest``'s GGUF; logged and printed on stderr as one line (the choice and why)."""
-    import sys
-
-    from actors.worker.engine.kernel_choice import choose
-
-    model = getattr(args, "model", None)  # a list (--model repeatable); the label of a record of the choice
-    model = model[0] if isinstance(model, list) and len(model) == 1 and not getattr(args, "host", False) else model
-    version = model if isinstance(model, str) else f"{manifest.get('name', '')}@{manifest.get('version', '')}"
-    choice = choose(manifest["artifact"], version, device=args.device, dtype=getattr(args, "dtype", "auto"),
-                    quantization=getattr(args, "quantization", "auto"),
-                    manifest_quantization=manifest.get("quantization"))
-    log.info("%s", choice.line())
-    print(f"worker: {choice.line()}", file=sys.stderr, flush=True)
-    return choice
-
-
-def build_engine(manifest: dict, args: argparse.Namespace):
-    """Load the engine for ``manifest`` (blocking; run in a thread) on the path ``choose_path`` resolves.
-    ValueError on unsupported formats."""
-    from actors.worker.engine.engine import EngineConfig, LLMEngine
-    if manifest.get("format", "gguf") != "gguf":
-        raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
-    if getattr(args, "engine", "torch") == "zero-compute":  # only when asked for: no model compute
-        from actors.worker.zero_compute import ZeroComputeConfig, ZeroComputeEngine
-        return ZeroComputeEngine(ZeroComputeConfig(
-            manifest["artifact"], kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=manifest.get("context_length") or None,
-            step_ms=getattr(args, "zero_compute_step_ms", 0.0)))
-    t0 = time.monotonic()
-    choice = choose_path(manifest, args)
-    choose_s = time.monotonic() - t0
-    cfg = EngineConfig(model_path=manifest["artifact"], dtype=choice.dtype, device=args.device,
-                       quantization=choice.quantization,
-                       kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=manifest.get("context_length") or None, progress=not args.no_progress,
-                       weights_cache=getattr(args, "weights_cache", True),
-                       memory_budget_bytes=getattr(args, "memory_budget_bytes", 0) or 0,
-                       max_loras=getattr(args, "max_loras", 4), max_cpu_loras=getattr(args, "max_cpu_loras", 16),
-                       max_lora_rank=getattr(args, "max_lora_rank", 16),
-                       tensor_parallel=tensor_parallel_of(manifest, args))
-    engine = LLMEngine(cfg)
-    engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
-    engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included
-    return engine
-
-
-def tensor_parallel_of(manifest: dict, args: argparse.Namespace) -> int:
-    """Ranks of this worker: ``--tensor-parallel``, else the manifest's ``tensor_parallel``, else 1.
-    ValueError for a value that is not an integer >= 1."""
-    n = getattr(args, "tensor_parallel", 0) or manifest.get("tensor_parallel", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"tensor_parallel must be an integer >= 1, got {n!r}")
-    return n
-
-
 def _leave_on_group_loss(engine) -> None:
     """A tensor-parallel worker whose rank is gone exits at once (status 75): its lease lapses and the
     scheduler re-dispatches its requests that had no token yet to other workers; the other ranks die with it."""
@@ -195,7 +139,7 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
     _leave_on_group_loss(engine)
     if getattr(engine, "tp", None) is not None:  # runs last (closers in reverse): after the service stopped
         ctx.on_stop(lambda: asyncio.to_thread(engine.close), timeout_s=8.0, what="tensor-parallel ranks")
-    _add_engine_phases(timeline, getattr(engine, "load_phases", {}))
+    add_engine_phases(timeline, getattr(engine, "load_phases", {}))
     log.info("worker %s loaded %s@%s; %s", worker_id, ref.name, ref.version,
              engine.kv.describe() if hasattr(engine, "kv") else getattr(engine, "describe", lambda: "?")())
     bus = await ctx.connect_bus()
@@ -242,30 +186,6 @@ def process_age_s() -> float:
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, AttributeError):
         return 0.0
-
-
-def _add_engine_phases(timeline: LoadTimeline, phases: dict) -> None:
-    """The engine's own phases; what else the load took (tokenizer tables, grammar set-up) counts as reading
-    the artifact."""
-    now = time.monotonic()
-    rest = max(0.0, now - timeline.last - sum(phases.values()))
-    timeline.add_all({**phases, "artifact_read": phases.get("artifact_read", 0.0) + rest}, now=now)
-
-
-def memory_record(engine, manifest: dict, args: argparse.Namespace, ref) -> dict | None:
-    """The worker record's ``memory`` (bytes): ``budget_bytes`` (``--memory-budget-bytes``, else weights + KV +
-    adapter slots), ``weights_bytes``, ``kv_bytes``, ``adapters_bytes`` (LoRA slots reserved) and ``resident``: one row per resident version (``model``, ``quantization``,
-    ``weights_bytes``, ``kv_bytes``, ``share_key``: the artifact + quantization its weights come from). None
-    for an engine that holds no weights (zero-compute)."""
-    weights = getattr(engine, "weights_bytes", None)
-    if weights is None or not hasattr(engine, "kv"):
-        return None
-    kv, quant = int(engine.kv.num_bytes), getattr(engine, "quantization", None)
-    row = {"model": f"{ref.name}@{ref.version}", "quantization": quant or engine.dtype_name,
-           "weights_bytes": int(weights), "kv_bytes": kv, "share_key": f"{manifest['artifact']}|{quant or 'none'}"}
-    adapters = int(getattr(engine, "lora_reserve_bytes", 0))  # LoRA slots kept out of the budget (docs/lora.md)
-    return {"budget_bytes": int(getattr(args, "memory_budget_bytes", 0) or weights + kv + adapters),
-            "weights_bytes": int(weights), "kv_bytes": kv, "adapters_bytes": adapters, "resident": [row]}
 
 
 def _track_memory(memory: dict) -> None:
@@ -369,31 +289,6 @@ def _track_gauges(ctx: ActorContext, svc: WorkerService) -> None:
         tracker.cancel()
 
     ctx.on_stop(cancel, timeout_s=1.0, what="gauge tracker")
-
-
-async def keep_registered(reg, holder: list, ref, worker_id: str, info: dict, ttl: int) -> None:
-    """Re-register whenever the lease is lost; runs until cancelled.
-
-    While etcd is away the lease's keepalive keeps retrying and the worker keeps serving (the
-    scheduler keeps dispatching from its last table and credits travel on NATS). ``lease.lost`` is
-    set only when etcd answers again and no longer knows the lease (it expired during the outage, or
-    was revoked): then register again at once, retrying every second while etcd does not answer
-    (logged once per outage). ``holder[0]`` is the current lease (so shutdown revokes the live one)."""
-    from control.state.registry import OutageLog
-
-    outage = OutageLog(log, f"worker {worker_id} registration")
-    while True:
-        await holder[0].lost.wait()
-        log.error("worker %s lost its etcd lease; registering again", worker_id)
-        while True:
-            try:
-                holder[0] = await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=ttl)
-                outage.ok()
-                log.warning("worker %s registered again", worker_id)
-                break
-            except Exception as exc:  # etcd still away: keep trying, the service keeps running
-                outage.failed(exc)
-                await asyncio.sleep(1.0)
 
 
 async def _drain(holder: list, svc: WorkerService, drain_timeout: float = 10.0) -> None:

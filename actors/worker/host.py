@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from actors.worker.host_slot import Slot, close_slot, open_slot, pause, resume
 from actors.worker.residency import Demand, ResidencyConfig, ResidencyPolicy, VersionSpec
 from bus import subjects
-from bus.messages import HostLoad, HostLoadAck
+from bus.host_messages import HostLoad, HostLoadAck
 
 log = logging.getLogger("actorserve.worker")
 

@@ -84,7 +84,7 @@ def slot_args(args: argparse.Namespace, kv_bytes: int) -> argparse.Namespace:
 def build_slot_engine(manifest: dict, args: argparse.Namespace, kv_bytes: int, donor=None):
     """The engine of one version (blocking: run off the event loop): a fresh load, or with ``donor`` (a
     resident engine of the same share key) an engine over the donor's weights."""
-    from actors.worker.actor import build_engine
+    from actors.worker.engine_build import build_engine
 
     if donor is None:
         return build_engine(manifest, slot_args(args, kv_bytes))
@@ -104,14 +104,14 @@ def build_slot_engine(manifest: dict, args: argparse.Namespace, kv_bytes: int, d
 async def open_slot(host, ref: str, manifest: dict, kv_bytes: int, donor: Slot | None) -> Slot:
     """Load ``ref`` and make it serve (service started, lease taken). Raises what the load raises (the
     caller logs it and forgets the version's ask)."""
-    from actors.worker.actor import _add_engine_phases, memory_record
+    from actors.worker.registration import add_engine_phases, memory_record
 
     name, _, version = ref.partition("@")
     timeline = LoadTimeline(start=time.monotonic())
     timeline.mark("registry")
     engine = await asyncio.to_thread(build_slot_engine, manifest, host.args, kv_bytes,
                                      donor.engine if donor else None)
-    _add_engine_phases(timeline, getattr(engine, "load_phases", {}))
+    add_engine_phases(timeline, getattr(engine, "load_phases", {}))
     worker_id = host.next_worker_id()
     svc = WorkerService(host.bus, engine, WorkerConfig(worker_id, name, version), engine_thread=host.engine_thread)
     if donor is None and getattr(host.args, "warmup", True):  # shared weights: the kernels are warm already
@@ -155,7 +155,7 @@ def _record(host, engine, worker_id: str, manifest: dict, ref: str) -> dict:
 
 def _start_followers(host, slot: Slot) -> None:
     """Re-registration after a lost lease, and the registry's adapters of the version kept in the engine."""
-    from actors.worker.actor import keep_registered
+    from actors.worker.registration import keep_registered
     from actors.worker.adapter_sync import AdapterSync, follow_registry
 
     ref = _Ref(slot.name, slot.version)

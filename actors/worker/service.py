@@ -83,20 +83,16 @@ class WorkerService:
         self._urgent: set[str] = set()  # queued adds with prefill priority (Dispatch.urgent)
         self._served_sent: dict[str, list[int]] = {}  # engine's served counters at the previous heartbeat
         self._host_ms = 0.0  # EWMA of the step loop's own time per step, outside engine.step (ms)
-        self._aborts: list[tuple[str, str]] = []
+        self._aborts: list[tuple[str, str]] = []  # (request id, reason) to abort between steps
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
-        self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self._subs: list = []
+        self._wake, self._tasks, self._subs = asyncio.Event(), [], []
         self.draining, self.num_finished, self.num_aborted = False, 0, 0
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
         self.migration = Migrator(self)  # preemption notices and drains: running sequences move (migration.py)
-        # every step on one thread: torch's OpenMP team (and its thread count) belongs to the calling thread,
-        # so a pool of step threads would each start and spin their own team on the same cores
-        # (a multi-version host passes one thread for all its versions: actors/worker/host.py)
+        # every step on one thread (torch's OpenMP team belongs to the calling thread); a host shares its one (host.py)
         self._own_thread = engine_thread is None
-        self._engine_thread = engine_thread or ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._engine_thread = engine_thread or ThreadPoolExecutor(1, "engine-step")
         self.on_first_token = None  # called once, at this worker's first generated token (load timing)
 
     # ---- lifecycle -------------------------------------------------------------------------

@@ -18,11 +18,9 @@ Layout under the state directory: ``endpoints.json``, ``pids.json``, ``logs/<act
 Every actor runs as ``python -m control.ops.cli actor KIND ...`` in its own process group; the
 supervisor signals only those groups (and the embedded servers' groups), never anything by name.
 
-The class is assembled from four modules: this one (configuration, start, the actors' argv and
-environment, stop), control/ops/supervisor_health.py (readiness, restarts after it),
-control/ops/supervisor_versions.py (model versions started and drained as the registry changes) and
-control/ops/supervisor_scaling.py (the desired replica counts of the autoscaler carried out);
-control/ops/supervisor_processes.py has the process, ``pids.json`` and restart-budget helpers.
+Assembled from: this module (configuration, start, the actors' argv and environment, stop), supervisor_health.py
+(readiness, restarts), supervisor_versions.py (versions started and drained as the registry changes) and
+supervisor_scaling.py (desired replica counts carried out); supervisor_processes.py has the process helpers.
 """
 
 from __future__ import annotations
@@ -135,9 +133,7 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
             os, "sched_getaffinity") else (os.cpu_count() or 1)
         if self.cores < 1 or (max_workers is not None and max_workers < 0):
             raise ValueError("cores must be >= 1 and max_workers >= 0")
-        # multi_model: the workers are multi-version hosts (actors/worker/host.py): a version registered later
-        # gets a scheduler only and is loaded by a host on demand; the autoscaler (per-version workers) is off
-        self.multi_model = bool(multi_model)
+        self.multi_model = bool(multi_model)  # workers are hosts (actors/worker/host.py); no autoscaler then
         self.autoscaler, self.pool = bool(autoscaler) and not self.multi_model, pool
         self.max_workers = int(max_workers) if max_workers is not None else max(int(workers), self.cores)
         self.state_dir = Path(state_dir).expanduser().resolve()
@@ -396,8 +392,7 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
         worker ids)."""
         name, _, version = ref.partition("@")
         initial = ref == self.model_ref
-        if self.multi_model and not initial:  # the hosts load it when its scheduler asks
-            workers = 0
+        workers = 0 if self.multi_model and not initial else workers  # multi-model: hosts load it on demand
         out = [self._worker_actor(ref, n, self.pool) for n in range(workers)]
         sname = "scheduler-0" if initial else f"scheduler-{name}-{version}"
         out.append(self._named_actor(sname, "scheduler", self._base_argv("scheduler") + ["--model", ref], model=ref))
@@ -408,9 +403,7 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
         :meth:`start`, else ``worker-<name>-<version>-<n>``; ``--pool`` when the worker has the option."""
         name, _, version = ref.partition("@")
         wid = f"worker-{n}" if ref == self.model_ref else f"worker-{name}-{version}-{n}"
-        argv = self._base_argv("worker") + ["--model", ref, "--worker-id", wid]
-        if self.multi_model:
-            argv.append("--host")
+        argv = self._base_argv("worker") + ["--model", ref, "--worker-id", wid] + ["--host"] * self.multi_model
         if scaling.kind_accepts("worker", "--pool"):
             argv += ["--pool", pool]
         a = self._named_actor(wid, "worker", argv, model=ref)

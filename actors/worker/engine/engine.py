@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cpu_kernels
-from .block_manager import BlockManager
 from .request_book import RequestBook
+from .resident_kv import ResidentKV
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, replay
 from .hardware import DTYPES, resolve_dtype
 from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
-from .iteration_scheduler import IterationScheduler, ScheduledSeq, StepPlan
+from .iteration_scheduler import ScheduledSeq, StepPlan
 from .adapters import AdapterManager
 from .kv_cache import KVCache, bytes_per_block
 from .lora import slot_bytes
@@ -131,7 +131,7 @@ class _PhaseClock:
         self._last = now
 
 
-class LLMEngine(RequestBook):
+class LLMEngine(ResidentKV, RequestBook):
     """See module docstring.  Not thread-safe: call from one thread (the worker's engine loop)."""
 
     def __init__(self, config: EngineConfig, share_weights_of: "LLMEngine | None" = None) -> None:
@@ -194,50 +194,6 @@ class LLMEngine(RequestBook):
         self.token_bytes, self.special_names = art.token_bytes, art.special_names
         del art  # the model holds what it needs of the weights
         self._init_requests()
-
-    def _build_blocks(self) -> None:
-        """Block manager and iteration scheduler over ``self.kv`` (at load, and after ``resize_kv``)."""
-        config = self.config
-        self.max_model_len = min(self.position_limit, self.kv.capacity_tokens)  # one sequence always fits alone
-        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        if self.adapters is not None:
-            self.scheduler.admit_gate = lambda name, in_use: self.adapters.place(name, in_use) is not None
-
-    def _init_shared(self, other: "LLMEngine", dtype: torch.dtype) -> None:
-        """Adopt ``other``'s weights (see ``__init__``); the KV cache gets ``kv_cache_bytes`` (no budget math:
-        the host that shares weights keeps the budget)."""
-        config = self.config
-        if (other.config.model_path, other.dtype_name, other.config.device) != (config.model_path, self.dtype_name,
-                                                                                config.device) or other.tp is not None:
-            raise ValueError("share_weights_of must be a one-rank engine of the same model_path, dtype and device")
-        t0 = time.monotonic()
-        self.model_config, self.weights_cached, self.quantization = other.model_config, True, other.quantization
-        self.tp, self.model, self.position_limit = None, other.model, other.position_limit
-        self.weights_bytes, self.weights_shared = other.weights_bytes, True
-        self.adapters = (AdapterManager(self.model_config, dtype, config.device, config.max_loras, config.max_cpu_loras,
-                                        config.max_lora_rank) if config.max_loras else None)
-        self.lora_reserve_bytes = config.max_loras * slot_bytes(self.model_config, config.max_lora_rank, dtype) \
-            if config.max_loras else 0
-        self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
-        self._build_blocks()
-        self.token_bytes, self.special_names = other.token_bytes, other.special_names
-        self.load_phases = {"artifact_read": 0.0, "convert": 0.0, "kernels": 0.0,
-                            "quantize": time.monotonic() - t0}  # the KV cache's allocation
-        self._init_requests()
-
-    def resize_kv(self, kv_bytes: int) -> None:
-        """Replace the KV cache by one of ``kv_bytes`` bytes (a host re-splitting its budget when residency
-        changes). Only on an idle, one-rank engine: RuntimeError when a request is held or with tensor
-        parallelism; ValueError below one block. Cached prefixes are dropped."""
-        if self._requests or self._aborted or self.tp is not None:
-            raise RuntimeError("resize_kv needs an idle one-rank engine")
-        dtype = _DTYPES[self.dtype_name]
-        new = KVCache(self.model_config, int(kv_bytes), self.config.block_size, dtype, self.config.device)
-        self.kv = new
-        self._build_blocks()
-        self._stats.num_total_blocks = self.kv.num_blocks
-        log.info("KV cache resized: %s", self.kv.describe())
 
     def _init_requests(self) -> None:
         """Request book-keeping, statistics and threads (the end of every kind of load)."""
