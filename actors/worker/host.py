@@ -31,6 +31,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from actors.worker.host_measured import load_measured, save_measured
 from actors.worker.host_slot import Slot, close_slot, open_slot, pause, resume
 from actors.worker.residency import Demand, ResidencyConfig, ResidencyPolicy, VersionSpec
 from bus import subjects
@@ -63,7 +64,7 @@ class ModelHost:
         self.asks: dict[str, tuple[int, float]] = {}  # ref -> (queue_len, monotonic s of the ask)
         self.rates: dict[str, list[tuple[float, int]]] = {}  # ref -> [(monotonic s, tokens generated)]
         self.last_used: dict[str, float] = {}
-        self.measured: dict[str, tuple[int, float]] = {}  # share key -> (weights bytes, load s) seen here
+        self.measured = load_measured()  # share key -> (weights bytes, load s) seen on this machine
         self.num_loads = self.num_evictions = self.num_failed_loads = 0
         self.num_forced = 0  # evictions that ended running requests (the drain bound passed)
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
@@ -87,8 +88,8 @@ class ModelHost:
         return f"{manifest['artifact']}|{self.args.dtype}|{quant}"
 
     def spec(self, ref: str) -> VersionSpec:
-        """The policy's view of ``ref``: weights measured here for its share key, else the manifest's
-        ``memory_bytes`` (else the artifact's size); KV floor ``--kv-floor-bytes``; load cost measured, else 5 s
+        """The policy's view of ``ref``: weights measured on this machine for its share key (host_measured.py),
+        else the manifest's ``memory_bytes`` (else the artifact's size); KV floor ``--kv-floor-bytes``; load cost measured, else 5 s
         (0.1 s when a resident version shares its weights)."""
         m = self.manifests[ref]
         key = self.share_key(m)
@@ -274,6 +275,7 @@ class ModelHost:
         self.num_loads += 1
         if not slot.shared:
             self.measured[spec.share_key] = (slot.weights_bytes, time.monotonic() - t0)
+            await asyncio.to_thread(save_measured, dict(self.measured))
         over = self.held_bytes() - self.budget  # e.g. its LoRA slots, not known before the engine existed
         if over > 0 and slot.idle() and slot.kv_bytes - over >= spec.kv_floor_bytes:
             await slot.svc.run_on_engine_thread(slot.engine.resize_kv, slot.kv_bytes - over)

@@ -90,3 +90,17 @@ def test_load_messages_validate():
     with pytest.raises(ValueError, match="name and version"):
         HostLoad.decode(b'{"name": "m", "version": ""}')
     assert HostLoadAck.decode(b'{"accepted": false, "reason": "x", "extra": 1}') == HostLoadAck(False, "x")
+
+
+def test_measured_weights_survive_a_restart_until_the_artifact_changes(tmp_path):
+    from actors.worker.host_measured import load_measured, save_measured
+
+    art = tmp_path / "m.gguf"
+    art.write_bytes(b"x" * 10)
+    store = tmp_path / "cache" / "host_measured.json"
+    save_measured({f"{art}|auto|auto": (123, 2.5), "/gone.gguf|auto|auto": (7, 1.0)}, store)
+    assert load_measured(store) == {f"{art}|auto|auto": (123, 2.5)}  # a missing artifact's entry is dropped
+    art.write_bytes(b"y" * 11)  # another file: measured again
+    assert load_measured(store) == {}
+    store.write_text("{not json")
+    assert load_measured(store) == {}
