@@ -65,6 +65,8 @@ class ModelHost:
         self.rates: dict[str, list[tuple[float, int]]] = {}  # ref -> [(monotonic s, tokens generated)]
         self.last_used: dict[str, float] = {}
         self.measured = load_measured()  # share key -> (weights bytes, load s) seen on this machine
+        self.extra_seen: dict[str, int] = {}  # share key -> LoRA slot bytes of an engine of it
+        self._waits_logged: dict[str, float] = {}  # ref -> monotonic s of its last "waits for room" line
         self.num_loads = self.num_evictions = self.num_failed_loads = 0
         self.num_forced = 0  # evictions that ended running requests (the drain bound passed)
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
@@ -98,8 +100,16 @@ class ModelHost:
             weights = int(m.get("memory_bytes") or _file_size(m.get("artifact", "")))
         if any(s.share_key == key for s in self.slots.values()):
             load_s = 0.1
-        return VersionSpec(ref, weights, key, kv_floor_bytes=self.args.kv_floor_bytes, pinned=ref in self.pinned,
+        floor = self.args.kv_floor_bytes + self.extra_bytes(ref, key)  # the policy's per-version bytes beside weights
+        return VersionSpec(ref, weights, key, kv_floor_bytes=floor, pinned=ref in self.pinned,
                            slo_class=str(m.get("slo_class", "interactive")), load_cost_s=load_s)
+
+    def extra_bytes(self, ref: str, key: str) -> int:
+        """Bytes a version holds beside its weights and KV cache (its engine's LoRA slots): measured when it is
+        resident, else as seen for its share key, else the most any resident version holds."""
+        if ref in self.slots:
+            return self.slots[ref].extra_bytes
+        return self.extra_seen.get(key, max((s.extra_bytes for s in self.slots.values()), default=0))
 
     def demand(self, ref: str, now: float) -> Demand:
         """Asks younger than ``ask_ttl_s`` and, for a resident version, its recent tokens/s and sequences."""
@@ -203,7 +213,7 @@ class ModelHost:
                 await resume(slot)
         await self._resize(plan.kv_bytes)
         for ref in plan.load:
-            await self._load(ref, plan.kv_bytes.get(ref, specs[ref].kv_floor_bytes), specs[ref])
+            await self._load(ref, plan.kv_bytes, specs, demand, now)
         await self.publish_record()
 
     async def _drop_retired(self) -> None:
@@ -239,12 +249,12 @@ class ModelHost:
         self.num_evictions += 1
         self.num_forced += int(forced)
 
-    async def _resize(self, shares: dict[str, int]) -> None:
-        """Versions whose KV cache is over their share by more than a block's worth of slack: pause, and resize
-        once idle; a paused version with its new size admits again."""
+    async def _resize(self, shares: dict[str, int], slack: float = 1.1) -> None:
+        """Versions whose KV cache is over their share (less their LoRA slots) by more than ``slack``: pause, and
+        resize once idle; a paused version with its new size admits again."""
         for ref, slot in self.slots.items():
-            target = min(shares.get(ref, 0), self.kv_cap())
-            if target and slot.kv_bytes > target * 1.1 and not slot.resize_to:
+            target = min(shares.get(ref, 0) - slot.extra_bytes, self.kv_cap())
+            if target >= self.args.kv_floor_bytes and slot.kv_bytes > target * slack and not slot.resize_to:
                 slot.resize_to = target
                 await pause(slot)
             if slot.resize_to and slot.idle():
@@ -253,14 +263,20 @@ class ModelHost:
                 slot.resize_to = 0
                 await resume(slot)
 
-    async def _load(self, ref: str, kv_share: int, spec: VersionSpec) -> None:
-        """Load ``ref`` with KV ``kv_share`` bytes (at most what is free beside its weights); wait a round when
-        the room is still held by versions pausing for a resize."""
+    async def _load(self, ref: str, shares: dict[str, int], specs: dict[str, VersionSpec], demand: dict,
+                    now: float) -> None:
+        """Load ``ref`` with a KV cache of its share less its LoRA slots (at most what is free beside its weights).
+        Short of room: every version over its share is paused for a resize (the room comes when they are idle);
+        when nothing is pausing or draining, the plan's figures were wrong (a first load estimated from the
+        manifest) and the least valuable idle version is evicted to make room."""
+        spec, kv_share = specs[ref], shares.get(ref, specs[ref].kv_floor_bytes)
         donor = next((s for s in self.slots.values() if s.share_key == spec.share_key), None)  # any holder
-        weights = 0 if donor else spec.weights_bytes
-        kv = min(kv_share, self.free_bytes() - weights, self.kv_cap())
-        if kv < spec.kv_floor_bytes:
-            return  # room frees when a paused version is resized
+        extra = self.extra_bytes(ref, spec.share_key)
+        weights = (0 if donor else spec.weights_bytes) + extra
+        kv = min(kv_share - extra, self.free_bytes() - weights, self.kv_cap())
+        if kv < self.args.kv_floor_bytes:
+            await self._make_room(ref, shares, weights, specs, demand, now)
+            return
         t0 = time.monotonic()
         try:
             slot = await open_slot(self, ref, self.manifests[ref], kv, donor)
@@ -270,6 +286,7 @@ class ModelHost:
             log.error("host %s: loading %s failed: %r", self.host_id, ref, exc)
             return
         self.slots[ref] = slot
+        self.extra_seen[spec.share_key] = slot.extra_bytes
         self.rates[ref] = [(time.monotonic(), 0)]  # its tokens/s counts from here
         self.asks.pop(ref, None)  # served now: its demand is what it serves (its scheduler asks again if paused)
         self.num_loads += 1
@@ -277,11 +294,27 @@ class ModelHost:
             self.measured[spec.share_key] = (slot.weights_bytes, time.monotonic() - t0)
             await asyncio.to_thread(save_measured, dict(self.measured))
         over = self.held_bytes() - self.budget  # e.g. its LoRA slots, not known before the engine existed
-        if over > 0 and slot.idle() and slot.kv_bytes - over >= spec.kv_floor_bytes:
+        if over > 0 and slot.idle() and slot.kv_bytes - over >= self.args.kv_floor_bytes:
             await slot.svc.run_on_engine_thread(slot.engine.resize_kv, slot.kv_bytes - over)
         if self.held_bytes() > self.budget:
             log.warning("host %s: %s holds %d bytes, over the budget of %d (its weights were estimated at %d)",
                         self.host_id, ref, self.held_bytes(), self.budget, spec.weights_bytes)
+
+    async def _make_room(self, ref: str, shares: dict[str, int], weights: int, specs: dict, demand: dict,
+                         now: float) -> None:
+        """``ref`` is wanted but short of room (see ``_load``); said in the log at most every 5 s."""
+        await self._resize(shares, slack=1.0)
+        pending = any(s.resize_to or s.svc.draining for s in self.slots.values())
+        idle = [r for r, s in self.slots.items() if s.idle() and r not in self.pinned and not s.resize_to
+                and s.share_key != specs[ref].share_key]  # never the holder of the weights it would share
+        if not pending and idle:
+            victim = min(idle, key=lambda r: (self.policy.score(specs[r], demand[r], True), demand[r].last_used))
+            await self._evict(victim, False, f"evicted: making room for {ref} (the plan's estimates were short)")
+        if now - self._waits_logged.get(ref, 0.0) >= 5.0:
+            self._waits_logged[ref] = now
+            log.info("host %s: %s waits for room: needs %d bytes beside %d free (%s)", self.host_id, ref,
+                     weights + self.args.kv_floor_bytes, self.free_bytes(),
+                     "versions pausing for a resize" if pending else "nothing to evict" if not idle else "evicting")
 
     # ---- record and metrics ------------------------------------------------------------------
     def record(self) -> dict:

@@ -127,6 +127,8 @@ async def open_slot(host, ref: str, manifest: dict, kv_bytes: int, donor: Slot |
     slot.load_s = timeline.ready_s
     info.update(load_phases=timeline.as_dict(), load_s=round(timeline.ready_s, 3))
     if (memory := memory_record(engine, manifest, slot_args(host.args, kv_bytes), _Ref(name, version))) is not None:
+        memory["budget_bytes"] = host.budget  # the host's one budget, shared by its versions
+        memory["resident"][0]["shared"] = slot.shared
         info["memory"] = memory
     with contextlib.suppress(Exception):
         async with asyncio.timeout(3.0):

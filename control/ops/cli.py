@@ -455,7 +455,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             ws = report["workers"].get(f"{name}@{version}", {})
             labels = [w + (" [engine zero-compute: NO MODEL]" if isinstance(ws[w], dict) and ws[w].get("engine")
                            == "zero-compute" else "") for w in sorted(ws)]
-            print(f"  {name}@{version}: {len(ws)} live worker(s){': ' + ', '.join(labels) if ws else ''}")
+            state = versions[version].get("status", "active") if isinstance(versions[version], dict) else "active"
+            print(f"  {name}@{version}{'' if state == 'active' else f' [{state}]'}: {len(ws)} live worker(s)"
+                  f"{': ' + ', '.join(labels) if ws else ''}")
             for w in sorted(ws):
                 if line := worker_detail(ws[w]):
                     print(f"    {w}: {line}")

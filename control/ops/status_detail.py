@@ -43,8 +43,9 @@ def _residency(memory: Any) -> str:
     if not isinstance(memory, dict) or not isinstance(memory.get("resident"), list):
         return ""
     mib = lambda n: f"{(n or 0) / 2**20:.1f} MiB"  # noqa: E731
-    rows = [f"{r.get('model')} {r.get('quantization')} (weights {mib(r.get('weights_bytes'))} + KV "
-            f"{mib(r.get('kv_bytes'))})" for r in memory["resident"] if isinstance(r, dict)]
+    rows = [f"{r.get('model')} {r.get('quantization')} (weights {mib(r.get('weights_bytes'))}"
+            f"{' shared' if r.get('shared') else ''} + KV {mib(r.get('kv_bytes'))})"
+            for r in memory["resident"] if isinstance(r, dict)]
     return f"resident {'; '.join(rows)} of budget {mib(memory.get('budget_bytes'))}" if rows else ""
 
 
@@ -59,7 +60,8 @@ def host_lines(hosts: list) -> list[str]:
                    + (f", asked for {', '.join(h['asked'])}" if h.get("asked") else ""))
         for r in h.get("resident") or []:
             if isinstance(r, dict):
+                lora = f" + LoRA slots {mib(r['adapters_bytes'])}" if r.get("adapters_bytes") else ""
                 out.append(f"  {r.get('model')} as {r.get('worker_id')}: weights {mib(r.get('weights_bytes'))}"
-                           f"{' (shared)' if r.get('shared') else ''} + KV {mib(r.get('kv_bytes'))}, "
+                           f"{' (shared)' if r.get('shared') else ''} + KV {mib(r.get('kv_bytes'))}{lora}, "
                            f"{r.get('quantization')}, {r.get('state')}")
     return out

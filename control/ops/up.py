@@ -34,7 +34,8 @@ def _start_stopped(sup: Supervisor) -> None:
 def _autoscaler_line(sup: Supervisor) -> str:
     """One banner line: whether the autoscaler runs, and its bounds (docs/autoscaling.md)."""
     if not any(a.kind == "autoscaler" for a in sup.actors):
-        why = "--no-autoscaler" if not sup.autoscaler else "its actor kind is not installed"
+        why = ("--multi-model: hosts are not scaled" if getattr(sup, "multi_model", False) else "--no-autoscaler"
+               if not sup.autoscaler else "its actor kind is not installed")
         return f"autoscaler: off ({why}); counts stay fixed (docs/autoscaling.md)"
     return (f"autoscaler: on (validators 1..{max(1, sup.cores)}, workers {sup.workers}..{sup.max_workers} per "
             f"version, gateways {sup.gateways}); `actorserve autoscaler status`, `up --no-autoscaler` to pin")

@@ -104,3 +104,48 @@ def test_measured_weights_survive_a_restart_until_the_artifact_changes(tmp_path)
     assert load_measured(store) == {}
     store.write_text("{not json")
     assert load_measured(store) == {}
+
+
+class _Svc:
+    def __init__(self) -> None:
+        self.draining, self.live, self._adds = False, {}, []
+
+    async def _publish_credits(self) -> None:
+        pass
+
+
+def _live_slot(share_key: str, weights: int, kv: int, extra: int = 0):
+    slot = _slot(share_key, weights, kv, extra)
+    slot.svc, slot.resize_to = _Svc(), 0
+    slot.idle = lambda: not slot.svc.live
+    return slot
+
+
+@pytest.mark.asyncio
+async def test_short_of_room_it_pauses_oversized_caches_first_then_evicts_the_least_valuable_idle_version():
+    """The plan said a version fits, the bytes held say otherwise (a first load estimated from the manifest,
+    LoRA slots): a host must not wait forever (found by a fresh-user trial: the default model never came back)."""
+    from actors.worker.residency import Demand
+
+    host = _host({"a@1": {"artifact": "/m/a.gguf"}, "b@1": {"artifact": "/m/b.gguf"},
+                  "c@1": {"artifact": "/m/c.gguf", "memory_bytes": 30 * MiB}})
+    for ref in ("a@1", "b@1", "c@1"):
+        await host.ask(ref, 1)
+    host.slots = {"a@1": _live_slot(host.spec("a@1").share_key, 40 * MiB, 30 * MiB, extra=2 * MiB),
+                  "b@1": _live_slot(host.spec("b@1").share_key, 10 * MiB, 10 * MiB)}
+    evicted = []
+
+    async def evict(ref, forced, why):
+        evicted.append((ref, forced, why))
+    host._evict = evict
+    specs = {r: host.spec(r) for r in ("a@1", "b@1", "c@1")}
+    demand = {"a@1": Demand(tokens_per_s=50.0), "b@1": Demand(), "c@1": Demand(queue_len=1)}
+    # a's cache is over its share and a request runs on it: it is paused for a resize (once idle), nothing is
+    # evicted (the room is coming)
+    host.slots["a@1"].svc.live = {"r": object()}
+    await host._make_room("c@1", {"a@1": 20 * MiB, "b@1": 10 * MiB}, 30 * MiB, specs, demand, 0.0)
+    assert host.slots["a@1"].resize_to == 18 * MiB and host.slots["a@1"].svc.draining and not evicted
+    # nothing over its share and nothing pausing: the least valuable idle version goes
+    host.slots["a@1"].resize_to, host.slots["a@1"].svc.draining, host.slots["a@1"].svc.live = 0, False, {}
+    await host._make_room("c@1", {"a@1": 40 * MiB, "b@1": 10 * MiB}, 30 * MiB, specs, demand, 10.0)
+    assert [e[0] for e in evicted] == ["b@1"] and "making room for c@1" in evicted[0][2] and not evicted[0][1]
