@@ -35,12 +35,3 @@ async def cancel_tasks(tasks, timeout_s: float = 5.0) -> None:
     if live:
         await asyncio.wait(live, timeout=timeout_s)
 
-
-def raise_if_cancelling() -> None:
-    """Raise CancelledError when the current task was asked to cancel but the request was lost on the way: on
-    Python 3.11 ``asyncio.wait_for`` returns the inner result and drops a cancel that arrives as the inner call
-    completes (python/cpython#86296, fixed in 3.12), so a SIGTERM during an actor's start-up could leave it
-    running forever. Called between start-up steps (the scheduler's term, the worker's load)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError

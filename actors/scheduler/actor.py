@@ -159,18 +159,14 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
     An etcd outage does not end the term (nobody else can win the election while etcd is away): the
     scheduler keeps serving from its last worker table; when etcd answers again it re-checks that the
     election key is still its own (docs/decisions/0017-drain-and-control-plane-loss.md)."""
-    from actors.aio import raise_if_cancelling
     from bus.journal import JetStreamJournal
     from control.state.election import campaign
     from control.state.names import scheduler_key
 
     key, info = scheduler_key(ref.name, ref.version), {"scheduler_id": sid, "pid": os.getpid()}
-    raise_if_cancelling()
     held = [await campaign(reg, key, info, ttl=args.lease_ttl)]
     try:
-        raise_if_cancelling()
         journal = await _retrying("journal open", lambda: JetStreamJournal.open(bus, ref.name, ref.version))
-        raise_if_cancelling()
     except BaseException:
         with contextlib.suppress(Exception):  # resign: a standby may do better
             await asyncio.shield(asyncio.wait_for(held[0].revoke(), 3.0))
@@ -182,9 +178,7 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
     svc.load.follow(reg)  # the manifest's autoscale.scale_to_zero (actors/scheduler/load.py); stopped by svc.stop()
     _export_queue(svc)
     try:
-        raise_if_cancelling()
         recovered = await _retrying("journal replay", svc.recover)
-        raise_if_cancelling()
     except BaseException:
         await asyncio.shield(_shutdown(svc, held[0]))
         raise

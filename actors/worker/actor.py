@@ -22,7 +22,6 @@ import socket
 import time
 import uuid
 
-from actors.aio import raise_if_cancelling
 from actors.serve import ActorContext, serve
 from actors.worker.engine_build import build_engine, choose_path, tensor_parallel_of  # noqa: F401 (re-exported)
 from actors.worker.load_phases import LoadTimeline
@@ -169,7 +168,6 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
     if (memory := memory_record(engine, manifest, args, ref)) is not None:
         info["memory"] = memory
         _track_memory(memory)
-    raise_if_cancelling()  # a SIGTERM during the load must not leave a registered worker that never stops
     holder = [await reg.register_worker(ref.name, ref.version, worker_id, info, ttl=args.lease_ttl)]
     timeline.mark("register")
     log.info("worker %s %s", worker_id, timeline.line())

@@ -111,7 +111,8 @@ class WorkerLease:
         while True:
             await asyncio.sleep(delay)
             try:
-                reply = await asyncio.wait_for(self.registry.client.refresh_lease(self.lease_id), per_try)
+                async with asyncio.timeout(per_try):  # not wait_for: on 3.11 it can drop a cancel (registry._call)
+                    reply = await self.registry.client.refresh_lease(self.lease_id)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd away: keep the lease, keep trying (quietly)

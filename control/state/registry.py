@@ -5,7 +5,7 @@ model-version record), ``control.state.leases`` (WorkerLease, OutageLog) and ``c
 (the watch machinery); the names are re-exported here, where most callers import them.
 
 All values are JSON objects (orjson). Every etcd call is bounded by the registry's ``timeout``
-(seconds; ``asyncio.wait_for`` plus the gRPC deadline); a call that exceeds it raises
+(seconds; ``asyncio.timeout`` plus the gRPC deadline); a call that exceeds it raises
 ``TimeoutError``, and connection problems raise ``aetcd.exceptions.ClientError`` subclasses.
 
 Usage::
@@ -130,7 +130,11 @@ class Registry:
             await asyncio.wait_for(self.client.close(), self.timeout)
 
     async def _call(self, aw: Awaitable[T]) -> T:
-        return await asyncio.wait_for(aw, self.timeout)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result and drops a cancel that
+        # arrives as the call completes (cpython#86296): a SIGTERM during an actor's start-up was lost that way
+        # (14 of 16 schedulers SIGTERMed right at start never exited; tests/integration/test_sigterm_at_start.py)
+        async with asyncio.timeout(self.timeout):
+            return await aw
 
     # -- generic JSON helpers --------------------------------------------------------------
 
