@@ -85,17 +85,21 @@ def worker_load(sup, version: str) -> dict[str, Any]:
     return {"load_phases": rec.get("load_phases"), "load_s": rec.get("load_s"), "memory": rec.get("memory")}
 
 
-def host_rows(sup) -> list[dict]:
-    """The multi-version host's resident rows (model, weights / KV bytes, shared) from its etcd record."""
+def host_record(etcd_url: str) -> dict:
+    """The stack's one multi-version host record (empty when there is none)."""
     import asyncio
 
-    from control.state.names import hosts_prefix
     from control.state.registry import Registry
 
     async def read() -> dict:
-        async with Registry.connect(sup.etcd_url, timeout=5) as reg:
-            return next(iter((await reg.get_prefix_json(hosts_prefix())).values()), {})
-    rec = asyncio.run(read())
+        async with Registry.connect(etcd_url, timeout=5) as reg:
+            return next(iter((await reg.list_hosts()).values()), {})
+    return asyncio.run(read())
+
+
+def host_rows(sup) -> list[dict]:
+    """The multi-version host's resident rows (model, weights / KV bytes, shared) from its etcd record."""
+    rec = host_record(sup.etcd_url)
     return [{k: r.get(k) for k in ("model", "weights_bytes", "kv_bytes", "shared")} for r in rec.get("resident", [])] \
         + [{"held_bytes": rec.get("held_bytes"), "budget_bytes": rec.get("budget_bytes")}]
 

@@ -19,7 +19,6 @@ request after a switch is served within its deadline.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cold_start_bench import cpu_name, kernel_caches
+from bench.cold_start_bench import cpu_name, host_record, kernel_caches
 
 FLOOR = 64 * 2**20  # --kv-floor-bytes and --kv-cache-bytes of each version
 
@@ -63,16 +62,6 @@ def chat(url: str, key: str, model: str, deadline_ms: int) -> tuple[int, float, 
     t0 = time.monotonic()
     r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=deadline_ms / 1e3 + 10)
     return r.status_code, time.monotonic() - t0, "" if r.status_code == 200 else r.text[:300]
-
-
-def host_record(etcd_url: str) -> dict:
-    from control.state.names import hosts_prefix
-    from control.state.registry import Registry
-
-    async def read() -> dict:
-        async with Registry.connect(etcd_url, timeout=5) as reg:
-            return next(iter((await reg.get_prefix_json(hosts_prefix())).values()), {})
-    return asyncio.run(read())
 
 
 def register(sup, name: str, artifact: str, memory_bytes: int) -> None:

@@ -25,23 +25,20 @@ log = logging.getLogger("actorserve.scheduler")
 
 def rank_hosts(hosts: Mapping[str, Mapping[str, Any]], ref: str) -> list[str]:
     """Host ids to ask for ``ref`` (``name@version``), best first: a host where it is resident (draining or
-    paused) or already asked for, then the most free bytes; ties by id. ``hosts``: ``{key: record}``."""
+    paused) or already asked for, then the most free bytes; ties by id. ``hosts``: ``{host_id: record}``."""
     def key(item: tuple[str, Mapping[str, Any]]) -> tuple:
         rec = item[1]
         holds = any(r.get("model") == ref for r in rec.get("resident", [])) or ref in rec.get("asked", [])
-        return (not holds, -int(rec.get("free_bytes", 0)), str(rec.get("host_id", item[0])))
-    return [str(rec.get("host_id") or k.rsplit("/", 1)[-1]) for k, rec in sorted(hosts.items(), key=key)
-            if isinstance(rec, Mapping)]
+        return (not holds, -int(rec.get("free_bytes", 0)), item[0])
+    return [host_id for host_id, _ in sorted(((h, r) for h, r in hosts.items() if isinstance(r, Mapping)), key=key)]
 
 
 async def ask_hosts(reg, bus, name: str, version: str, queue_len: int,
                     timeout_s: float = 2.0) -> tuple[bool | None, list[str]]:
     """Ask the hosts in rank order until one accepts. ``(True, [])``: accepted; ``(False, reasons)``: hosts
     exist and each refused; ``(None, reasons)``: no host record, or no host answered."""
-    from control.state.names import hosts_prefix
-
     async with asyncio.timeout(3.0):
-        hosts = await reg.get_prefix_json(hosts_prefix())
+        hosts = await reg.list_hosts()
     ref, reasons, refused = f"{name}@{version}", [], 0
     order = rank_hosts(hosts, ref)
     for host_id in order:
@@ -76,14 +73,6 @@ async def follow_hosts(reg, bus, svc, name: str, version: str, period_s: float =
             log.debug("host ask for %s@%s failed: %r", name, version, exc)
             continue
         if verdict is False:
-            await fail_queued(svc, f"no worker host can hold {name}@{version}: " + "; ".join(reasons))
+            await svc.fail_queued(f"no worker host can hold {name}@{version}: " + "; ".join(reasons),
+                                  "model_not_resident")
 
-
-async def fail_queued(svc, message: str, code: str = "model_not_resident") -> int:
-    """End every request queued at ``svc`` (a SchedulerService) with a retryable 503 ``code`` (Retry-After: the
-    scheduler's ``retry_after_s``); returns how many."""
-    n = 0
-    while (p := svc.queue.pop()) is not None:
-        await svc._fail(p.item, 503, message, code)
-        n += 1
-    return n

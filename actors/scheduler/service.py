@@ -135,9 +135,9 @@ class SchedulerService(FairShareMixin):
             await self._drain_queue(self.cfg.drain_s)
         for sub in self._subs[1:]:
             await sub.unsubscribe()
-        while fail_queued and (p := self.queue.pop()) is not None:
-            await self._fail(p.item, 503, "the scheduler stopped (version retired or stack stopping) before "
-                             "the request was dispatched; retry", "unavailable")
+        if fail_queued:
+            await self.fail_queued("the scheduler stopped (version retired or stack stopping) before the request "
+                                   "was dispatched; retry", "unavailable")
         await self.load.stop()
         for t in self._tasks:
             t.cancel()
@@ -309,8 +309,7 @@ class SchedulerService(FairShareMixin):
                               code="tenant_queue_full", retryable=True, retry_after=self.cfg.retry_after_s)
         if verdict == DEADLINE_UNMEETABLE:
             return error_dict(503, "the request cannot finish before its deadline at the current load",
-                              type_="overloaded", code="deadline_unmeetable", retryable=True,
-                              retry_after=self.cfg.retry_after_s)
+                              type_="overloaded", code="deadline_unmeetable", retryable=True, retry_after=self.cfg.retry_after_s)
         return error_dict(503, "the model's queue is full; retry later", type_="overloaded", code="queue_full",
                           retryable=True, retry_after=self.cfg.retry_after_s)
 
@@ -476,6 +475,11 @@ class SchedulerService(FairShareMixin):
         await self._fail(req, 400, f"This model's workers can hold at most {cap - 1} prompt tokens in their KV "
                                    f"cache; your prompt has {len(req.prompt_token_ids)} tokens. Please reduce "
                                    f"the length of the prompt.", "context_length_exceeded", retryable=False)
+
+    async def fail_queued(self, message: str, code: str) -> None:
+        """End every queued request with a retryable 503 ``code`` (Retry-After)."""
+        while (p := self.queue.pop()) is not None:
+            await self._fail(p.item, 503, message, code)
 
     async def _fail(self, req: GenerateRequest, status: int, message: str, code: str,
                     retryable: bool = True) -> None:

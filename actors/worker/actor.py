@@ -25,7 +25,8 @@ import uuid
 from actors.serve import ActorContext, serve
 from actors.worker.engine_build import build_engine, choose_path, tensor_parallel_of  # noqa: F401 (re-exported)
 from actors.worker.load_phases import LoadTimeline
-from actors.worker.registration import add_engine_phases, keep_registered, memory_record  # noqa: F401 (re-exported)
+from actors.worker.registration import (add_engine_phases, keep_registered, memory_record,  # noqa: F401 (re-exported)
+                                        worker_info)
 from actors.worker.service import WorkerConfig, WorkerService
 
 log = logging.getLogger("actorserve.worker")
@@ -156,12 +157,7 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
     ctx.on_stop(svc.stop, timeout_s=10.0, what="worker service")
     _track_gauges(ctx, svc)
     _track_load(timeline, f"{ref.name}@{ref.version}")
-    info = {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
-            "device": args.device, "dtype": getattr(engine, "dtype_name", args.dtype),
-            "quantization": getattr(engine, "quantization", None),
-            "path": getattr(getattr(engine, "path_choice", None), "reason", None),
-            "max_num_seqs": args.max_num_seqs, "adapters": sorted(sync.applied), "pool": getattr(args, "pool", "default"),
-            "engine": getattr(args, "engine", "torch")}
+    info = worker_info(engine, args, worker_id, sync.applied)
     if getattr(engine, "tp", None) is not None:  # one logical worker over several ranks: bytes per rank
         info.update(tensor_parallel=engine.tp.world, ranks=engine.tp.rank_bytes)
     info.update(load_phases=timeline.as_dict(), load_s=round(timeline.ready_s, 3))

@@ -91,8 +91,8 @@ class ModelHost:
 
     def spec(self, ref: str) -> VersionSpec:
         """The policy's view of ``ref``: weights measured on this machine for its share key (host_measured.py),
-        else the manifest's ``memory_bytes`` (else the artifact's size); KV floor ``--kv-floor-bytes``; load cost measured, else 5 s
-        (0.1 s when a resident version shares its weights)."""
+        else the manifest's ``memory_bytes`` (else the artifact's size); KV floor ``--kv-floor-bytes`` plus its
+        LoRA slots; load cost measured, else 5 s (0.1 s when a resident version shares its weights)."""
         m = self.manifests[ref]
         key = self.share_key(m)
         weights, load_s = self.measured.get(key, (0, 5.0))
@@ -208,8 +208,8 @@ class ModelHost:
                 await pause(self.slots[ref])
         for ref in plan.evict:
             await self._evict(ref, ref in plan.forced, plan.reasons[ref])
-        for ref, slot in self.slots.items():  # a drain called off (wanted again)
-            if slot.svc.draining and not slot.resize_to and ref not in plan.drain:
+        for ref, slot in self.slots.items():  # a drain called off (wanted again); not one whose eviction waits
+            if slot.svc.draining and not slot.resize_to and ref not in plan.drain and ref not in plan.evict:
                 await resume(slot)
         await self._resize(plan.kv_bytes)
         for ref in plan.load:
@@ -219,13 +219,14 @@ class ModelHost:
     async def _drop_retired(self) -> None:
         """Forget versions no longer active in the registry (retired, deleted or changed): a resident one is
         closed (its running requests get the drain bound; its bytes are free after)."""
+        try:
+            async with asyncio.timeout(2.0):
+                models = await self.reg.list_models()  # one read for every version this host knows
+        except Exception:  # etcd slow: keep what we know
+            return
         for ref in list(self.manifests):
             name, _, version = ref.partition("@")
-            try:
-                async with asyncio.timeout(2.0):
-                    manifest = await self.reg.get_model_version(name, version)
-            except Exception:  # etcd slow: keep what we know
-                return
+            manifest = models.get(name, {}).get(version)
             if manifest is not None and manifest.get("status", "active") == "active" \
                     and manifest.get("artifact") == self.manifests[ref].get("artifact"):
                 continue

@@ -23,7 +23,8 @@ async def run_host(ctx: ActorContext, host_id: str) -> None:
         raise SystemExit("--host serves one-rank torch engines (no --tensor-parallel, no --engine zero-compute)")
     budget = args.memory_budget_bytes or machine_budget_bytes()
     bus = await ctx.connect_bus()
-    host = ModelHost(ctx.registry, bus, host_id, args, budget, preload=tuple([args.model] if isinstance(args.model, str) else args.model or ()),
+    preload = (args.model,) if isinstance(args.model, str) else tuple(args.model or ())
+    host = ModelHost(ctx.registry, bus, host_id, args, budget, preload=preload,
                      pinned=tuple(args.pin))
     await host.start()
     log.info("host %s: budget %d bytes (%s), versions %s loaded at start", host_id, budget,

@@ -15,14 +15,13 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors.worker.load_phases import LoadTimeline
 from actors.worker.service import WorkerConfig, WorkerService
+from control.state.names import ModelRef
 
 log = logging.getLogger("actorserve.worker")
 
@@ -104,7 +103,7 @@ def build_slot_engine(manifest: dict, args: argparse.Namespace, kv_bytes: int, d
 async def open_slot(host, ref: str, manifest: dict, kv_bytes: int, donor: Slot | None) -> Slot:
     """Load ``ref`` and make it serve (service started, lease taken). Raises what the load raises (the
     caller logs it and forgets the version's ask)."""
-    from actors.worker.registration import add_engine_phases, memory_record
+    from actors.worker.registration import add_engine_phases, memory_record, worker_info
 
     name, _, version = ref.partition("@")
     timeline = LoadTimeline(start=time.monotonic())
@@ -120,13 +119,13 @@ async def open_slot(host, ref: str, manifest: dict, kv_bytes: int, donor: Slot |
         timeline.mark("warmup")
     await svc.start()
     timeline.mark("credits")
-    info = _record(host, engine, worker_id, manifest, ref)
+    info = worker_info(engine, host.args, worker_id, host=host.host_id)
     slot = Slot(ref, name, version, worker_id, host.share_key(manifest), engine, svc, info, shared=donor is not None)
     slot.holder.append(await host.reg.register_worker(name, version, worker_id, info, ttl=host.args.lease_ttl))
     timeline.mark("register")
     slot.load_s = timeline.ready_s
     info.update(load_phases=timeline.as_dict(), load_s=round(timeline.ready_s, 3))
-    if (memory := memory_record(engine, manifest, slot_args(host.args, kv_bytes), _Ref(name, version))) is not None:
+    if (memory := memory_record(engine, manifest, slot_args(host.args, kv_bytes), ModelRef(name, version))) is not None:
         memory["budget_bytes"] = host.budget  # the host's one budget, shared by its versions
         memory["resident"][0]["shared"] = slot.shared
         info["memory"] = memory
@@ -139,28 +138,12 @@ async def open_slot(host, ref: str, manifest: dict, kv_bytes: int, donor: Slot |
     return slot
 
 
-@dataclass(frozen=True)
-class _Ref:
-    name: str
-    version: str
-
-
-def _record(host, engine, worker_id: str, manifest: dict, ref: str) -> dict:
-    """The worker record of a hosted version (the fields of a one-version worker's, plus ``host``)."""
-    args = host.args
-    return {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12], "host": host.host_id,
-            "device": args.device, "dtype": getattr(engine, "dtype_name", args.dtype),
-            "quantization": getattr(engine, "quantization", None),
-            "path": getattr(getattr(engine, "path_choice", None), "reason", None), "max_num_seqs": args.max_num_seqs,
-            "adapters": [], "pool": getattr(args, "pool", "default"), "engine": getattr(args, "engine", "torch")}
-
-
 def _start_followers(host, slot: Slot) -> None:
     """Re-registration after a lost lease, and the registry's adapters of the version kept in the engine."""
     from actors.worker.registration import keep_registered
     from actors.worker.adapter_sync import AdapterSync, follow_registry
 
-    ref = _Ref(slot.name, slot.version)
+    ref = ModelRef(slot.name, slot.version)
     slot.tasks.append(asyncio.create_task(keep_registered(host.reg, slot.holder, ref, slot.worker_id, slot.info,
                                                           host.args.lease_ttl)))
     if getattr(slot.engine, "adapters", None) is not None:

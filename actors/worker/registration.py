@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
+import uuid
 
 from actors.worker.load_phases import LoadTimeline
 
@@ -20,6 +22,18 @@ def add_engine_phases(timeline: LoadTimeline, phases: dict) -> None:
     now = time.monotonic()
     rest = max(0.0, now - timeline.last - sum(phases.values()))
     timeline.add_all({**phases, "artifact_read": phases.get("artifact_read", 0.0) + rest}, now=now)
+
+
+def worker_info(engine, args: argparse.Namespace, worker_id: str, adapters=(), **extra) -> dict:
+    """The fields of a worker's etcd record that come from its engine and flags (docs/architecture.md etcd
+    keys): id, pid, a fresh incarnation, device, dtype, quantization, the engine path and why, slots, adapters,
+    pool, engine kind; ``extra`` adds fields (a host's ``host``)."""
+    return {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
+            "device": args.device, "dtype": getattr(engine, "dtype_name", args.dtype),
+            "quantization": getattr(engine, "quantization", None),
+            "path": getattr(getattr(engine, "path_choice", None), "reason", None),
+            "max_num_seqs": args.max_num_seqs, "adapters": sorted(adapters), "pool": getattr(args, "pool", "default"),
+            "engine": getattr(args, "engine", "torch"), **extra}
 
 
 def memory_record(engine, manifest: dict, args: argparse.Namespace, ref) -> dict | None:

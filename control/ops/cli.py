@@ -401,8 +401,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 for name in models
                 for version in models[name]
             }
-            from control.state.names import hosts_prefix
-            hosts = list((await reg.get_prefix_json(hosts_prefix())).values())
+            hosts = list((await reg.list_hosts()).values())
         return {"models": models, "workers": workers, "hosts": hosts}
 
     report: dict[str, Any] = {

@@ -382,6 +382,11 @@ class Registry:
         self._leases.add(wl)
         return wl
 
+    async def list_hosts(self) -> dict[str, dict[str, Any]]:
+        """Return ``{host_id: record}`` of the live multi-version worker hosts (``names.host_key``)."""
+        prefix = names.hosts_prefix()
+        return {k[len(prefix):]: v for k, v in (await self.get_prefix_json(prefix)).items()}
+
     async def list_workers(self, name: str, version: str) -> dict[str, dict[str, Any]]:
         """Return ``{worker_id: info}`` for the live workers of ``name@version``."""
         prefix = names.workers_prefix(name, version)

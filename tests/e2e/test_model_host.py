@@ -14,9 +14,6 @@ import json
 import time
 
 import httpx
-import pytest
-
-from control.state.names import hosts_prefix
 from control.state.registry import Registry
 from tests.e2e.helpers import tiny_deployment
 from tests.e2e.test_registry_live import alive, cli
@@ -33,7 +30,7 @@ def chat(sup, model: str, timeout: float = 60) -> httpx.Response:
 def host_record(sup) -> dict:
     async def read():
         async with Registry.connect(sup.etcd_url) as reg:
-            return await reg.get_prefix_json(hosts_prefix())
+            return await reg.list_hosts()
     records = list(asyncio.run(read()).values())
     assert len(records) == 1, records
     return records[0]
@@ -118,14 +115,3 @@ def test_alternating_traffic_over_a_budget_for_one_evicts_and_reloads_without_fa
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_resident", r.text
         assert "budget" in r.json()["error"]["message"] and float(r.headers["retry-after"]) >= 1
 
-
-@pytest.mark.asyncio
-async def test_rank_hosts_prefers_a_holder_then_free_bytes():
-    from actors.scheduler.host_ask import rank_hosts
-
-    hosts = {"/h/a": {"host_id": "a", "free_bytes": 10, "resident": []},
-             "/h/b": {"host_id": "b", "free_bytes": 50, "resident": []},
-             "/h/c": {"host_id": "c", "free_bytes": 1, "resident": [{"model": "m@1"}]}}
-    assert rank_hosts(hosts, "m@1") == ["c", "b", "a"]
-    assert rank_hosts(hosts, "m@2") == ["b", "a", "c"]
-    assert rank_hosts({}, "m@1") == []

@@ -149,3 +149,14 @@ async def test_short_of_room_it_pauses_oversized_caches_first_then_evicts_the_le
     host.slots["a@1"].resize_to, host.slots["a@1"].svc.draining, host.slots["a@1"].svc.live = 0, False, {}
     await host._make_room("c@1", {"a@1": 40 * MiB, "b@1": 10 * MiB}, 30 * MiB, specs, demand, 10.0)
     assert [e[0] for e in evicted] == ["b@1"] and "making room for c@1" in evicted[0][2] and not evicted[0][1]
+
+
+def test_rank_hosts_prefers_a_holder_then_free_bytes():
+    from actors.scheduler.host_ask import rank_hosts
+
+    hosts = {"a": {"free_bytes": 10, "resident": []}, "b": {"free_bytes": 50, "resident": []},
+             "c": {"free_bytes": 1, "resident": [{"model": "m@1"}]}, "d": {"free_bytes": 0, "asked": ["m@2"]},
+             "junk": "not a record"}
+    assert rank_hosts(hosts, "m@1") == ["c", "b", "a", "d"]
+    assert rank_hosts(hosts, "m@2") == ["d", "b", "a", "c"]
+    assert rank_hosts({}, "m@1") == []

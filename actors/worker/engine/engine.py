@@ -33,9 +33,7 @@ from .detokenizer import IncrementalDetokenizer, StopStringMatcher, replay
 from .hardware import DTYPES, resolve_dtype
 from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
 from .iteration_scheduler import ScheduledSeq, StepPlan
-from .adapters import AdapterManager
 from .kv_cache import KVCache, bytes_per_block
-from .lora import slot_bytes
 from .memory import kv_bytes_for_budget, tensor_bytes
 from .tensor_parallel import shard_config, shard_plan, shard_weights, wrap_row_parallel
 from .tp_group import LeaderModel, TPGroup
@@ -175,10 +173,7 @@ class LLMEngine(ResidentKV, RequestBook):
         clock.mark("quantize")
         self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
         self.weights_shared = False  # True: the weights belong to another engine (share_weights_of)
-        lora_slots = config.max_loras if self.tp is None else 0
-        self.adapters = (AdapterManager(self.model_config, dtype, config.device, lora_slots, config.max_cpu_loras,
-                                        config.max_lora_rank) if lora_slots else None)
-        self.lora_reserve_bytes = lora_slots * slot_bytes(self.model_config, config.max_lora_rank, dtype)
+        self._init_adapters(dtype, config.max_loras if self.tp is None else 0)
         kv_bytes = (kv_bytes_for_budget(config.memory_budget_bytes, self.weights_bytes + self.lora_reserve_bytes)
                     if config.memory_budget_bytes else config.kv_cache_bytes)
         if self.tp is not None:

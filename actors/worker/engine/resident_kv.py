@@ -42,16 +42,20 @@ class ResidentKV:
         self.model_config, self.weights_cached, self.quantization = other.model_config, True, other.quantization
         self.tp, self.model, self.position_limit = None, other.model, other.position_limit
         self.weights_bytes, self.weights_shared = other.weights_bytes, True
-        self.adapters = (AdapterManager(self.model_config, dtype, config.device, config.max_loras, config.max_cpu_loras,
-                                        config.max_lora_rank) if config.max_loras else None)
-        self.lora_reserve_bytes = config.max_loras * slot_bytes(self.model_config, config.max_lora_rank, dtype) \
-            if config.max_loras else 0
+        self._init_adapters(dtype, config.max_loras)
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, dtype, config.device)
         self._build_blocks()
         self.token_bytes, self.special_names = other.token_bytes, other.special_names
         self.load_phases = {"artifact_read": 0.0, "convert": 0.0, "kernels": 0.0,
                             "quantize": time.monotonic() - t0}  # the KV cache's allocation
         self._init_requests()
+
+    def _init_adapters(self, dtype: torch.dtype, slots: int) -> None:
+        """The LoRA AdapterManager with ``slots`` accelerator slots (None for 0) and the bytes they reserve."""
+        config = self.config
+        self.adapters = (AdapterManager(self.model_config, dtype, config.device, slots, config.max_cpu_loras,
+                                        config.max_lora_rank) if slots else None)
+        self.lora_reserve_bytes = slots * slot_bytes(self.model_config, config.max_lora_rank, dtype)
 
     def resize_kv(self, kv_bytes: int) -> None:
         """Replace the KV cache by one of ``kv_bytes`` bytes (a host re-splitting its budget when residency
