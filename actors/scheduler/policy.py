@@ -7,9 +7,12 @@ The queue itself (fair share, priority classes, deadlines) is ``actors.scheduler
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+
+_TAKES = itertools.count(1)  # orders dispatches across workers: the least recently dispatched wins a tie
 
 
 @dataclass
@@ -30,6 +33,7 @@ class WorkerView:
     credit_sent_ts: float = 0.0  # the last heartbeat's send time (worker clock, epoch s)
     prefill_tokens_per_s: float = 0.0  # measured prefill rate (tokens/s; 0 = not measured)
     inflight: dict[str, bool] = field(default_factory=dict)  # request id -> has streamed a token
+    last_take: int = 0  # order of this worker's latest dispatch among all dispatches (0 = none yet)
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks needed to hold ``num_tokens`` tokens."""
@@ -53,6 +57,7 @@ class WorkerView:
         self.free_slots -= 1
         self.free_blocks -= self.blocks_for(num_prompt_tokens + 1)
         self.inflight[request_id] = False
+        self.last_take = next(_TAKES)
 
 
 class ThroughputMeter:
@@ -196,7 +201,9 @@ class WorkerTable:
         workers whose free slots are within ``balance_fraction`` of their slots (at least 1) of the most
         free one: a prefix every request shares (a chat template's system prompt) must not pile all load
         on one worker (the balance threshold of SGLang's cache-aware router works the same way). Ties
-        and the default go to the least loaded (most free slots, then blocks)."""
+        and the default go to the least loaded (most free slots, then blocks), then to the least recently
+        dispatched: equally loaded workers take turns, and a new worker takes the next request instead of
+        waiting until the others are busy."""
         able = [w for w in self.workers.values() if w.can_take(num_prompt_tokens, now, self.stale_after_s)]
         if not able:
             return None
@@ -205,7 +212,7 @@ class WorkerTable:
             able = [w for w in able
                     if w.free_slots >= most_free - max(1, int(w.total_slots * self.balance_fraction))]
         score = affinity or (lambda w: 0)
-        return max(able, key=lambda w: (score(w), w.free_slots, w.free_blocks))
+        return max(able, key=lambda w: (score(w), w.free_slots, w.free_blocks, -w.last_take))
 
     def pick_random(self, num_prompt_tokens: int, now: float, rng) -> WorkerView | None:
         """A uniformly random worker among those that can take the request (benchmark baseline)."""

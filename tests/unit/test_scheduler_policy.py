@@ -33,6 +33,24 @@ def test_pick_least_loaded_within_credits():
     assert t.pick(16 * 20, now=0.5) is None  # no worker has the blocks
 
 
+def test_equally_loaded_workers_take_turns_and_a_new_worker_takes_the_next_request():
+    t = WorkerTable(stale_after_s=2.0)
+    t.on_lease("old", True)
+    t.on_credits("old", free_blocks=10, free_slots=1, block_size=16, draining=False, now=0.0)
+    for i in range(3):  # alone, it takes everything; each heartbeat gives its slot back
+        t.pick(10, 0.1).take(f"r{i}", 10)
+        t.on_credits("old", free_blocks=10, free_slots=1, block_size=16, draining=False, now=0.1)
+    t.on_lease("new", True)
+    t.on_credits("new", free_blocks=10, free_slots=1, block_size=16, draining=False, now=0.2)
+    order = []
+    for i in range(4):  # both idle with equal credits: the least recently dispatched one wins the tie
+        w = t.pick(10, 0.3)
+        w.take(f"s{i}", 10)
+        order.append(w.worker_id)
+        t.on_credits(w.worker_id, free_blocks=10, free_slots=1, block_size=16, draining=False, now=0.3)
+    assert order == ["new", "old", "new", "old"]
+
+
 def test_dispatch_charges_credits_and_stale_credits_are_ignored():
     t = _table()
     for i in range(5):
