@@ -82,6 +82,7 @@ class ActorContext:
         timeouts are logged. A cancellation of the task running this propagates."""
         while self._stops:
             stop = self._stops.pop()
+            watchdog = asyncio.get_running_loop().call_later(0.9 * stop.timeout_s, _log_stuck, self.name, stop.what)
             try:
                 async with asyncio.timeout(stop.timeout_s):
                     await stop.closer()
@@ -94,6 +95,27 @@ class ActorContext:
                 log.warning("%s: stopping %s was cancelled; going on", self.name, stop.what)
             except Exception as exc:
                 log.warning("%s: stopping %s failed: %r", self.name, stop.what, exc)
+            finally:
+                watchdog.cancel()
+
+
+def _log_stuck(name: str, what: str, max_tasks: int = 40, max_frames: int = 8) -> None:
+    """Log where every task of the loop waits (the chain of awaits of its coroutine, innermost
+    ``max_frames``): a closer about to time out shows what it waits for (a stop that hangs is otherwise a
+    bare "took over N s")."""
+    lines = [f"  {t.get_name()}: {_await_chain(t.get_coro(), max_frames)}" for t in list(asyncio.all_tasks())[:max_tasks]]
+    log.warning("%s: stopping %s still runs; the tasks wait at:\n%s", name, what, "\n".join(lines))
+
+
+def _await_chain(coro: Any, max_frames: int) -> str:
+    """``file:line function -> ...`` along ``cr_await`` / ``ag_await`` from ``coro`` (innermost last)."""
+    out = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            out.append(f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    return " -> ".join(out[-max_frames:]) or "(no frame)"
 
 
 async def open_context(args: argparse.Namespace, name: str) -> ActorContext:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from actors.aio import cancel_tasks
 from control.state import names
 from control.state.tenants import Tenant, TenantError, hash_key, parse_bearer
 from gateway.openai_format import ApiError
@@ -53,9 +54,7 @@ class TenantCache:
 
     async def stop(self) -> None:
         """Stop watching."""
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_tasks([self._task])
 
     async def _watch(self) -> None:
         prefix = names.tenants_prefix()

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+from actors.aio import cancel_tasks
 from bus import subjects
 from bus.messages import ActorLoad, CompletionRecord
 from gateway import dashboard_data as dd
@@ -89,10 +90,8 @@ class DashboardFeed:
 
     async def stop(self) -> None:
         """Unsubscribe and stop the idle watch."""
-        if self._idle_task is not None:
-            self._idle_task.cancel()
-            await asyncio.gather(self._idle_task, return_exceptions=True)
-            self._idle_task = None
+        await cancel_tasks([self._idle_task])
+        self._idle_task = None
         await self._unsubscribe()
 
     async def _on_done(self, msg: Any) -> None:

@@ -30,6 +30,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from actors.aio import cancel_tasks
 from bus import streams
 from gateway.openai_format import ApiError
 
@@ -142,9 +143,7 @@ class QuotaStore:
 
     async def close(self) -> None:
         """Stop refreshing slots (they then lapse within SLOT_TTL_S)."""
-        if self._refresher:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        await cancel_tasks([self._refresher])
 
     async def _read(self, key: str) -> dict:
         e = await self.kv.get(key)

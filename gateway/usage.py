@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 
+from actors.aio import cancel_tasks
 from bus import streams
 from bus.base import BusError
 from bus.messages import CompletionRecord
@@ -96,9 +97,7 @@ class UsageMeter:
 
     async def close(self) -> None:
         """Stop consuming (unacknowledged records are redelivered to another gateway)."""
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_tasks([self._task])
         if self._sub is not None:
             await self._sub.stop()
 

@@ -17,6 +17,7 @@ import time
 
 import orjson
 
+from actors.aio import cancel_tasks
 from actors.jobs import store
 from bus import streams
 from bus.base import BusError
@@ -61,9 +62,7 @@ class JobsService:
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop pulling; jobs still running are given ``timeout`` seconds, then left unacknowledged
         (another jobs actor, or this one restarted, gets them again)."""
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await cancel_tasks([self._loop_task])
         if self._sub is not None:  # else the bus close waits (5 s) for a fetch reply nobody will read
             await self._sub.stop()
         if self._running:

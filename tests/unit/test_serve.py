@@ -86,6 +86,28 @@ async def test_a_slow_or_failing_closer_is_bounded_and_the_rest_still_run(contex
     text = caplog.text
     assert "stopping broken part failed" in text and "closer broke" in text
     assert "stopping slow part took over 0.05 s" in text
+    # before it timed out, where it waited was logged (the closer's own await chain, innermost last)
+    assert "stopping slow part still runs; the tasks wait at:" in text and "_note -> " in text
+
+
+async def test_cancel_tasks_cancels_again_a_task_that_lost_its_cancel():
+    from actors.aio import cancel_tasks
+
+    seen = []
+
+    async def loses_first_cancel():  # what a library's wait_for does when the cancel meets a result
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            seen.append("lost")
+        await asyncio.sleep(10)
+
+    task = asyncio.create_task(loses_first_cancel())
+    await asyncio.sleep(0)
+    t0 = asyncio.get_running_loop().time()
+    await cancel_tasks([task, None], timeout_s=3.0, recancel_s=0.05)
+    assert task.cancelled() and seen == ["lost"]
+    assert asyncio.get_running_loop().time() - t0 < 1.0
 
 
 async def test_shutdown_is_shielded_from_a_second_cancel(contexts):
