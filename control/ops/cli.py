@@ -43,7 +43,7 @@ from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, 
                             metrics_arguments, resolve_endpoints, run_actor_main, state_dir_of)
 from control.ops.argtypes import non_negative_int as _non_negative_int
 from control.ops.cli_errors import (EXIT_UNREACHABLE, StackUnreachable, is_unreachable, report_unreachable,
-                                    unreachable_line)
+                                    stdout_closed, unreachable_line)
 from control.ops.nats_auth import redact_url
 from control.ops.status_detail import worker_detail
 from control.ops.argtypes import positive_int as _positive_int
@@ -482,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         status = args.func(args)
     except KeyboardInterrupt:
         status = 130
+    except BrokenPipeError:  # stdout closed early (| head): not the stack; quiet, 141 (cli_errors.py)
+        status = stdout_closed()
     except StackUnreachable as e:  # no endpoint found: one line, exit 3
         print(e.message, file=sys.stderr)
         status = EXIT_UNREACHABLE

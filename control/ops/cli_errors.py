@@ -10,6 +10,9 @@ code   meaning
 3      stack unreachable: no endpoint found (no ``endpoints.json``, no ``--etcd``), or etcd / NATS /
        every metrics endpoint did not answer. One line on stderr, never a traceback.
 130    interrupted (Ctrl-C)
+141    our standard output was closed early (``actorserve ... | head -1``): 128 + SIGPIPE, as a shell
+       reports a process ended by SIGPIPE; the verb's work (a registration, say) is done, and nothing more
+       is printed (before, this was reported as "stack unreachable", exit 3)
 =====  ==========================================================================================
 
 :func:`is_unreachable` tells a connection failure from any other error (it looks at the exception's
@@ -21,6 +24,8 @@ verb lets escape, so a verb that forgets still exits 3.
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import socket
 import sys
 
@@ -41,6 +46,8 @@ def is_unreachable(exc: BaseException) -> bool:
     subclasses such as ``ConnectionFailedError``, grpc ``AioRpcError``, nats ``NoServersError``, ...)."""
     if isinstance(exc, StackUnreachable):
         return True
+    if isinstance(exc, BrokenPipeError):  # our own stdout's reader went away (| head): see stdout_closed
+        return False
     if isinstance(exc, (TimeoutError, ConnectionError, socket.gaierror)):
         return True
     if isinstance(exc, OSError) and exc.errno in _NET_ERRNOS:
@@ -64,6 +71,17 @@ def report_unreachable(what: str, url: str | None, exc: BaseException | None = N
     """Print :func:`unreachable_line` on stderr and return :data:`EXIT_UNREACHABLE` (3)."""
     print(unreachable_line(what, url, exc), file=sys.stderr)
     return EXIT_UNREACHABLE
+
+
+def stdout_closed() -> int:
+    """Our standard output's reader went away (``actorserve ... | head -1``); that is not the stack. Points
+    stdout at /dev/null, so that the interpreter's last flush does not fail again (the recipe of the Python
+    docs, library/signal.html "Note on SIGPIPE"), and returns 141 (128 + SIGPIPE)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (replaced, closed): nothing to point
+        pass
+    return 128 + signal.SIGPIPE
 
 
 def run_on_registry(func, args, errors: tuple[type[BaseException], ...] = (ValueError,), wrap=None) -> int:

@@ -373,6 +373,19 @@ def test_every_verb_exits_3_when_no_endpoint_is_known(argv, tmp_path, capsys, mo
     assert ei.value.code == 3 and len(err.strip().splitlines()) == 1 and "endpoint" in err, err
 
 
+def test_a_closed_stdout_is_not_an_unreachable_stack():
+    """``actorserve plan ... | true``: the reader is gone before the verb prints; exit 141 (128 + SIGPIPE),
+    nothing on stderr (it said "stack unreachable" and exited 3 before). ``plan`` needs no stack."""
+    from control.ops.cli_errors import is_unreachable
+
+    assert not is_unreachable(BrokenPipeError(32, "Broken pipe")) and is_unreachable(ConnectionResetError())
+    cmd = (f"{shlex.quote(sys.executable)} -m control.ops.cli plan --rate 10 --prompt-tokens 100 "
+           f"--output-tokens 100 | true; echo $" + "{PIPESTATUS[0]}")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.stdout.strip() == "141" and out.stderr == "", (out.stdout, out.stderr)
+
+
 def test_unreachable_classification():
     import errno
 
