@@ -467,7 +467,8 @@ def test_accelerator_bound_3x_step_adds_a_worker_that_takes_traffic(pool_stack):
 def test_scale_down_after_the_load_stops_fails_no_request(pool_stack):
     """The 3x step stops (back to the base rate, ~45 % of one worker, so streams keep running); the
     autoscaler lowers the count, the newest worker drains (its sequences finish or migrate) and every request
-    running at the drop or sent after it completes: 0 failed."""
+    running at the drop or sent after it completes: 0 failed. Two more are sent at the SIGTERM, so that
+    streams surely run while the worker drains."""
     sup = pool_stack
     if "load" not in sup.shared:
         pytest.skip("needs the scaled-up stack of the 3x-step test (it did not get that far)")
@@ -477,6 +478,10 @@ def test_scale_down_after_the_load_stops_fails_no_request(pool_stack):
         load: Load = sup.shared["load"]
         load.rate = sup.shared["base_rate"]  # the step ends; the base load goes on, so streams run while a worker drains
         t_low = time.time()
+        await until(lambda: log_of(sup, "stop", "worker"), 60, "a worker scale-down (its SIGTERM)", step=0.02)
+        # at the base rate (0.3-0.6 requests/s) no stream may overlap a 1.5 s drain (1 CI run in 4): two sent
+        # right at the SIGTERM run while the worker drains, so the check below is never empty
+        load.burst(2)
         t_exit = await until(lambda: log_of(sup, "exited", "worker"), 60, "a worker scaled down and gone")
         await asyncio.sleep(1.0)
         return {"t_low": t_low, "t_exit": t_exit, "results": await load.stop()}
