@@ -95,7 +95,7 @@ def _structured_props() -> dict[str, Any]:
     so = {"type": ["object", "null"], "additionalProperties": False, "properties": {
         "json": json_value, "regex": text, "choice": choice, "grammar": text, "json_object": flag,
         "disable_any_whitespace": flag, "whitespace_pattern": text, "disable_fallback": flag,
-        "disable_additional_properties": {"enum": [False, None]}}}
+        "disable_additional_properties": flag}}
     return {"response_format": response_format, "structured_outputs": so, "guided_json": json_value,
             "guided_regex": text, "guided_choice": choice,
             "guided_grammar": {**text, "description": "Lark, or GBNF / EBNF"},

@@ -31,6 +31,7 @@ from typing import Any
 
 import llguidance
 
+from .closed_schema import close_schema
 from .errors import RequestError
 
 # Top-level fields that each select an output format (at most one per request).
@@ -60,8 +61,10 @@ def structured_grammar(body: dict) -> str | None:
     if spec is None:
         return None
     kind, value, param, lenient = spec
-    if kind in ("json", "json_object"):
-        grammar = _json_grammar({"type": "object"} if kind == "json_object" else value, ws, lenient, param)
+    if kind == "json":
+        grammar = _json_grammar(value if _letter_of_schema(body) else close_schema(value), ws, lenient, param)
+    elif kind == "json_object":
+        grammar = _json_grammar({"type": "object"}, ws, lenient, param)
     elif kind == "regex":
         grammar = llguidance.LLMatcher.grammar_from_regex(value)
     elif kind == "choice":
@@ -160,10 +163,15 @@ def _structured_outputs(so: Any) -> tuple[str, Any, str, bool] | None:
     for key in ("disable_fallback", "disable_additional_properties"):
         if so.get(key) is not None and not isinstance(so[key], bool):
             raise bad(f"'structured_outputs.{key}' must be a boolean", f"structured_outputs.{key}")
-    if so.get("disable_additional_properties"):
-        raise bad("'structured_outputs.disable_additional_properties' is not supported: set "
-                  "\"additionalProperties\": false in the schema", "structured_outputs.disable_additional_properties")
     return found
+
+
+def _letter_of_schema(body: dict) -> bool:
+    """True when the client asked for JSON Schema's letter (``structured_outputs.disable_additional_properties:
+    false``): objects then admit unnamed properties unless the schema says otherwise. By default (and with
+    ``true``) schemas are closed (actors/validator/closed_schema.py)."""
+    so = body.get("structured_outputs")
+    return isinstance(so, dict) and so.get("disable_additional_properties") is False
 
 
 def _format_value(kind: str, value: Any, param: str) -> Any:

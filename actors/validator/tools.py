@@ -4,8 +4,8 @@
 deprecated ``functions`` / ``function_call``) plus the ``tool_calls`` / ``tool`` messages of the history,
 returning a :class:`ToolRequest`; every refusal is a 400 naming the field, with OpenAI's rules.
 :func:`check_format` refuses tools on a model whose manifest names no ``tool_call_format``.
-:func:`tool_grammar` builds the llguidance grammar that enforces ``tool_choice: "required"`` or a named
-function: one or more Hermes calls (``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``)
+:func:`tool_grammar` builds the llguidance grammar that enforces ``tool_choice: "required"``, a named
+function (exactly one call) or ``parallel_tool_calls: false`` (at most one call, also under ``auto``): Hermes calls (``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``)
 whose arguments match the function's ``parameters`` JSON schema (llguidance's Lark ``%json`` embedding,
 https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md). docs/tools.md describes the whole path.
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 from actors.text.tool_calls import CALL_CLOSE, CALL_OPEN
 
+from .closed_schema import close_schema
 from .errors import RequestError
 from .fields import bad
 
@@ -162,7 +163,7 @@ def validate_tools(body: dict, grammar: str | None = None) -> ToolRequest:
     if req.active:
         for i, t in enumerate(tools):
             if "parameters" in t:
-                _schema_grammar(i, json.dumps(t["parameters"], sort_keys=True))
+                _schema_grammar(i, json.dumps(close_schema(t["parameters"]), sort_keys=True))
     return req
 
 
@@ -188,25 +189,54 @@ def _schema_grammar(i: int, schema: str) -> None:
 
 
 def _call_schema(tool: dict) -> dict:
-    args = tool.get("parameters") or {"type": "object"}
+    args = close_schema(tool.get("parameters") or {"type": "object", "properties": {}})
     return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": args},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_grammar(req: ToolRequest | None) -> str | None:
-    """llguidance grammar (its JSON TopLevelGrammar text) forcing Hermes calls, or None when no call is forced.
-
-    ``required``: one call of any offered function; a named choice: a call of that function; with
-    ``parallel`` more calls may follow, one per line. Raises RequestError 400 naming ``tools`` when
-    llguidance refuses the grammar (a ``parameters`` schema it does not support).
-    """
-    if req is None or not req.forced:
-        return None
-    tools = [t for t in req.tools if req.choice == "required" or t["name"] == req.name]
+def _lark_call(tools: list[dict]) -> str:
+    """Lark rules ``call`` (one whole Hermes call of one of ``tools``) and ``body`` (its JSON)."""
     schema = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
-    start = 'start: call ("\\n" call)*' if req.parallel else "start: call"
-    lark = (f"{start}\ncall: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n"
+    return (f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")
+
+
+# ``auto`` with ``parallel_tool_calls: false``: free text, or free text then exactly one call and the end. TEXT
+# never contains the call tag; OPEN is the text before the call together with the tag, as one lexeme, ending at
+# the tag's first occurrence (llguidance's lexemes are greedy, so text and tag cannot be two lexemes: the text
+# would swallow the tag's prefix). ``&`` and ``~`` are llguidance's lexeme intersection and negation
+# (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md).
+_ANY = "(.|\\n)*"
+
+
+def _lark_at_most_one(tools: list[dict]) -> str:
+    tag = re.escape(CALL_OPEN).replace("/", "\\/")
+    return (f"start: TEXT | OPEN body {json.dumps(chr(10) + CALL_CLOSE)}\n"
+            f"TEXT: /{_ANY}/ & ~/{_ANY}{tag}{_ANY}/\n"
+            f"OPEN: /{_ANY}{tag}\\n/ & ~/{_ANY}{tag}{_ANY}{tag}{_ANY}/\n"
+            + _lark_call(tools).split("\n", 1)[1])
+
+
+def tool_grammar(req: ToolRequest | None, other: str | None = None) -> str | None:
+    """llguidance grammar (its JSON TopLevelGrammar text) of the calls ``req`` allows, or None for no constraint.
+
+    A named function: exactly one call of it, whatever ``parallel_tool_calls`` says (as OpenAI and vLLM answer a
+    named choice). ``required``: one call of any offered function, and with ``parallel`` more may follow, one per
+    line. ``auto`` with ``parallel_tool_calls: false``: text, or text and then at most one call (the call's
+    arguments still complete and match the schema: the grammar ends the output after it, instead of a parser
+    cutting it). ``auto`` with ``parallel`` true, or ``none``: None. ``other``: the request's own structured
+    output grammar; ``auto`` leaves it in force (None here), a forced call cannot join it (validate_tools refuses
+    that). Every ``parameters`` schema is closed first (actors/validator/closed_schema.py). Raises RequestError
+    400 naming ``tools`` when llguidance refuses the grammar (a ``parameters`` schema it does not support).
+    """
+    if req is None or not req.active or (not req.forced and (req.parallel or other is not None)):
+        return None
+    tools = [t for t in req.tools if req.choice != "function" or t["name"] == req.name]
+    if not req.forced:
+        lark = _lark_at_most_one(tools)
+    else:
+        many = req.choice == "required" and req.parallel
+        lark = ('start: call ("\\n" call)*\n' if many else "start: call\n") + _lark_call(tools)
     grammar = json.dumps({"grammars": [{"lark_grammar": lark}]})
     _check_grammar(grammar)
     return grammar

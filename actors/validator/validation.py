@@ -258,8 +258,9 @@ def validate_chat(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES)
     # max_completion_tokens is the current OpenAI name; it wins when both are given (as in vLLM).
     max_tokens, max_param = (mct, "max_completion_tokens") if mct is not None else (mt, "max_tokens")
     tools = validate_tools(body, common.get("grammar"))  # tools, tool_choice, parallel_tool_calls, ...
-    if tools.forced:  # tool_choice "required" / a named function: the grammar of the calls (400 with a grammar)
-        common = {**common, "grammar": tool_grammar(tools)}
+    calls = tool_grammar(tools, common.get("grammar"))  # forced calls, or auto with parallel_tool_calls false
+    if calls is not None:
+        common = {**common, "grammar": calls}
     return ValidatedRequest(kind="chat", messages=messages, max_tokens=max_tokens, max_tokens_param=max_param,
                             tools=tools, extras=extras, logprobs=logprobs, **common)
 

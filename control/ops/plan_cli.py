@@ -70,7 +70,7 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--verify-s", type=_positive_float, default=3600.0, metavar="S",
                    help="simulated seconds of --verify (default 3600)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of --verify's simulation (default 0)")
-    p.set_defaults(func=main_plan)
+    p.set_defaults(func=main_plan, extras=("sim",))  # the simulator's latency model: scipy (control/ops/extras.py)
 
 
 def _print(plan: Any, inputs: Any, verify: dict | None) -> None:

@@ -91,7 +91,7 @@ def add_simulate_command(sub: Any) -> None:
     p.add_argument("--pool-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="set a field of the live PoolConfig for the actorserve policy (repeatable), e.g. "
                         f"target_util=0.6; applied after the simulator's own {', '.join(SIM_POOL_SET)}")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, extras=("sim",))  # scipy (HiGHS), matplotlib: control/ops/extras.py
 
 
 def pool_config(assignments: list[str]) -> Any:

@@ -142,3 +142,43 @@ def test_tools_on_a_model_without_a_format(stack):
         assert err.param == "tools" and "tool_call_format" in err.message
     finally:
         asyncio.run(edit(False))
+
+
+def test_a_named_choice_yields_one_call_with_the_default_parallel_tool_calls(stack):
+    """Issue [18]: a named choice with parallel_tool_calls left at its default streamed the right call, then a
+    second with invented arguments. OpenAI and vLLM return exactly one call for a named choice."""
+    c = client(stack)
+    kw = {**KW, "max_tokens": 120}
+    full = c.chat.completions.create(**kw, tool_choice=NAMED)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+    streamed, finish, _ = joined_stream_calls(c.chat.completions.create(**kw, tool_choice=NAMED, stream=True))
+    assert finish == "tool_calls" and [t["name"] for t in streamed] == ["get_weather"]
+    assert streamed[0]["arguments"] == choice.message.tool_calls[0].function.arguments
+
+
+def test_langchain_structured_output_by_function_calling_gets_the_object(stack):
+    """Issue [18]: LangChain's ``with_structured_output(..., method="function_calling")`` on a two-field model
+    returned None: the model filled the call with properties the schema never named until max_tokens. The
+    schema carries no ``additionalProperties``; the grammar admits only the named ones."""
+    pytest.importorskip("langchain_openai", reason="langchain-openai is in the test extras (make install-test)")
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        """A city."""
+
+        name: str = Field(description="the city's name")
+        country: str = Field(description="the country")
+
+    llm = ChatOpenAI(model=MODEL, base_url=stack.http_url + "/v1", api_key=stack.dev_api_key, max_tokens=60,
+                     temperature=0, timeout=120, max_retries=0)
+    for prompt in ("What is the capital of France?", "Tell me about Paris."):
+        # Without the closed schema the model added "description" and "type" on both prompts (measured
+        # 2026-12-06, SmolLM2 Q4_1): pydantic dropped them, a longer run-on reached max_tokens and gave None.
+        raw = llm.with_structured_output(City, method="function_calling", include_raw=True).invoke(prompt)
+        assert raw["parsing_error"] is None and isinstance(raw["parsed"], City), raw
+        assert raw["parsed"].name and raw["parsed"].country
+        assert set(raw["raw"].tool_calls[0]["args"]) == {"name", "country"}, raw["raw"].tool_calls

@@ -342,3 +342,55 @@ def test_manifest_tool_call_format():
         from control.ops.deploy import model_manifest
 
         assert model_manifest()["tool_call_format"] == "hermes"
+
+
+def test_a_named_choice_yields_exactly_one_call_whatever_parallel_tool_calls_says():
+    """Issue [18]: a named choice with the default parallel_tool_calls streamed a second, invented call."""
+    tok, lltok = _lltokenizer()
+    for parallel in (True, False):
+        g = tool_grammar(ToolRequest((WEATHER["function"], TIME["function"]), "function", "get_weather", parallel))
+        assert _accepts(lltok, g, tok.encode(CALL))
+        assert not _accepts(lltok, g, tok.encode(CALL + "\n" + CALL)), parallel
+        assert not _accepts(lltok, g, tok.encode(CALL + "\n" + CALL2)), parallel
+
+
+def test_parallel_tool_calls_false_allows_at_most_one_call_under_auto_and_required():
+    tok, lltok = _lltokenizer()
+    fns = (WEATHER["function"], TIME["function"])
+    required = tool_grammar(ToolRequest(fns, "required", None, False))
+    assert _accepts(lltok, required, tok.encode(CALL2))
+    assert not _accepts(lltok, required, tok.encode(CALL + "\n" + CALL2))
+    auto = tool_grammar(ToolRequest(fns, "auto", None, False))
+    for text in ("Sure, it is sunny.", "", "a <b> c <tool", CALL, "Let me check. " + CALL, CALL2):
+        assert _accepts(lltok, auto, tok.encode(text)), text
+    for text in (CALL + "\n" + CALL2, CALL + CALL2, CALL + " and more text", "ok " + CALL + CALL,
+                 CALL.replace('"celsius"', '"kelvin"')):  # the one call's arguments still match the schema
+        assert not _accepts(lltok, auto, tok.encode(text)), text
+    assert tool_grammar(ToolRequest(fns, "auto", None, True)) is None  # several calls allowed: no constraint
+    assert tool_grammar(ToolRequest(fns, "auto", None, False), other='{"grammars": []}') is None  # the client's own
+    assert tool_grammar(ToolRequest(fns, "none", None, False)) is None
+
+
+def test_validated_requests_carry_the_call_grammar():
+    auto_one = validate_chat(chat(tools=[WEATHER], parallel_tool_calls=False))
+    assert auto_one.grammar == tool_grammar(auto_one.tools) and auto_one.grammar is not None
+    assert validate_chat(chat(tools=[WEATHER])).grammar is None
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    with_format = validate_chat(chat(tools=[WEATHER], parallel_tool_calls=False, response_format=rf))
+    assert with_format.grammar is not None and "tool_call" not in with_format.grammar  # the client's format holds
+
+
+def test_tool_parameters_admit_only_the_properties_they_name():
+    """Issue [18]: a schema without additionalProperties let the model add "description", "type", ... ."""
+    tok, lltok = _lltokenizer()
+    params = {k: v for k, v in WEATHER["function"]["parameters"].items() if k != "additionalProperties"}
+    silent = {**WEATHER["function"], "parameters": params}  # says nothing of additionalProperties
+    fns = (silent, TIME["function"])
+    g = tool_grammar(ToolRequest(fns, "function", "get_weather", False))
+    extra = CALL.replace('"unit": "celsius"', '"unit": "celsius", "api_key": "my_api"')
+    assert _accepts(lltok, g, tok.encode(CALL)) and not _accepts(lltok, g, tok.encode(extra))
+    open_fn = {**silent, "parameters": {**params, "additionalProperties": True}}
+    g_open = tool_grammar(ToolRequest((open_fn,), "function", "get_weather", False))
+    assert _accepts(lltok, g_open, tok.encode(extra))  # a schema that says additionalProperties keeps it
+    assert not _accepts(lltok, tool_grammar(ToolRequest(fns, "function", "get_time", False)),
+                        tok.encode(CALL2.replace("{}}", '{"tz": "UTC"}}')))  # no parameters: only {}
