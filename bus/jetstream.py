@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, BinaryIO
 
 import nats
 from nats import errors as nats_errors
@@ -125,10 +125,21 @@ class ObjectStore:
     def __init__(self, store, name: str) -> None:
         self._store, self.name = store, name
 
-    async def put(self, name: str, data: bytes) -> None:
-        """Store ``data`` under ``name`` (replacing any previous object)."""
+    async def put(self, name: str, data: bytes | BinaryIO) -> None:
+        """Store ``data`` under ``name`` (replacing any previous object). ``data``: bytes, or a binary file
+        read in chunks by nats-py (in a thread), so a large object need not be held in memory."""
         with _mapped(f"put {name} into {self.name}"):
             await self._store.put(name, data)
+
+    async def delete(self, name: str) -> None:
+        """Delete object ``name``; KeyError if there is none, BusError on failure."""
+        try:
+            with _mapped(f"delete {name} from {self.name}"):
+                await self._store.delete(name)
+        except BusError as exc:
+            if isinstance(exc.__cause__, js_errors.NotFoundError):
+                raise KeyError(name) from exc
+            raise
 
     async def get(self, name: str) -> bytes:
         """The bytes of object ``name``; KeyError if there is none, BusError on failure."""

@@ -20,6 +20,12 @@ API_RESPONSES_CANCEL = API_RESPONSES + ".cancel"  # public NATS API: cancel a ba
 # the stored-response operations of the NATS API: {subject: operation name of gateway.responses_api}
 API_RESPONSES_OPS = {API_RESPONSES_GET: "get", API_RESPONSES_INPUT_ITEMS: "input_items",
                      API_RESPONSES_DELETE: "delete", API_RESPONSES_CANCEL: "cancel"}
+API_FILES = "as.api.v1.files"  # public NATS API: OpenAI Files, one subject per operation (docs/batch.md)
+# {subject: operation name of gateway.files_api.FilesApi.operate}
+API_FILES_OPS = {f"{API_FILES}.{op}": op for op in ("create", "list", "retrieve", "content", "delete")}
+API_BATCHES = "as.api.v1.batches"  # public NATS API: OpenAI Batch, one subject per operation (docs/batch.md)
+# {subject: operation name of gateway.batches_api.BatchesApi.operate}
+API_BATCHES_OPS = {f"{API_BATCHES}.{op}": op for op in ("create", "list", "retrieve", "cancel")}
 VALIDATE = "as.int.validate"  # validator queue group
 VALIDATORS_QUEUE = "validators"  # queue group name of the validators
 GATEWAYS_QUEUE = "gateways"  # queue group name of the NATS API front

@@ -212,7 +212,8 @@ class JobsApi:
             limit = max(1, min(100, int(request.query.get("limit", "20"))))
         except ValueError:
             raise ApiError(400, "limit must be an integer", param="limit") from None
-        recs = [e.value for e in await self.kv.values(store.job_key(tenant.id, "*")) if e.value]  # server-filtered
+        recs = [e.value for e in await self.kv.values(store.job_key(tenant.id, "*"))  # server-filtered
+                if e.value and e.value.get("kind") != "openai_batch"]  # batches are listed by /v1/batches
         recs.sort(key=lambda r: (-r["created_at"], r["id"]))
         after = request.query.get("after")
         if after:

@@ -111,6 +111,9 @@ class NatsApi:
             self._subs.append(await bus.subscribe(subjects.API_RESPONSES, self._spawn("responses"), queue=q))
             for subject, op in subjects.API_RESPONSES_OPS.items():
                 self._subs.append(await bus.subscribe(subject, self._spawn("responses." + op), queue=q))
+            for kind, ops in (("files", subjects.API_FILES_OPS), ("batches", subjects.API_BATCHES_OPS)):
+                for subject, op in ops.items():  # OpenAI Files and Batch (docs/batch.md)
+                    self._subs.append(await bus.subscribe(subject, self._spawn(f"{kind}.{op}"), queue=q))
 
     async def stop(self) -> None:
         """Unsubscribe; requests in flight are cancelled."""
@@ -123,6 +126,8 @@ class NatsApi:
         async def handler(msg: Msg) -> None:
             if endpoint.startswith("responses."):
                 work = self._handle_response_op(endpoint.split(".", 1)[1], msg)
+            elif endpoint.startswith(("files.", "batches.")):
+                work = self._handle_store_op(*endpoint.split(".", 1), msg)
             elif endpoint == "cancel":
                 work = self._on_cancel(msg)
             else:
@@ -245,6 +250,27 @@ class NatsApi:
         except ApiError as err:
             await self._reply(msg, error_reply(err))
 
+    async def _handle_store_op(self, kind: str, op: str, msg: Msg) -> None:
+        """``as.api.v1.files.<op>`` / ``as.api.v1.batches.<op>``: a JSON body, one reply (the object the HTTP route
+        answers, or an error reply; 404 for another tenant's id, as over HTTP). gateway/files_api.py and
+        gateway/batches_api.py ``operate`` say what each operation takes."""
+        if not msg.reply:
+            return
+        try:
+            tenant = self._tenant(msg)
+            body = orjson.loads(msg.data)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            if kind == "files":
+                out = await self.tenancy.files.operate(op, tenant, body, max_payload=_max_payload(self.fe.bus))
+            else:
+                out = await self.tenancy.batches.operate(op, tenant, body)
+            await self._reply(msg, orjson.dumps(out))
+        except orjson.JSONDecodeError as exc:
+            await self._reply(msg, error_reply(invalid_json(exc)))
+        except ApiError as err:
+            await self._reply(msg, error_reply(err))
+
     async def _serve(self, msg: Msg, sub: Submitted, body: dict) -> None:
         """Run the submitted request to its end: one reply, or one per streamed object (the last ``final``)."""
         stream = body.get("stream") is True
@@ -337,3 +363,9 @@ class _Replies:
         for j, ev in enumerate(events):
             last = merger.done and j == len(events) - 1
             await self.api._reply(self.msg, orjson.dumps({**ev, "final": True} if last else ev))
+
+
+def _max_payload(bus) -> int | None:
+    """The connection's NATS max_payload in bytes (None on a bus without one, e.g. the in-memory bus)."""
+    limit = getattr(bus, "max_payload", None)  # NatsBus.max_payload: a property
+    return limit if isinstance(limit, int) and limit > 0 else None

@@ -38,12 +38,16 @@ class Tenancy:
         self.budgets = (BudgetGate(js, budget_of=self.budget_of, manifests=self.manifests.get)
                         if js is not None else None)
         self.usage = UsageMeter(js, self.quotas, self.budgets) if js is not None else None
-        self.idempotency = self.jobs = None
+        self.idempotency = self.jobs = self.files = self.batches = None
         if js is not None:
             from gateway.idempotency import IdempotencyStore
+            from gateway.batches_api import BatchesApi
+            from gateway.files_api import FilesApi
             from gateway.jobs_api import JobsApi
             self.idempotency = IdempotencyStore(js, gateway_id)
             self.jobs = JobsApi(self, js)
+            self.files = FilesApi(self, js)
+            self.batches = BatchesApi(self, js, self.files)
 
     async def start(self) -> None:
         """Load tenants, open the JetStream stores and start metering."""
@@ -54,6 +58,7 @@ class Tenancy:
             await self.usage.open()
             await self.idempotency.open()
             await self.jobs.open()
+            await self.files.open()
 
     async def stop(self) -> None:
         """Stop the watch, the meter and the slot refresher (background idempotent runs are awaited
@@ -67,10 +72,13 @@ class Tenancy:
         await self.cache.stop()
 
     def add_routes(self, app: web.Application) -> None:
-        """Routes of the tenancy layer: ``GET /v1/usage`` and the jobs API (when JetStream is there)."""
+        """Routes of the tenancy layer: ``GET /v1/usage``, the jobs, files and batches APIs (when JetStream is
+        there)."""
         app.router.add_get("/v1/usage", self.usage_handler)
         if self.jobs is not None:
             self.jobs.add_routes(app)
+            self.files.add_routes(app)
+            self.batches.add_routes(app)
 
     def authenticate(self, request: web.Request) -> Tenant:
         """Tenant of the request's ``Authorization: Bearer`` key; ApiError 401 otherwise."""

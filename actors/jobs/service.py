@@ -19,6 +19,7 @@ import orjson
 
 from actors.aio import cancel_tasks
 from actors.jobs import store
+from actors.jobs.batch_runner import BatchRunner
 from bus import streams
 from bus.base import BusError
 from gateway import pipeline
@@ -44,10 +45,11 @@ class JobsService:
     """Consumes ``AS_JOBS`` with at most ``concurrency`` jobs at a time. ``js``: a bus.jetstream.JetStream;
     ``frontend``: a started gateway.frontend.Frontend (its own reply subjects); ``budgets``: a
     gateway.budget_store.BudgetGate (job requests reserve against their tenant's spend budget like the
-    gateway's, docs/budgets.md) or None."""
+    gateway's, docs/budgets.md) or None; ``batch_concurrency``: lines of one OpenAI batch in flight at once."""
 
-    def __init__(self, js, frontend, concurrency: int = 4, budgets=None) -> None:
+    def __init__(self, js, frontend, concurrency: int = 4, budgets=None, batch_concurrency: int = 4) -> None:
         self.js, self.fe, self.concurrency, self.budgets = js, frontend, concurrency, budgets
+        self.batch_concurrency = batch_concurrency  # lines in flight per OpenAI batch
         self.kv = self.obj = None
         self._sub = None
         self._loop_task: asyncio.Task | None = None
@@ -137,6 +139,9 @@ class JobsService:
             log.warning("job %s of %s has no record (expired?); dropping", job_id, tenant)
             return
         if rec["status"] in store.TERMINAL:
+            return
+        if rec.get("kind") == "openai_batch":  # POST /v1/batches: actors/jobs/batch_runner.py
+            await BatchRunner(self.kv, self.obj, self._one, self.batch_concurrency).run(rec)
             return
         now = time.time()
         rec = await store.update_job(self.kv, tenant, job_id, lambda r: store.begin(r, now))

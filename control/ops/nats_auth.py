@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 INTERNAL_USER = "actorserve"
 INTERNAL_PASSWORD_FILE = "nats-internal-password"
 TENANT_PUBLISH = (subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
-                  *subjects.API_RESPONSES_OPS)  # the stored-response operations (get, input_items, delete, cancel)
+                  *subjects.API_RESPONSES_OPS,  # the stored-response operations (get, input_items, delete, cancel)
+                  *subjects.API_FILES_OPS, *subjects.API_BATCHES_OPS)  # OpenAI Files and Batch (docs/batch.md)
 
 
 def tenant_permissions(tenant_id: str) -> dict[str, Any]:

@@ -138,7 +138,8 @@ def _spec() -> dict[str, dict[str, Any]]:
                                                                   RESPONSES_BUCKET),
                          objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,), streams_used=(JOBS_STREAM,)),
             "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
-                          *subjects.API_RESPONSES_OPS, gw_replies, done, any_of(subjects.stats),
+                          *subjects.API_RESPONSES_OPS, *subjects.API_FILES_OPS, *subjects.API_BATCHES_OPS,
+                          gw_replies, done, any_of(subjects.stats),
                           any_of(subjects.gateway_cancel),  # cancel look-ups between gateways
                           subjects.load_of_kind("scheduler")],  # queues and tenant shares (operator dashboard)
             "responses": True,  # reply-subject probes from workers, NATS API request acks

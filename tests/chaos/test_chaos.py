@@ -336,6 +336,46 @@ def test_06_restart_etcd(chaos):
     check(run_phase(chaos, "etcd", lambda: kill(chaos, chaos.sup.stack.etcd.pid, "etcd")))
 
 
+def test_07_batch_survives_killed_jobs_actor_and_worker(chaos):
+    """Issue [27]: kill -9 the jobs actor and a busy worker during a 200-line OpenAI batch (max_tokens 16): the
+    batch completes and every line ends exactly once in the output or the error file, none twice."""
+    import collections
+    import io
+    import json
+
+    import openai
+
+    c = openai.OpenAI(base_url=chaos.urls[0] + "/v1", api_key=chaos.key, timeout=60, max_retries=5)
+    lines = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"line {i}"}], "max_tokens": 16}}
+             for i in range(200)]
+    f = c.files.create(file=("chaos.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                       purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    t_end = time.monotonic() + 120
+    while (cur := c.batches.retrieve(b.id)).request_counts.completed < 20:  # lines are running
+        assert cur.status in ("validating", "in_progress") and time.monotonic() < t_end, cur
+        time.sleep(0.2)
+    notes = [kill(chaos, chaos.sup.actor("jobs-0").pid, "jobs-0")]
+    wid = asyncio.run(_busy_worker(chaos))
+    notes.append(kill(chaos, chaos.sup.actor(wid).pid, wid))
+    print(f"batch {b.id}: {'; '.join(notes)} at {cur.request_counts.completed} of 200 lines")
+    t_end = time.monotonic() + 300
+    while (cur := c.batches.retrieve(b.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < t_end, f"batch not finished after 300 s: {cur}"
+        time.sleep(0.5)
+    assert cur.status == "completed" and cur.request_counts.total == 200, cur
+    written = []
+    for fid in (cur.output_file_id, cur.error_file_id):
+        if fid:
+            written += [json.loads(x)["custom_id"] for x in c.files.content(fid).text.splitlines() if x.strip()]
+    twice = [k for k, n in collections.Counter(written).items() if n > 1]
+    assert not twice, f"lines written twice: {twice[:10]}"
+    assert sorted(written) == sorted(x["custom_id"] for x in lines)
+    assert cur.request_counts.completed + cur.request_counts.failed == 200
+    wait_steady(chaos)
+
+
 def test_99_totals(chaos):
     """Over every phase that ran: nothing hung, no non-retryable failure, no lost job."""
     t = report.totals(report.RESULTS)
