@@ -181,7 +181,7 @@ class SchedulerLoad:
         dashboard shows them, gateway/dashboard_data.py)."""
         svc = self.svc
         shares = svc.ledger.shares(now)
-        weights = {t: svc.weights.get(t, 1.0) for t in svc._active_tenants()}
+        weights = {t: svc.weights.get(t, 1.0) for t in svc.fair.active_tenants()}
         rows = [[t, round(min(1.0, shares.get(t, 0.0)), 4), round(min(1.0, weight_share(t, weights)), 4)]
                 for t in {*shares, *weights}]
         rows.sort(key=lambda r: (-max(r[1], r[2]), r[0]))

@@ -17,13 +17,12 @@ from dataclasses import dataclass, replace
 import orjson
 
 from actors.aio import wait_event
-from actors.metrics import LabelLimiter
 from actors.recent import RecentIds
 from actors.scheduler.load import SchedulerLoad
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig, service_tokens)
 from actors.scheduler.policy import ThroughputMeter, WorkerTable
-from actors.scheduler.sharing import FairShareMixin
+from actors.scheduler.sharing import FairShare, FairShareConfig
 from actors.scheduler.vtc import (OutputLengthModel, ServiceLedger, ServiceTimeCalibration, cannot_finish,
                                   predict_service_s, slot_wait_s)
 from actors.cache_salt import cache_salt, cache_scope
@@ -77,8 +76,9 @@ def cost_of(req: GenerateRequest, lengths: OutputLengthModel | None = None) -> f
     return service_tokens(len(req.prompt_token_ids), out)
 
 
-class SchedulerService(FairShareMixin):
-    """Runs the FCFS policy for one model version over a Bus."""
+class SchedulerService:
+    """Runs the fair-share policy for one model version over a Bus (its fair-share state and decisions:
+    ``self.fair``, actors/scheduler/sharing.py)."""
 
     def __init__(self, bus: Bus, config: SchedulerConfig, journal: Journal | None = None) -> None:
         self.bus, self.cfg = bus, config
@@ -93,8 +93,6 @@ class SchedulerService(FairShareMixin):
         self._charged: dict[str, float] = {}  # request id -> cost charged to its tenant at push (tokens)
         self.calibration = ServiceTimeCalibration()  # actual / predicted service time of finished requests
         self._eta: dict[str, tuple[float, float]] = {}  # dispatched request id -> (dispatch epoch s, predicted s)
-        self._labels = LabelLimiter()  # bounded tenant label values of the service metrics
-        self._seen: dict[str, float] = {}  # tenant -> last submit (monotonic s)
         self.prefixes = PrefixIndex()  # which worker holds which prompt prefix (affinity routing)
         self._rng = random.Random(0)
         self.table = WorkerTable(config.credit_stale_s)
@@ -107,7 +105,8 @@ class SchedulerService(FairShareMixin):
         self._tasks: list[asyncio.Task] = []
         self.num_dispatched = 0
         self.num_preemptions = 0  # dispatches that displaced (preempted) another tenant's running request
-        self._preempted: set[str] = set()  # requests preempted on their worker and not done yet
+        self.fair = FairShare(FairShareConfig(f"{config.name}@{config.version}", config.fcfs, config.preemption,
+                                              config.urgent, config.tenant_active_s, config.headroom_fraction), self)
         self.load = SchedulerLoad(self)  # load report + scale-from-zero hold (actors/scheduler/load.py)
 
     async def start(self) -> None:
@@ -189,7 +188,7 @@ class SchedulerService(FairShareMixin):
         the others with a retryable in-band 503 ``worker_lost``. Returns the re-queued ones."""
         redo = []
         for rid, started in lost.items():
-            self._preempted.discard(rid)
+            self.fair.ended(rid)
             self._eta.pop(rid, None)
             req = self.requests.pop(rid, None)
             if req is None:
@@ -253,7 +252,7 @@ class SchedulerService(FairShareMixin):
         self._push(req)
         self._taken.add(req.request_id, req.marks.get("validate_out"))
         self._traces.put(req.request_id, tracing.current())  # the validator's span (bus hook); None when off
-        self._seen[req.tenant] = time.monotonic()
+        self.fair.submitted(req.tenant)
         await self._ack(msg, True)
         self._kick.set()
 
@@ -328,9 +327,7 @@ class SchedulerService(FairShareMixin):
         if c.worker_id in self.table.workers:
             self.ledger.add_heartbeat(now, c.served)
         if c.worker_id in self.table.workers:  # victims that run again may be chosen again
-            held = self.table.workers[c.worker_id].inflight
-            if c.num_waiting == 0 or isinstance(c.paused, list):  # a worker that does not list them: when none waits
-                self._preempted.difference_update(set(held) - set(c.paused or ()))
+            self.fair.running_again(self.table.workers[c.worker_id].inflight, c.num_waiting, c.paused)
         if c.free_slots > 0:
             self._kick.set()
 
@@ -347,7 +344,7 @@ class SchedulerService(FairShareMixin):
         self.table.on_done(rec.request_id, rec.ts)
         if rec.ts:
             self._kick.set()  # a slot may be free now
-        self._preempted.discard(rec.request_id)
+        self.fair.ended(rec.request_id)
         self._traces.pop(rec.request_id)
         req = self.requests.pop(rec.request_id, None)
         served = service_tokens(rec.prompt_tokens, rec.completion_tokens)
@@ -393,7 +390,7 @@ class SchedulerService(FairShareMixin):
 
     async def _dispatch_head(self) -> bool:
         """Dispatch the head request if a worker can take it; False when nothing was done."""
-        skip = self._tenants_at_cap()
+        skip = self.fair.tenants_at_cap()
         head = self.queue.peek_item(skip)
         if head is None:
             return False
@@ -408,24 +405,32 @@ class SchedulerService(FairShareMixin):
             if self.table.fits_nowhere(num_prompt, time.monotonic()):
                 await self._refuse_oversized(self.queue.pop(skip).item)
                 return True
-            worker, victim = self._displace(head)
+            worker, victim = self.fair.displace(head)
             if worker is None:
                 return False
         req = self.queue.pop(skip).item
-        urgent = bool(victim) or self._urgent(req, worker.worker_id)
+        urgent = bool(victim) or self.fair.urgent(req, worker.worker_id)
         worker.take(req.request_id, num_prompt)
         if not await self._send(worker.worker_id, req, victim, urgent):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
             if victim:  # refused: the victim is not running there (paused or not admitted yet); the next
-                self._preempted.add(victim)  # pass tries another at once (each refusal excludes one: no spin)
+                self.fair.preempted(victim)  # pass tries another at once (each refusal excludes one: no spin)
             return True
         self.prefixes.record(hashes, worker.worker_id)
         if victim:
             self.num_preemptions += 1
-            self._preempted.add(victim)
+            self.fair.preempted(victim)
             log.info("dispatched %s (tenant %s) preempting %s", req.request_id, req.tenant, victim)
         return True
+
+    def service_rows(self) -> list[tuple[int, dict]]:
+        """(tokens, labels) per tenant and kind for ``actorserve_tenant_service_tokens_total`` (``FairShare``)."""
+        return self.fair.service_rows()
+
+    def share_rows(self) -> tuple[list[tuple[float, dict]], list[tuple[float, dict]]]:
+        """(service share rows, weight share rows) per tenant (``FairShare.share_rows``)."""
+        return self.fair.share_rows()
 
     def cache_salt(self, req: GenerateRequest) -> bytes:
         """The request's prefix-cache salt, derived here from its version, tenant (or the tenant's cache-sharing
