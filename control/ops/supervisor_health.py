@@ -54,8 +54,8 @@ class HealthMonitor:
         """Block until every gateway's ``GET /readyz`` answers 200.
 
         Raises SupervisorError (with the tail of its log) if an actor exits meanwhile, if
-        ``timeout`` seconds pass, or if :meth:`request_stop` is called. Does not stop anything
-        itself: call :meth:`stop`. Afterwards dead actors are restarted (when ``supervise``).
+        ``timeout`` seconds pass, or if ``stop_requested`` is set. Does not stop anything itself (the
+        supervisor's ``stop`` does). Afterwards :meth:`run` restarts dead actors (when ``supervise``).
         """
         deadline = time.monotonic() + timeout
         echo = self._echo_source() if self.cfg.echo_worker_log else None
