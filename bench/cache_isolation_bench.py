@@ -80,9 +80,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the stack, make tenants a and b, run the trials; the report."""
     from bench.fairness_stack import setup_tenants
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     with tempfile.TemporaryDirectory() as state:
-        sup = Supervisor(Path(state), port=0, supervise=False, actor_args={"worker": list(args.worker_arg)})
+        sup = Supervisor(StackConfig(Path(state), port=0, supervise=False,
+                                     actor_args={"worker": list(args.worker_arg)}))
         sup.start()
         try:
             sup.wait_ready(timeout=240)

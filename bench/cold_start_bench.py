@@ -64,7 +64,7 @@ def first_token_s(url: str, key: str, model: str, timeout_s: float = 180.0) -> f
 
 def register(sup, version: str) -> float:
     """``actorserve models register`` version ``version`` of the stack's model; monotonic s of its return."""
-    cmd = [sys.executable, "-m", "control.ops.cli", "models", "register", sup.model_name, version,
+    cmd = [sys.executable, "-m", "control.ops.cli", "models", "register", sup.cfg.model_name, version,
            "--artifact", str(sup.manifest["artifact"]), "--state-dir", str(sup.state_dir)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
@@ -80,7 +80,7 @@ def worker_load(sup, version: str) -> dict[str, Any]:
 
     async def read() -> dict:
         async with Registry.connect(sup.etcd_url, timeout=5) as reg:
-            return next(iter((await reg.list_workers(sup.model_name, version)).values()), {})
+            return next(iter((await reg.list_workers(sup.cfg.model_name, version)).values()), {})
     rec = asyncio.run(read())
     return {"load_phases": rec.get("load_phases"), "load_s": rec.get("load_s"), "memory": rec.get("memory")}
 
@@ -107,13 +107,15 @@ def host_rows(sup) -> list[dict]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the stack, time the cold then the warm version; the report."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         kernel_caches(cache)
-        sup = Supervisor(Path(tmp) / "state", port=0, supervise=True, env={"ACTORSERVE_CACHE_DIR": str(cache)},
-                         actor_args={"worker": ["--no-progress", *args.worker_arg]},
-                         multi_model=args.multi_model)
+        sup = Supervisor(StackConfig(Path(tmp) / "state", port=0, supervise=True,
+                                     env={"ACTORSERVE_CACHE_DIR": str(cache)},
+                                     actor_args={"worker": ["--no-progress", *args.worker_arg]},
+                                     multi_model=args.multi_model))
         sup.start()
         try:
             sup.wait_ready(timeout=300)
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if kind == "cold":
                     shutil.rmtree(cache / "weights", ignore_errors=True)
                 t0 = register(sup, version)
-                took = first_token_s(url, key, f"{sup.model_name}@{version}") - t0
+                took = first_token_s(url, key, f"{sup.cfg.model_name}@{version}") - t0
                 out[kind] = {"version": version, "edit_to_first_token_s": round(took, 3),
                              "target_s": TARGETS_S[kind], "met": took <= TARGETS_S[kind], **worker_load(sup, version)}
             hosts = host_rows(sup) if args.multi_model else []

@@ -84,6 +84,7 @@ def served(url: str, key: str, model: str, timeout_s: float = 300) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from control.ops.supervisor import DEFAULT_MODEL_NAME, Supervisor
+    from control.ops.stack_config import StackConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
@@ -97,8 +98,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert w_default + w_other + 2 * FLOOR > budget, "the budget would hold both"
         worker = ["--no-progress", "--memory-budget-bytes", str(budget), "--kv-floor-bytes", str(FLOOR),
                   "--kv-cache-bytes", str(FLOOR), "--max-loras", "0"]
-        sup = Supervisor(Path(tmp) / "state", port=0, supervise=True, env={"ACTORSERVE_CACHE_DIR": str(cache)},
-                         actor_args={"worker": worker}, multi_model=True)
+        sup = Supervisor(StackConfig(Path(tmp) / "state", port=0, supervise=True,
+                                     env={"ACTORSERVE_CACHE_DIR": str(cache)},
+                                     actor_args={"worker": worker}, multi_model=True))
         sup.start()
         try:
             sup.wait_ready(timeout=300)

@@ -347,12 +347,13 @@ PHASE_FUNCS = {"capacity": phase_capacity, "solo": phase_solo, "fair": phase_fai
 def run(args: argparse.Namespace) -> dict:
     """Run the selected phases (``args.phases``, in ``PHASES`` order); returns the JSON result dict."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     t_start = time.monotonic()
     phases = ["capacity"] + [p for p in PHASES if p in set(args.phases.split(",")) and p != "capacity"]
     state = Path(args.state_dir)
-    sup = Supervisor(state, port=0, supervise=False,
-                     actor_args={"worker": ["--max-num-seqs", str(args.slots), "--dtype", args.dtype]})
+    sup = Supervisor(StackConfig(state, port=0, supervise=False,
+                                 actor_args={"worker": ["--max-num-seqs", str(args.slots), "--dtype", args.dtype]}))
     sup.start()
     ctx = None
     try:

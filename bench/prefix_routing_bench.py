@@ -66,10 +66,11 @@ async def send_all(url: str, key: str, prompts: list, concurrency: int) -> int:
 def measure(args: argparse.Namespace, routing: str, prompts: list, state: Path) -> float:
     """Hit rate of one routing policy on a fresh stack."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
-    sup = Supervisor(state / routing, port=0, workers=2, model_file=args.model_file, model_name="bench",
-                     supervise=False, actor_args={"scheduler": ["--routing", routing],
-                                                  "worker": ["--no-progress", "--kv-cache-bytes", str(args.kv_bytes)]})
+    sup = Supervisor(StackConfig(state / routing, port=0, workers=2, model_file=args.model_file, model_name="bench",
+                                 supervise=False, actor_args={"scheduler": ["--routing", routing],
+                                                  "worker": ["--no-progress", "--kv-cache-bytes", str(args.kv_bytes)]}))
     sup.start()
     try:
         sup.wait_ready(timeout=180)

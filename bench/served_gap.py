@@ -101,17 +101,19 @@ def served(dtype: str, quantization: str, levels: tuple[int, ...], gen: int, wor
            extra_args: list[str]) -> dict[str, float]:
     """{str(n): aggregate streamed tok/s} through a fresh stack (see module docstring)."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     with tempfile.TemporaryDirectory(prefix="served-gap-") as state:
-        sup = Supervisor(state, port=0, supervise=False, env=worker_env or None,
-                         actor_args={"worker": ["--dtype", dtype, "--quantization", quantization, *extra_args]})
+        sup = Supervisor(StackConfig(state, port=0, supervise=False, env=worker_env or None,
+                                     actor_args={"worker": ["--dtype", dtype, "--quantization", quantization,
+                                                            *extra_args]}))
         sup.start()
         try:
             sup.wait_ready(timeout=300)
             url, rng, out = sup.http_url + "/v1/chat/completions", random.Random(1), {}
             for n in levels:
-                asyncio.run(_level(url, sup.dev_api_key, sup.model_name, n, 4, rng))  # warm-up
-                out[str(n)] = round(asyncio.run(_level(url, sup.dev_api_key, sup.model_name, n, gen, rng)), 1)
+                asyncio.run(_level(url, sup.dev_api_key, sup.cfg.model_name, n, 4, rng))  # warm-up
+                out[str(n)] = round(asyncio.run(_level(url, sup.dev_api_key, sup.cfg.model_name, n, gen, rng)), 1)
                 print(f"  served  n={n}: {out[str(n)]:.1f} tok/s", flush=True)
         finally:
             sup.stop()

@@ -244,9 +244,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from bench.fairness_stack import MODEL, setup_tenants
     from bench.fairness_workload import Workload
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
-    sup = Supervisor(Path(args.state_dir), port=0, supervise=False,
-                     actor_args={"worker": ["--max-num-seqs", str(args.slots), "--dtype", args.dtype]})
+    sup = Supervisor(StackConfig(Path(args.state_dir), port=0, supervise=False,
+                                 actor_args={"worker": ["--max-num-seqs", str(args.slots), "--dtype", args.dtype]}))
     sup.start()
     res: dict[str, Any] = {"loadavg_1m_start": _load()}
     cpu0 = cpu_times()

@@ -186,7 +186,7 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
                       orjson.dumps({"scheduler_id": sid, "ts": time.time(), "recovered": recovered}))
     log.info("scheduler %s active for %s@%s (recovered %d queued requests)", sid, ref.name, ref.version, recovered)
     from actors.scheduler.host_ask import follow_hosts
-    svc._tasks.append(asyncio.create_task(follow_hosts(reg, bus, svc, ref.name, ref.version)))  # stopped by svc.stop()
+    svc.run_alongside(follow_hosts(reg, bus, svc, ref.name, ref.version))  # stopped by svc.stop()
     sync = asyncio.create_task(sync_workers(reg, svc, ref.name, ref.version))
     guard = asyncio.create_task(hold_leadership(reg, held, key, info, args.lease_ttl))
     stood_down = False

@@ -28,7 +28,7 @@ import logging
 import re
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 from actors.aio import cancel_tasks
 from actors.load_report import LoadReporter, new_actor_id
@@ -75,11 +75,27 @@ def cold_start_refusal(deadline: float, now: float, own_s: float, cold_start_lef
     return bool(deadline) and deadline - now - max(0.0, own_s) < max(0.0, cold_start_left_s)
 
 
-class SchedulerLoad:
-    """Load figures and the cold-start hold of one :class:`~actors.scheduler.service.SchedulerService`
-    (``svc``: read only -- its queue, worker table, output-length model, ledger, config)."""
+class LoadHost(Protocol):
+    """What the load report and the cold-start hold read of their scheduler (``SchedulerService``
+    implements it; read only)."""
 
-    def __init__(self, svc, *, cold_start_s: float = DEFAULT_COLD_START_S, period_s: float = 1.0) -> None:
+    bus: Any
+    cfg: Any  # SchedulerConfig (scheduler_id, name, version)
+    queue: Any  # FairQueue of queued requests
+    table: Any  # WorkerTable
+    lengths: Any  # OutputLengthModel
+    ledger: Any  # ServiceLedger: tokens served per tenant
+    weights: dict[str, float]  # tenant -> fair-share weight
+    fair: Any  # FairShare (active_tenants)
+
+    def own_service_s(self, req: GenerateRequest, calibrated: bool = True) -> float:
+        """Predicted seconds ``req`` spends on a worker."""
+
+
+class SchedulerLoad:
+    """Load figures and the cold-start hold of one scheduler (``svc``, through :class:`LoadHost`)."""
+
+    def __init__(self, svc: LoadHost, *, cold_start_s: float = DEFAULT_COLD_START_S, period_s: float = 1.0) -> None:
         if not cold_start_s > 0:
             raise ValueError("cold_start_s must be > 0")
         self.svc = svc
@@ -145,7 +161,7 @@ class SchedulerLoad:
         if not self.scale_to_zero or now - self.started < TERM_GRACE_S:
             return None
         left = self.cold_start_left_s(now)
-        if not cold_start_refusal(req.deadline, wall, self.svc._own_service_s(req), left):
+        if not cold_start_refusal(req.deadline, wall, self.svc.own_service_s(req), left):
             return None
         self.refused += 1
         return error_dict(503, f"model {req.model_ref} has no running worker and one cannot start before the "
@@ -181,7 +197,7 @@ class SchedulerLoad:
         dashboard shows them, gateway/dashboard_data.py)."""
         svc = self.svc
         shares = svc.ledger.shares(now)
-        weights = {t: svc.weights.get(t, 1.0) for t in svc._active_tenants()}
+        weights = {t: svc.weights.get(t, 1.0) for t in svc.fair.active_tenants()}
         rows = [[t, round(min(1.0, shares.get(t, 0.0)), 4), round(min(1.0, weight_share(t, weights)), 4)]
                 for t in {*shares, *weights}]
         rows.sort(key=lambda r: (-max(r[1], r[2]), r[0]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any, Protocol
 
 from bus.messages import GenerateRequest, error_dict
 
@@ -28,9 +29,22 @@ POLL_S = 0.05  # retry period of a placement while every other worker is full (s
 _tasks: set[asyncio.Task] = set()  # running placements (kept referenced until done)
 
 
-def start(svc, msg, req: GenerateRequest) -> None:
-    """Place the migrated ``req`` (submitted on ``msg``) in the background (see module docstring);
-    ``svc`` is the SchedulerService."""
+class ResumeHost(Protocol):
+    """What placing a migrated sequence uses of its scheduler (``SchedulerService`` implements it)."""
+
+    cfg: Any  # SchedulerConfig (retry_after_s)
+    table: Any  # WorkerTable: the workers, their in-flight requests, pick / on_refused
+    requests: dict[str, GenerateRequest]  # dispatched, not done
+
+    async def dispatch(self, worker_id: str, req: GenerateRequest, preempt: str = "", urgent: bool = False) -> bool:
+        """Send ``req`` to ``worker_id``; True when it accepted."""
+
+    async def ack(self, msg: Any, ok: bool, error: dict | None = None) -> None:
+        """Answer the hand-over on ``msg``."""
+
+
+def start(svc: ResumeHost, msg, req: GenerateRequest) -> None:
+    """Place the migrated ``req`` (submitted on ``msg``) in the background (see module docstring)."""
     t = asyncio.create_task(handle(svc, msg, req))
     _tasks.add(t)
     t.add_done_callback(_tasks.discard)
@@ -46,7 +60,7 @@ def resumed_tokens(req: GenerateRequest) -> int:
     return len(req.prompt_token_ids) + len((req.resume or {}).get("output_ids") or ())
 
 
-async def handle(svc, msg, req: GenerateRequest) -> None:
+async def handle(svc: ResumeHost, msg, req: GenerateRequest) -> None:
     """Take ``req`` out of its giver's in-flight table, dispatch it elsewhere, answer the giver."""
     rid, giver_id = req.request_id, giver_of(req)
     giver = svc.table.workers.get(giver_id)
@@ -63,21 +77,21 @@ async def handle(svc, msg, req: GenerateRequest) -> None:
             svc.requests[rid] = held
         log.warning("migration of %s from %s: no other worker took it within %.1f s", rid, giver_id,
                     time.monotonic() - t0)
-        return await svc._ack(msg, False, error_dict(503, "no other worker of this version can take the sequence",
-                                                     type_="unavailable", code="no_worker_for_migration",
-                                                     retryable=True, retry_after=svc.cfg.retry_after_s))
+        return await svc.ack(msg, False, error_dict(503, "no other worker of this version can take the sequence",
+                                                    type_="unavailable", code="no_worker_for_migration",
+                                                    retryable=True, retry_after=svc.cfg.retry_after_s))
     log.info("migrated %s from %s to %s (placed in %.0f ms)", rid, giver_id, target,
              (time.monotonic() - t0) * 1e3)
-    await svc._ack(msg, True)
+    await svc.ack(msg, True)
 
 
-def others_alive(svc, giver_id: str, now: float) -> bool:
+def others_alive(svc: ResumeHost, giver_id: str, now: float) -> bool:
     """True when a worker other than the giver is leased, not draining and heartbeating."""
     return any(w.worker_id != giver_id and w.leased and not w.draining
                and now - w.last_credit_ts <= svc.table.stale_after_s for w in svc.table.workers.values())
 
 
-async def place(svc, req: GenerateRequest, giver_id: str) -> str | None:
+async def place(svc: ResumeHost, req: GenerateRequest, giver_id: str) -> str | None:
     """Dispatch ``req`` to a worker other than ``giver_id`` within PLACE_S s; its id, or None."""
     rid, n = req.request_id, resumed_tokens(req)
     t_end = time.monotonic() + PLACE_S
@@ -87,7 +101,7 @@ async def place(svc, req: GenerateRequest, giver_id: str) -> str | None:
         if w is not None and w.worker_id != giver_id:
             w.take(rid, n)
             w.inflight[rid] = True  # it has streamed: a loss of this worker must not restart it from scratch
-            if await svc._send(w.worker_id, req, "", True):
+            if await svc.dispatch(w.worker_id, req, "", True):
                 return w.worker_id
             svc.table.on_refused(w.worker_id, rid)
         elif not others_alive(svc, giver_id, now):

@@ -17,13 +17,12 @@ from dataclasses import dataclass, replace
 import orjson
 
 from actors.aio import wait_event
-from actors.metrics import LabelLimiter
 from actors.recent import RecentIds
 from actors.scheduler.load import SchedulerLoad
 from actors.scheduler.fair_queue import (ADMITTED, DEADLINE_UNMEETABLE, QUEUE_FULL_TENANT, FairQueue,
                                          FairQueueConfig, service_tokens)
 from actors.scheduler.policy import ThroughputMeter, WorkerTable
-from actors.scheduler.sharing import FairShareMixin
+from actors.scheduler.sharing import FairShare, FairShareConfig
 from actors.scheduler.vtc import (OutputLengthModel, ServiceLedger, ServiceTimeCalibration, cannot_finish,
                                   predict_service_s, slot_wait_s)
 from actors.cache_salt import cache_salt, cache_scope
@@ -77,8 +76,9 @@ def cost_of(req: GenerateRequest, lengths: OutputLengthModel | None = None) -> f
     return service_tokens(len(req.prompt_token_ids), out)
 
 
-class SchedulerService(FairShareMixin):
-    """Runs the FCFS policy for one model version over a Bus."""
+class SchedulerService:
+    """Runs the fair-share policy for one model version over a Bus (its fair-share state and decisions:
+    ``self.fair``, actors/scheduler/sharing.py)."""
 
     def __init__(self, bus: Bus, config: SchedulerConfig, journal: Journal | None = None) -> None:
         self.bus, self.cfg = bus, config
@@ -93,8 +93,6 @@ class SchedulerService(FairShareMixin):
         self._charged: dict[str, float] = {}  # request id -> cost charged to its tenant at push (tokens)
         self.calibration = ServiceTimeCalibration()  # actual / predicted service time of finished requests
         self._eta: dict[str, tuple[float, float]] = {}  # dispatched request id -> (dispatch epoch s, predicted s)
-        self._labels = LabelLimiter()  # bounded tenant label values of the service metrics
-        self._seen: dict[str, float] = {}  # tenant -> last submit (monotonic s)
         self.prefixes = PrefixIndex()  # which worker holds which prompt prefix (affinity routing)
         self._rng = random.Random(0)
         self.table = WorkerTable(config.credit_stale_s)
@@ -107,7 +105,8 @@ class SchedulerService(FairShareMixin):
         self._tasks: list[asyncio.Task] = []
         self.num_dispatched = 0
         self.num_preemptions = 0  # dispatches that displaced (preempted) another tenant's running request
-        self._preempted: set[str] = set()  # requests preempted on their worker and not done yet
+        self.fair = FairShare(FairShareConfig(f"{config.name}@{config.version}", config.fcfs, config.preemption,
+                                              config.urgent, config.tenant_active_s, config.headroom_fraction), self)
         self.load = SchedulerLoad(self)  # load report + scale-from-zero hold (actors/scheduler/load.py)
 
     async def start(self) -> None:
@@ -189,7 +188,7 @@ class SchedulerService(FairShareMixin):
         the others with a retryable in-band 503 ``worker_lost``. Returns the re-queued ones."""
         redo = []
         for rid, started in lost.items():
-            self._preempted.discard(rid)
+            self.fair.ended(rid)
             self._eta.pop(rid, None)
             req = self.requests.pop(rid, None)
             if req is None:
@@ -213,48 +212,48 @@ class SchedulerService(FairShareMixin):
             if req.resume is None:
                 raise ValueError("a migrated request must carry resume")
         except ValueError as exc:
-            return await self._ack(msg, False, error_dict(400, str(exc), param="resume"))
+            return await self.ack(msg, False, error_dict(400, str(exc), param="resume"))
         resume.start(self, msg, req)
 
     async def _on_submit(self, msg: Msg) -> None:
         try:
             req = GenerateRequest.decode(msg.data)
         except ValueError as exc:
-            return await self._ack(msg, False, error_dict(400, str(exc)))
+            return await self.ack(msg, False, error_dict(400, str(exc)))
         if req.resume is not None:  # only workers hand over sequences, on their own subject
-            return await self._ack(msg, False, error_dict(400, "resume is accepted only on the migrate subject",
+            return await self.ack(msg, False, error_dict(400, "resume is accepted only on the migrate subject",
                                                           param="resume"))
         if self._known(req):  # a validator's retry after an ack it did not hear: taken once
-            return await self._ack(msg, True)
+            return await self.ack(msg, True)
         if self._early_cancels.pop(req.request_id) is not None:  # cancelled on its way here: never queue it
-            await self._ack(msg, True)
+            await self.ack(msg, True)
             return await self._fail(req, 499, "request cancelled before it was queued", "cancelled",
                                     retryable=False)
         if (cold := self.load.on_submit(req)) is not None:  # no worker, and no cold start fits its deadline
-            return await self._ack(msg, False, cold)
+            return await self.ack(msg, False, cold)
         cost, rate, weight = cost_of(req, self.lengths), self.meter.tokens_per_s(time.monotonic()), \
             self.weights.get(req.tenant, 1.0)
         verdict = self.queue.can_admit(req.tenant, req.priority, cost, req.deadline, time.time(), rate, weight,
-                                       self._slot_wait_s() + self._own_service_s(req))
+                                       self._slot_wait_s() + self.own_service_s(req))
         if verdict != ADMITTED:
             err = self._refusal(verdict)
             if verdict == DEADLINE_UNMEETABLE:  # hints that let the gateway refuse the next ones (gateway/shed.py)
                 err.update(queue_clear_at=time.time() + self.queue.wait_s(req.priority, req.tenant, weight, cost, rate),
                            decode_step_s=self.table.speed(time.monotonic())[0] / 1e3)
-            return await self._ack(msg, False, err)
+            return await self.ack(msg, False, err)
         req = replace(req, marks={**req.marks, "sched_in": time.time()})
         try:
             await self.journal.append(req)
         except Exception as exc:  # no durable record: refuse rather than accept what a failover would lose
             log.warning("journal append failed: %s", exc)
-            return await self._ack(msg, False, error_dict(503, "the scheduler cannot persist requests right now",
+            return await self.ack(msg, False, error_dict(503, "the scheduler cannot persist requests right now",
                                                           type_="unavailable", code="journal_unavailable",
                                                           retryable=True, retry_after=self.cfg.retry_after_s))
         self._push(req)
         self._taken.add(req.request_id, req.marks.get("validate_out"))
         self._traces.put(req.request_id, tracing.current())  # the validator's span (bus hook); None when off
-        self._seen[req.tenant] = time.monotonic()
-        await self._ack(msg, True)
+        self.fair.submitted(req.tenant)
+        await self.ack(msg, True)
         self._kick.set()
 
     def _known(self, req: GenerateRequest) -> bool:
@@ -285,7 +284,7 @@ class SchedulerService(FairShareMixin):
         self.queue.push(req.request_id, req.tenant, self.weights.get(req.tenant, 1.0), req.priority,
                         cost, req.deadline, req, front=front)
 
-    def _own_service_s(self, req: GenerateRequest, calibrated: bool = True) -> float:
+    def own_service_s(self, req: GenerateRequest, calibrated: bool = True) -> float:
         """Predicted seconds ``req`` spends on a worker (prefill + decode at the workers' measured speed),
         plus the measured margin of actual over predicted unless ``calibrated`` is False (or nothing is
         predicted: no measured speed yet)."""
@@ -313,7 +312,8 @@ class SchedulerService(FairShareMixin):
         return error_dict(503, "the model's queue is full; retry later", type_="overloaded", code="queue_full",
                           retryable=True, retry_after=self.cfg.retry_after_s)
 
-    async def _ack(self, msg: Msg, ok: bool, error: dict | None = None) -> None:
+    async def ack(self, msg: Msg, ok: bool, error: dict | None = None) -> None:
+        """Answer a submit (or a hand-over) on ``msg``: ``{"accepted": ok, "error": error}``."""
         if msg.reply:
             await msg.respond(orjson.dumps({"accepted": ok, "error": error}))
 
@@ -328,9 +328,7 @@ class SchedulerService(FairShareMixin):
         if c.worker_id in self.table.workers:
             self.ledger.add_heartbeat(now, c.served)
         if c.worker_id in self.table.workers:  # victims that run again may be chosen again
-            held = self.table.workers[c.worker_id].inflight
-            if c.num_waiting == 0 or isinstance(c.paused, list):  # a worker that does not list them: when none waits
-                self._preempted.difference_update(set(held) - set(c.paused or ()))
+            self.fair.running_again(self.table.workers[c.worker_id].inflight, c.num_waiting, c.paused)
         if c.free_slots > 0:
             self._kick.set()
 
@@ -347,7 +345,7 @@ class SchedulerService(FairShareMixin):
         self.table.on_done(rec.request_id, rec.ts)
         if rec.ts:
             self._kick.set()  # a slot may be free now
-        self._preempted.discard(rec.request_id)
+        self.fair.ended(rec.request_id)
         self._traces.pop(rec.request_id)
         req = self.requests.pop(rec.request_id, None)
         served = service_tokens(rec.prompt_tokens, rec.completion_tokens)
@@ -393,11 +391,11 @@ class SchedulerService(FairShareMixin):
 
     async def _dispatch_head(self) -> bool:
         """Dispatch the head request if a worker can take it; False when nothing was done."""
-        skip = self._tenants_at_cap()
+        skip = self.fair.tenants_at_cap()
         head = self.queue.peek_item(skip)
         if head is None:
             return False
-        if cannot_finish(head.deadline, time.time(), self._own_service_s(head)):  # it would be aborted mid-way
+        if cannot_finish(head.deadline, time.time(), self.own_service_s(head)):  # it would be aborted mid-way
             await self._fail(self.queue.pop(skip).item, 503, "the request can no longer finish before its "
                              "deadline at the current load; retry", "deadline_unmeetable")
             return True
@@ -408,24 +406,36 @@ class SchedulerService(FairShareMixin):
             if self.table.fits_nowhere(num_prompt, time.monotonic()):
                 await self._refuse_oversized(self.queue.pop(skip).item)
                 return True
-            worker, victim = self._displace(head)
+            worker, victim = self.fair.displace(head)
             if worker is None:
                 return False
         req = self.queue.pop(skip).item
-        urgent = bool(victim) or self._urgent(req, worker.worker_id)
+        urgent = bool(victim) or self.fair.urgent(req, worker.worker_id)
         worker.take(req.request_id, num_prompt)
-        if not await self._send(worker.worker_id, req, victim, urgent):
+        if not await self.dispatch(worker.worker_id, req, victim, urgent):
             self.table.on_refused(worker.worker_id, req.request_id)
             self._push(req, front=True)
             if victim:  # refused: the victim is not running there (paused or not admitted yet); the next
-                self._preempted.add(victim)  # pass tries another at once (each refusal excludes one: no spin)
+                self.fair.preempted(victim)  # pass tries another at once (each refusal excludes one: no spin)
             return True
         self.prefixes.record(hashes, worker.worker_id)
         if victim:
             self.num_preemptions += 1
-            self._preempted.add(victim)
+            self.fair.preempted(victim)
             log.info("dispatched %s (tenant %s) preempting %s", req.request_id, req.tenant, victim)
         return True
+
+    def service_rows(self) -> list[tuple[int, dict]]:
+        """(tokens, labels) per tenant and kind for ``actorserve_tenant_service_tokens_total`` (``FairShare``)."""
+        return self.fair.service_rows()
+
+    def share_rows(self) -> tuple[list[tuple[float, dict]], list[tuple[float, dict]]]:
+        """(service share rows, weight share rows) per tenant (``FairShare.share_rows``)."""
+        return self.fair.share_rows()
+
+    def run_alongside(self, coro) -> None:
+        """Run ``coro`` as a task of this service: cancelled and awaited by :meth:`stop`."""
+        self._tasks.append(asyncio.create_task(coro))
 
     def cache_salt(self, req: GenerateRequest) -> bytes:
         """The request's prefix-cache salt, derived here from its version, tenant (or the tenant's cache-sharing
@@ -443,7 +453,10 @@ class SchedulerService(FairShareMixin):
         hashes = block_hashes(req.prompt_token_ids, bs, salt=self.cache_salt(req))
         return self.table.pick(n, now, lambda w: self.prefixes.matched_blocks(hashes, w.worker_id)), hashes
 
-    async def _send(self, worker_id: str, req: GenerateRequest, preempt: str = "", urgent: bool = False) -> bool:
+    async def dispatch(self, worker_id: str, req: GenerateRequest, preempt: str = "", urgent: bool = False) -> bool:
+        """Send ``req`` to ``worker_id`` (request-reply, ``dispatch_timeout_s``), displacing ``preempt`` when set,
+        its prefill ``urgent``; True when the worker accepted it (then it counts as dispatched, out of the
+        journal), False on a refusal or a bus error (not raised)."""
         req = replace(req, marks={**req.marks, "dispatch": time.time()}, cache_salt=self.cache_salt(req).hex(),
                       tenant_weight=self.weights.get(req.tenant, 1.0))
         self.requests[req.request_id] = req
@@ -463,7 +476,7 @@ class SchedulerService(FairShareMixin):
         if ok:
             self.num_dispatched += 1
             if req.request_id in self.requests:  # its completion record may have come before this ack (decision 0029)
-                self._eta[req.request_id] = (req.marks["dispatch"], self._own_service_s(req, calibrated=False))
+                self._eta[req.request_id] = (req.marks["dispatch"], self.own_service_s(req, calibrated=False))
             await self.journal.remove(req.request_id)
         else:
             self.requests.pop(req.request_id, None)

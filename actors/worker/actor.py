@@ -294,7 +294,7 @@ async def _drain(holder: list, svc: WorkerService, drain_timeout: float = 10.0) 
     svc.draining = True
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
-            await svc._publish_credits()
+            await svc.publish_credits()
     log.info("draining: revoking lease")
     try:
         async with asyncio.timeout(3.0):

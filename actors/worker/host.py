@@ -124,7 +124,7 @@ class ModelHost:
         while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
             samples.pop(0)
         rate = (total - samples[0][1]) / max(1.0, now - samples[0][0])  # >= 1 s: one short burst is no rate
-        running = len(slot.svc.live) + len(slot.svc._adds)
+        running = len(slot.svc.live) + slot.svc.num_queued
         if running or total != slot.generated:
             self.last_used[ref] = now
         slot.generated = total

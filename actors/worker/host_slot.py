@@ -61,7 +61,7 @@ class Slot:
 
     def idle(self) -> bool:
         """True when nothing runs or waits here (an eviction or a resize may happen now)."""
-        return not self.svc.live and not self.svc._adds and not self.engine.has_unfinished()
+        return not self.svc.live and not self.svc.num_queued and not self.engine.has_unfinished()
 
     def row(self) -> dict:
         """The host record's row of this version."""
@@ -156,7 +156,7 @@ async def pause(slot: Slot) -> None:
     slot.svc.draining = True
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
-            await slot.svc._publish_credits()
+            await slot.svc.publish_credits()
 
 
 async def resume(slot: Slot) -> None:
@@ -164,7 +164,7 @@ async def resume(slot: Slot) -> None:
     slot.svc.draining = False
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
-            await slot.svc._publish_credits()
+            await slot.svc.publish_credits()
 
 
 async def close_slot(slot: Slot, forced: bool, drain_timeout_s: float = 5.0) -> None:

@@ -13,7 +13,7 @@ to its version's scheduler submit subject, request-reply (actors/scheduler/resum
 another worker acknowledged the dispatch). That worker recomputes the KV cache from prompt + generated
 tokens in one prefill (urgent: the next step), replays the detokenizer, stop-string, grammar and
 tool-call parser state through the generated tokens without re-sending their text, and goes on at the
-next chunk seq on the same reply subject, with the same RNG position (``restore_live``). The client
+next chunk seq on the same reply subject, with the same RNG position (``Live.resume``). The client
 sees one gap-free stream; only the worker id changes, and one prefill's latency.
 
 Refused (no other worker took it within the scheduler's bound) or unanswered: the sequence goes back
@@ -29,15 +29,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import orjson
 
-from actors.text.tool_calls import parse_step
-from actors.worker.engine.types import EngineRequest
+from actors.worker.live import Live
 from actors.worker.migration_state import MAX_MIGRATIONS, ResumeState, resume_of
+from actors.worker.outputs import Outbox
 from bus import subjects
-from bus.base import BusError
+from bus.base import Bus, BusError
 from bus.messages import GenerateRequest, error_dict
 
 log = logging.getLogger(__name__)
@@ -66,36 +66,32 @@ def parse_notice(value) -> tuple[float, str]:
     return float(deadline), str(value.get("reason") or "preemption notice")
 
 
-def engine_request(req: GenerateRequest, urgent: bool) -> EngineRequest:
-    """The engine's request for ``req``, with a migrated sequence's tokens and RNG state (ValueError on a
-    malformed ``resume``)."""
-    st = resume_of(req.resume)
-    return EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling, arrival_time=time.monotonic(),
-                         priority=req.priority, tenant=req.tenant, urgent=urgent, tenant_weight=req.tenant_weight,
-                         cache_salt=bytes.fromhex(req.cache_salt), adapter=req.adapter or None,
-                         adapter_path=req.adapter_path,
-                         resumed_output_ids=st.output_ids if st else (), rng_state=st.rng_state if st else None)
+class MigrationHost(Protocol):
+    """What the :class:`Migrator` uses of its worker (``WorkerService`` implements it)."""
 
+    bus: Bus
+    engine: Any  # its ``detach_request(request id) -> (output ids, RNG state) | None`` (optional)
+    worker_id: str
+    live: dict[str, Live]  # requests held (a hand-over takes one out; ``requeue`` puts it back)
+    outbox: Outbox  # where a sequence ended at the notice deadline goes
+    draining: bool  # True: credits say "take no more work"
 
-def restore_live(lv, req: GenerateRequest, texts: list[str] | None) -> None:
-    """Continue a migrated sequence's book-keeping (the worker's ``_Live``): next chunk seq, tokens so far,
-    first-token and arrival times, echo; the tool-call parser replayed through ``texts`` (what the engine
-    replay released per resumed token; their output was sent by the previous worker)."""
-    st = resume_of(req.resume)
-    if st is None:
-        return
-    lv.seq, lv.num_generated, lv.echo_pending = st.seq, len(st.output_ids), st.echo_pending
-    lv.t_in, lv.t_first = st.t_in or lv.t_in, st.t_first
-    lv.handoff = st.t_handoff or time.time()
-    for text in texts or ():
-        parse_step(lv.tools, text, False)
+    async def publish_credits(self) -> None:
+        """Publish the worker's credits now."""
+
+    def wake(self) -> None:
+        """Run the step loop's next iteration now."""
+
+    def requeue(self, lv: Live, req: GenerateRequest) -> None:
+        """Put ``lv`` (its request now ``req``) back into the engine at the next step, urgent."""
 
 
 class Migrator:
-    """Hand-overs of one WorkerService (``svc``): notices, drains, fallbacks, the deadline."""
+    """Hand-overs of one worker (``host``, through :class:`MigrationHost`): notices, drains, fallbacks,
+    the deadline."""
 
-    def __init__(self, svc, config: MigrationConfig | None = None) -> None:
-        self.svc, self.cfg = svc, config or MigrationConfig()
+    def __init__(self, host: MigrationHost, config: MigrationConfig | None = None) -> None:
+        self.host, self.cfg = host, config or MigrationConfig()
         self.deadline = 0.0  # epoch s of the preemption notice (0: none)
         self.reason = ""
         self.wanted = False  # move every sequence at the next step boundary (from ``next_try``)
@@ -110,22 +106,22 @@ class Migrator:
         """A preemption notice: take no more work and move every sequence (see module docstring)."""
         first = not self.deadline
         self.deadline = min(self.deadline, deadline) if self.deadline else deadline
-        self.reason, self.svc.draining = reason, True
+        self.reason, self.host.draining = reason, True
         self.request_all()
         if first:
             log.warning("preemption notice (%s): deadline in %.0f s; moving %d sequences", reason,
-                        deadline - time.time(), len(self.svc.live))
-            self._credits_task = asyncio.get_running_loop().create_task(self.svc._publish_credits())  # kept referenced
+                        deadline - time.time(), len(self.host.live))
+            self._credits_task = asyncio.get_running_loop().create_task(self.host.publish_credits())  # kept referenced
 
     def request_all(self) -> None:
         """Move every sequence held here at the next step boundary."""
         self.wanted, self.next_try = True, 0.0
-        self.svc._wake.set()
+        self.host.wake()
 
     async def evacuate(self, t_end: float) -> int:
         """Drain: when another live worker of the version exists, move the sequences held here and wait
         (until ``t_end``, monotonic s) for the hand-overs. Returns how many moved."""
-        if not self.svc.live or self.peers is None or not await self._has_peer():  # unknown peers: let them finish
+        if not self.host.live or self.peers is None or not await self._has_peer():  # unknown peers: let them finish
             return 0
         before = self.num_out
         self.request_all()
@@ -148,7 +144,7 @@ class Migrator:
         """Step-loop hook: end what is still here at the notice deadline; start due hand-overs."""
         now = time.time()
         if self.deadline and now >= self.deadline:
-            return await self._end_remaining()
+            return self._end_remaining()
         if not self.wanted or now < self.next_try:
             return
         if not await self._has_peer():
@@ -156,7 +152,7 @@ class Migrator:
             self._retry_later(now)
             return
         self.wanted = False  # only now: ``evacuate`` waits while wanted or pending, so never in between
-        for rid, lv in list(self.svc.live.items()):
+        for rid, lv in list(self.host.live.items()):
             if not lv.aborted and rid not in self.pending:
                 self._start_handoff(rid, lv, now)
 
@@ -168,15 +164,15 @@ class Migrator:
         prev = resume_of(lv.req.resume)
         if prev is not None and prev.migrations >= MAX_MIGRATIONS:
             return
-        detach = getattr(self.svc.engine, "detach_request", None)
+        detach = getattr(self.host.engine, "detach_request", None)
         got = detach(rid) if detach is not None else None
         if got is None:  # not in the engine (a test fault holds it): finishes here
             return
         output_ids, rng = got
-        state = ResumeState(self.svc.cfg.worker_id, output_ids, lv.seq, rng, lv.t_in, lv.t_first, lv.echo_pending,
+        state = ResumeState(self.host.worker_id, output_ids, lv.seq, rng, lv.t_in, lv.t_first, lv.echo_pending,
                             (prev.migrations if prev else 0) + 1, now)
         req = replace(lv.req, resume=state.to_json())
-        del self.svc.live[rid]
+        del self.host.live[rid]
         self.pending[rid] = asyncio.create_task(self._handoff(lv, req))
 
     async def _handoff(self, lv, req: GenerateRequest) -> None:
@@ -184,7 +180,7 @@ class Migrator:
         rid = req.request_id
         try:
             try:
-                m = await self.svc.bus.request(subjects.sched_migrate(req.name, req.version), req.encode(),
+                m = await self.host.bus.request(subjects.sched_migrate(req.name, req.version), req.encode(),
                                                self.cfg.handoff_timeout_s)
                 ans = orjson.loads(m.data)
                 ok, why = bool(ans.get("accepted")), (ans.get("error") or {}).get("code", "refused")
@@ -201,30 +197,22 @@ class Migrator:
 
     def _keep(self, lv, req: GenerateRequest) -> None:
         """Put a sequence whose hand-over failed back into this engine (resumed the same way)."""
-        svc, rid = self.svc, req.request_id
         self.num_kept += 1
-        lv.req = req
-        svc.live[rid] = lv
-        svc._urgent.add(rid)
-        svc._adds.append(req)
-        reason = svc._early_cancels.pop(rid)  # a cancel heard while it was away
-        if reason is not None:
-            svc._aborts.append((rid, reason))
+        self.host.requeue(lv, req)
         self._retry_later(time.time())
-        svc._wake.set()
+        self.host.wake()
 
-    async def _end_remaining(self) -> None:
+    def _end_remaining(self) -> None:
         """Notice deadline: end every sequence still here with a retryable 503 (the machine is going away)."""
-        detach = getattr(self.svc.engine, "detach_request", None)
-        for rid, lv in list(self.svc.live.items()):
+        detach = getattr(self.host.engine, "detach_request", None)
+        for rid, lv in list(self.host.live.items()):
             if detach is not None:
                 detach(rid)
             lv.aborted = lv.aborted or "preempted"
             self.num_ended += 1
-            self.svc.num_aborted += 1
-            await self.svc._finish_error(lv, error_dict(
+            self.host.outbox.finish(lv, error_dict(
                 503, f"the worker was preempted ({self.reason}) before the request finished; retry",
-                type_="unavailable", code="worker_preempted", retryable=True, retry_after=1.0))
+                type_="unavailable", code="worker_preempted", retryable=True, retry_after=1.0), aborted=True)
 
     def on_resumed_chunk(self, lv) -> None:
         """First chunk of a sequence resumed here: record its hand-over gap (ms, previous worker's clock)."""

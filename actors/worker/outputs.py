@@ -1,14 +1,23 @@
-"""Pieces of the worker's output path kept out of the service shell (actors/worker/service.py): the
-receiver probe, the OpenAI-shaped logprobs of one engine step and the worker's stats message."""
+"""The worker's output path: the :class:`Outbox` every chunk, completion record and scheduler event of
+a worker goes through (used by the service and the migrator), and its pure pieces: the receiver
+probe, the OpenAI-shaped logprobs of one engine step, usage and timing of a request, the stats message."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from typing import Callable
 
 import orjson
 
+from actors import content_log
+from actors.worker.live import Live
+from bus import subjects, tracing
 from bus.base import Bus, BusError, NoResponders
-from bus.messages import WorkerStats
+from bus.messages import Chunk, CompletionRecord, WorkerStats
+
+log = logging.getLogger(__name__)
 
 
 async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float = 1.0) -> bool:
@@ -62,3 +71,108 @@ def worker_stats(st, cfg, num_finished: int, num_aborted: int, max_cancel_steps:
                        int(x.get("num_constrained_steps", 0)), float(x.get("grammar_compile_ms_total", 0.0)),
                        int(x.get("grammar_cache_hits", 0)), int(x.get("grammar_cache_misses", 0)),
                        dict(x.get("prefix_hits_by_tenant", {})), int(x.get("num_kv_reclaims", 0)))
+
+
+def usage(lv: Live, num_prompt: int, num_cached: int = 0) -> dict:
+    """OpenAI ``usage`` of ``lv`` (token counts) with ``num_prompt`` prompt tokens, ``num_cached`` of them cached."""
+    return {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,
+            "total_tokens": num_prompt + lv.num_generated,
+            "prompt_tokens_details": {"cached_tokens": min(num_prompt, int(num_cached))}}
+
+
+def timing(lv: Live, now: float) -> dict:
+    """Worker part of the timing breakdown of ``lv`` ending at ``now`` (epoch s): validation, queue,
+    prefill, decode (ms)."""
+    m = lv.req.marks
+    t_first = lv.t_first or now
+    return {"validation_ms": max(0.0, (m.get("validate_out", 0.0) - m.get("validate_in", 0.0)) * 1e3),
+            "queue_ms": max(0.0, (lv.t_in - m.get("validate_out", lv.t_in)) * 1e3),
+            "prefill_ms": max(0.0, (t_first - lv.t_in) * 1e3),
+            "decode_ms": max(0.0, (now - t_first) * 1e3)}
+
+
+class Outbox:
+    """The one way out for a worker's outputs: chunks to a request's receiver, completion records,
+    scheduler events. ``send``, ``finish``, ``record`` and ``event`` only collect, in order; ``flush``
+    publishes what was collected (the step loop flushes once per step, so what a flush sends is decided
+    here and nowhere else). A failed publish is logged, never raised.
+
+    ``live`` is the worker's table of held requests (request id -> :class:`Live`): a final chunk takes its
+    request out of it. ``on_resumed(lv)`` is called at the first chunk of a sequence migrated here.
+    """
+
+    def __init__(self, bus: Bus, worker_id: str, live: dict[str, Live],
+                 on_resumed: Callable[[Live], None] | None = None) -> None:
+        self.bus, self.worker_id, self.live, self.on_resumed = bus, worker_id, live, on_resumed
+        self.num_finished = 0  # requests ended (final chunk collected), any reason
+        self.num_aborted = 0  # of those, ended by ``finish(..., aborted=True)``
+        self._queue: list[tuple[str, bytes]] = []  # (subject, payload) collected, not yet published
+
+    def __len__(self) -> int:
+        """Messages collected and not yet flushed."""
+        return len(self._queue)
+
+    def event(self, subject: str, data: bytes) -> None:
+        """Collect a message for ``subject`` (e.g. the scheduler's first-token event)."""
+        self._queue.append((subject, data))
+
+    def send(self, lv: Live, chunk: Chunk) -> None:
+        """Collect ``chunk`` for ``lv``'s receiver and advance its chunk seq; a final chunk ends ``lv``
+        (out of ``live``, counted finished)."""
+        lv.seq += 1
+        if lv.handoff and self.on_resumed is not None:
+            self.on_resumed(lv)  # the hand-over gap of a migrated sequence ends here
+        if chunk.text:
+            content_log.log_content("output", lv.req.request_id, chunk.text)  # ACTORSERVE_LOG_PROMPTS=1 only
+        self._queue.append((lv.req.reply, chunk.encode()))
+        if chunk.final:
+            self.live.pop(lv.req.request_id, None)
+            self.num_finished += 1
+
+    def finish(self, lv: Live, err: dict, status: str = "error", aborted: bool = False) -> None:
+        """End ``lv`` with the error ``err`` (an ``error_dict``): a final ``abort`` chunk and its completion
+        record of ``status``; ``aborted`` counts it in ``num_aborted``."""
+        if aborted:
+            self.num_aborted += 1
+        u = usage(lv, len(lv.req.prompt_token_ids))
+        t = timing(lv, time.time())
+        self.send(lv, Chunk(lv.req.request_id, lv.seq, final=True, finish_reason="abort", usage=u, timing=t,
+                            error=err, model=lv.req.model_ref, worker_id=self.worker_id,
+                            choice_index=lv.req.choice_index))
+        self.record(lv, status, "abort", u, t, err.get("code"))
+
+    def record(self, lv: Live, status: str, reason, usage: dict, timing: dict, code=None) -> None:
+        """Collect ``lv``'s ``CompletionRecord`` (``status``, finish ``reason``, ``usage``, ``timing`` in ms,
+        error ``code``) and record its prefill/decode spans when traced."""
+        rec = CompletionRecord(lv.req.request_id, lv.req.tenant, lv.req.name, lv.req.version, status, reason,
+                               usage["prompt_tokens"], usage["completion_tokens"], timing, lv.req.priority,
+                               code, self.worker_id, time.time(), lv.req.choice_index,
+                               lv.tools.num_calls if lv.tools else 0)
+        if lv.trace is not None:
+            self._record_spans(lv, status, usage, timing)
+        self._queue.append((subjects.done(lv.req.name, lv.req.version), rec.encode()))
+
+    def _record_spans(self, lv: Live, status: str, usage: dict, timing: dict) -> None:
+        """``prefill`` and ``decode`` spans from the measured ``prefill_ms`` / ``decode_ms`` (one engine step
+        serves many requests, so the spans are recorded afterwards with explicit times, not around steps)."""
+        t_first = lv.t_in + timing["prefill_ms"] / 1e3
+        attrs = {"actorserve.request_id": lv.req.request_id, "actorserve.worker_id": self.worker_id,
+                 "actorserve.status": status}
+        tracing.record_span("prefill", lv.t_in, t_first, lv.trace,
+                            {**attrs, "actorserve.prompt_tokens": usage["prompt_tokens"]})
+        tracing.record_span("decode", t_first, t_first + timing["decode_ms"] / 1e3, lv.trace,
+                            {**attrs, "actorserve.completion_tokens": usage["completion_tokens"]})
+
+    async def flush(self) -> int:
+        """Publish everything collected, in order; returns how many messages were published or failed.
+        Cancelled midway: the messages not yet tried stay collected for the next flush."""
+        batch, self._queue = self._queue, []
+        for i, (subject, data) in enumerate(batch):
+            try:
+                await self.bus.publish(subject, data)
+            except BusError as exc:
+                log.warning("publish to %s failed: %s", subject, exc)
+            except asyncio.CancelledError:
+                self._queue[:0] = batch[i + 1:]
+                raise
+        return len(batch)

@@ -4,7 +4,9 @@ Thin shell around an engine with the LLMEngine interface (``add_request``, ``abo
 ``step``, ``stats``, ``credits``, ``has_unfinished``). The engine is mutated only from the step loop
 task: dispatches and cancels are queued and applied between steps, and ``step()`` itself runs on one
 dedicated thread so heartbeats and NATS I/O continue while the forward pass computes; a step's outputs
-are published while the next step computes.
+are collected in the worker's outbox (actors/worker/outputs.py) and flushed once per step, while the next
+step computes. Hand-overs of running sequences (actors/worker/migration.py) see the service through
+``MigrationHost``.
 """
 
 from __future__ import annotations
@@ -17,35 +19,17 @@ from dataclasses import dataclass, field
 
 from actors.aio import wait_event
 from actors.recent import RecentIds
-from actors.text.tool_calls import HermesParser, make_parser, parse_step
+from actors.text.tool_calls import make_parser, parse_step
 from actors.worker.engine.step_rates import served_delta
 from actors.worker.engine.types import StepOutput
-from actors.worker.migration import Migrator, engine_request, restore_live
-from actors.worker.outputs import probe_receiver, step_logprobs, worker_stats
-from actors import content_log
+from actors.worker.live import Live, engine_request
+from actors.worker.migration import Migrator
+from actors.worker.outputs import Outbox, probe_receiver, step_logprobs, timing, usage, worker_stats
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
-from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
-                          WorkerStats, error_dict)
+from bus.messages import Cancel, Chunk, Credits, Dispatch, DispatchAck, GenerateRequest, WorkerStats, error_dict
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Live:
-    """Book-keeping of one request held by this worker."""
-
-    req: GenerateRequest
-    t_in: float  # when the worker accepted it (epoch s)
-    seq: int = 0  # next chunk sequence number
-    num_generated: int = 0  # tokens generated so far
-    t_first: float = 0.0  # first token time (epoch s); 0 until then
-    aborted: str = ""  # abort reason once cancelled
-    echo_pending: bool = True  # completions echo text not yet sent
-    cancel_step: int = -1  # worker step count when a cancel arrived (-1: none)
-    trace: object = None  # trace context of the dispatch (the scheduler's queue span); None when tracing is off
-    tools: HermesParser | None = None  # tool-call parser of the output (GenerateRequest.tool_parser)
-    handoff: float = 0.0  # a migrated sequence: when its previous worker gave it up (epoch s) until its next chunk
 
 
 @dataclass
@@ -76,7 +60,7 @@ class WorkerService:
         self.bus, self.engine, self.cfg = bus, engine, config
         self.faults = faults  # test-only FaultInjector (actors/worker/faults.py), None in production
         self._fault_tasks: set[asyncio.Task] = set()
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, Live] = {}
         self._adds: list[GenerateRequest] = []
         self._preempts: list[str] = []  # running requests to preempt before the next step (fair share)
         self._front: set[str] = set()  # queued adds that displace a preempted request (added at the head)
@@ -86,14 +70,54 @@ class WorkerService:
         self._aborts: list[tuple[str, str]] = []  # (request id, reason) to abort between steps
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake, self._tasks, self._subs = asyncio.Event(), [], []
-        self.draining, self.num_finished, self.num_aborted = False, 0, 0
+        self.draining = False
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
+        # every chunk, record and event goes out through the outbox, flushed once per step (outputs.py)
+        self.outbox = Outbox(bus, config.worker_id, self.live, lambda lv: self.migration.on_resumed_chunk(lv))
         self.migration = Migrator(self)  # preemption notices and drains: running sequences move (migration.py)
         # every step on one thread (torch's OpenMP team belongs to the calling thread); a host shares its one (host.py)
         self._own_thread = engine_thread is None
         self._engine_thread = engine_thread or ThreadPoolExecutor(1, "engine-step")
         self.on_first_token = None  # called once, at this worker's first generated token (load timing)
+
+    # ---- what the migrator and the host see (MigrationHost) ----------------------------------
+    @property
+    def worker_id(self) -> str:
+        """This worker's id."""
+        return self.cfg.worker_id
+
+    @property
+    def num_finished(self) -> int:
+        """Requests ended here (any reason)."""
+        return self.outbox.num_finished
+
+    @property
+    def num_aborted(self) -> int:
+        """Requests ended here by a cancel, a deadline, a drain or a preemption."""
+        return self.outbox.num_aborted
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted and not yet added to the engine."""
+        return len(self._adds)
+
+    def wake(self) -> None:
+        """Run the step loop's next iteration now (it may be waiting for work)."""
+        self._wake.set()
+
+    def requeue(self, lv: Live, req: GenerateRequest) -> None:
+        """Take back ``lv`` after a failed hand-over, its request now ``req`` (carrying its resume state): it
+        is added again at the next step, urgent; a cancel heard while it was away applies."""
+        rid = req.request_id
+        lv.req = req
+        self.live[rid] = lv
+        self._urgent.add(rid)
+        self._adds.append(req)
+        reason = self._early_cancels.pop(rid)
+        if reason is not None:
+            self._aborts.append((rid, reason))
+        self._wake.set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def run_on_engine_thread(self, fn, *args):
@@ -106,13 +130,13 @@ class WorkerService:
                        await self.bus.subscribe(subjects.cancel_all(), self._on_cancel)]
         for coro in (self._step_loop(), self._credits_loop(), self._stats_loop(), self._probe_loop()):
             self._tasks.append(asyncio.create_task(coro))
-        await self._publish_credits()
+        await self.publish_credits()
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Refuse new work, move running requests to another live worker of the version when one exists
         (migration.py), let the others finish (bounded by ``timeout`` s), abort the rest."""
         self.draining = True
-        await self._publish_credits()
+        await self.publish_credits()
         t_end = time.monotonic() + timeout
         await self.migration.evacuate(t_end)
         while self.live and time.monotonic() < t_end:
@@ -124,7 +148,8 @@ class WorkerService:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        """Cancel loops and subscriptions (no drain; call ``drain`` first for a graceful stop)."""
+        """Cancel loops and subscriptions (no drain; call ``drain`` first for a graceful stop); what the
+        outbox still holds is flushed (shielded, at most 2 s)."""
         for sub in self._subs:
             await sub.unsubscribe()
         for t in (*self._tasks, *self._fault_tasks):
@@ -132,6 +157,12 @@ class WorkerService:
         _, pending = await asyncio.wait(self._tasks, timeout=5.0)
         for t in pending:
             log.warning("task did not stop within 5 s: %s", t.get_stack())
+        if len(self.outbox):
+            try:
+                async with asyncio.timeout(2.0):
+                    await asyncio.shield(self.outbox.flush())
+            except TimeoutError:
+                log.warning("outputs not published within 2 s of stopping")
         if self._own_thread:
             self._engine_thread.shutdown(wait=False)
 
@@ -176,7 +207,7 @@ class WorkerService:
         if msg.reply:
             await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
         if ok:
-            lv = self.live[req.request_id] = _Live(req, time.time(), trace=tracing.current())
+            lv = self.live[req.request_id] = Live(req, time.time(), trace=tracing.current())
             reason = self._early_cancels.pop(req.request_id)
             if reason is not None:  # cancelled while on its way here: end it "cancelled", never run it
                 lv.cancel_step = self.num_steps
@@ -188,7 +219,7 @@ class WorkerService:
             if self.faults is not None:  # test-only fault injection: delays or fails it off the engine loop
                 t = asyncio.create_task(self.faults.admit(
                     lambda: self.live.get(req.request_id) is lv and not lv.aborted,
-                    lambda: (self._adds.append(req), self._wake.set()), lambda err: self._finish_error(lv, err)))
+                    lambda: (self._adds.append(req), self._wake.set()), lambda err: self._fail_one(lv, err)))
                 self._fault_tasks.add(t)
                 t.add_done_callback(self._fault_tasks.discard)
                 return
@@ -197,6 +228,11 @@ class WorkerService:
                 self._front.add(req.request_id)
             self._adds.append(req)
             self._wake.set()
+
+    async def _fail_one(self, lv: Live, err: dict) -> None:
+        """End ``lv`` with ``err`` from outside the step loop (an injected fault) and publish it now."""
+        self.outbox.finish(lv, err)
+        await self.outbox.flush()
 
     async def _probe_loop(self) -> None:
         """Abort streams nobody receives any more (their gateway died): see ``probe_receiver``."""
@@ -232,7 +268,7 @@ class WorkerService:
             self._wake.set()
 
     # ---- step loop ---------------------------------------------------------------------------
-    def _apply_pending(self) -> list[tuple[_Live, str]]:
+    def _apply_pending(self) -> list[tuple[Live, str]]:
         """Apply queued adds/aborts to the engine; returns requests that failed to be added."""
         failed = []
         adds, self._adds = self._adds, []
@@ -243,7 +279,7 @@ class WorkerService:
             try:
                 lv = self.live[req.request_id]
                 lv.tools = make_parser(req.tool_parser, req.parallel_tool_calls, req.tool_calls_forced)
-                restore_live(lv, req, self.engine.add_request(engine_request(req, urgent), front=front))
+                lv.resume(req, self.engine.add_request(engine_request(req, urgent), front=front))
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
         preempts, self._preempts = self._preempts, []
@@ -270,22 +306,23 @@ class WorkerService:
 
     async def _step_loop(self) -> None:
         """Apply queued work, run one engine step on the engine thread, repeat. The outputs of step N are
-        published while step N+1 computes (the loop's publishing overlaps the forward pass instead of
-        adding to every token's interval; docs/decisions/0030-served-vs-offline.md)."""
-        unpublished: list[StepOutput] = []  # outputs of the previous step, not yet published
+        collected and the outbox flushed once while step N+1 computes (the loop's publishing overlaps the
+        forward pass instead of adding to every token's interval; docs/decisions/0030-served-vs-offline.md).
+        Ends of requests decided between steps (failed adds, aborts) go out in the same flush."""
+        unpublished: list[StepOutput] = []  # outputs of the previous step, not yet collected
         while True:
             t_iter = time.perf_counter()
             self._expire_deadlines()
             for lv, why in self._apply_pending():
                 adapter = why.startswith("adapter ")
-                await self._finish_error(lv, error_dict(400, why, param="model" if adapter else "messages",
-                                                        code="adapter_unavailable" if adapter else None))
-            await self._flush_aborted()
-            if unpublished and (self.migration.wanted or self.migration.deadline):
+                self.outbox.finish(lv, error_dict(400, why, param="model" if adapter else "messages",
+                                                  code="adapter_unavailable" if adapter else None))
+            self._flush_aborted()
+            if (unpublished or len(self.outbox)) and (self.migration.wanted or self.migration.deadline):
                 unpublished = await self._publish_now(unpublished)  # a hand-over sends lv.seq: chunks first
             await self.migration.between_steps()  # hand sequences over / end them at the notice deadline
             if not self.engine.has_unfinished():
-                if unpublished:  # the last step's outputs; then look again for work queued meanwhile
+                if unpublished or len(self.outbox):  # the last outputs; then look again for work queued meanwhile
                     unpublished = await self._publish_now(unpublished)
                     continue
                 self._wake.clear()
@@ -309,17 +346,19 @@ class WorkerService:
             self._host_ms += 0.2 * ((time.perf_counter() - t_iter - t_step) * 1e3 - self._host_ms)
 
     def _count_aborted(self, outputs: list[StepOutput]) -> None:
-        """Tokens computed for aborted requests by the step that finished them (their end is sent by
-        ``_flush_aborted`` before these outputs are published)."""
+        """Tokens computed for aborted requests by the step that finished them (their end is collected by
+        ``_flush_aborted`` before these outputs are)."""
         for out in outputs:
             lv = self.live.get(out.request_id)
             if lv is not None and lv.aborted and out.finished:
                 lv.num_generated = max(lv.num_generated, out.num_generated_tokens)
 
     async def _publish_now(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """Publish ``outputs`` (a step's, possibly empty); returns the empty list left to publish."""
-        if outputs:
-            await self._publish_outputs(outputs)
+        """Collect ``outputs`` (a step's, possibly empty) and flush the outbox once; returns the empty list
+        left to publish."""
+        self._collect_outputs(outputs)
+        if len(self.outbox):
+            await self.outbox.flush()
         return []
 
     async def _fail_all(self, message: str) -> None:
@@ -330,23 +369,25 @@ class WorkerService:
             except Exception:  # keep ending the others
                 log.exception("abort of %s failed", rid)
             lv.aborted = lv.aborted or "engine_error"
-            await self._finish_error(lv, error_dict(500, message, type_="server_error", code="engine_error",
-                                                    retryable=True, retry_after=1.0))
+            self.outbox.finish(lv, error_dict(500, message, type_="server_error", code="engine_error",
+                                              retryable=True, retry_after=1.0))
+        await self.outbox.flush()
         try:  # drain the abort notices the engine queued, so they do not reach the next batch
             await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.step)
         except Exception:
             log.exception("engine step after failure failed")
 
-    async def _flush_aborted(self) -> None:
+    def _flush_aborted(self) -> None:
         """Finish requests aborted but not yet reported (engine may not report aborts itself)."""
         for rid, lv in list(self.live.items()):
             if lv.aborted and not self.engine_has(rid):
-                await self._finish_abort(lv)
+                self._finish_abort(lv)
 
     def engine_has(self, request_id: str) -> bool:  # whether the engine still holds ``request_id``
         return self.engine.has_request(request_id)
 
-    async def _publish_outputs(self, outputs: list[StepOutput]) -> None:
+    def _collect_outputs(self, outputs: list[StepOutput]) -> None:
+        """Put one step's outputs into the outbox (chunks, and records of the requests they end)."""
         now = time.time()
         for out in outputs:
             lv = self.live.get(out.request_id)
@@ -355,11 +396,11 @@ class WorkerService:
             if lv.aborted:
                 if out.finished:
                     lv.num_generated = max(lv.num_generated, out.num_generated_tokens)  # tokens were computed
-                    await self._finish_abort(lv)
+                    self._finish_abort(lv)
                 continue
-            await self._publish_step(lv, out, now)
+            self._collect_step(lv, out, now)
 
-    async def _publish_step(self, lv: _Live, out: StepOutput, now: float) -> None:
+    def _collect_step(self, lv: Live, out: StepOutput, now: float) -> None:
         lv.num_generated = out.num_generated_tokens
         first = not lv.t_first and out.new_token_ids
         if first:
@@ -367,8 +408,8 @@ class WorkerService:
             if self.on_first_token is not None:
                 hook, self.on_first_token = self.on_first_token, None
                 hook()
-            await self._safe_publish(subjects.sched_events(lv.req.name, lv.req.version),
-                                     b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
+            self.outbox.event(subjects.sched_events(lv.req.name, lv.req.version),
+                              b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
         text, calls = parse_step(lv.tools, out.text, out.finished)  # tool calls out of the text (docs/tools.md)
         if lv.echo_pending and lv.req.echo_text and (text or out.new_token_ids or out.finished):
             text = lv.req.echo_text + text
@@ -377,42 +418,17 @@ class WorkerService:
         logprobs = step_logprobs(self.engine, lv.req.sampling, out)
         if not out.finished:
             if out.text or out.new_token_ids:
-                await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids),
+                self.outbox.send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids),
                                            model=lv.req.model_ref, worker_id=self.cfg.worker_id, logprobs=logprobs,
                                            choice_index=lv.req.choice_index, tool_calls=calls))
             return
-        usage = self._usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids), out.num_cached_tokens)
-        timing = self._timing(lv, now)
+        u = usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids), out.num_cached_tokens)
+        t = timing(lv, now)
         reason = "tool_calls" if out.finish_reason == "stop" and lv.tools and lv.tools.num_calls else out.finish_reason
-        await self._send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids), True,
-                                   reason, usage, timing, None, lv.req.model_ref, self.cfg.worker_id,
+        self.outbox.send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids), True,
+                                   reason, u, t, None, lv.req.model_ref, self.cfg.worker_id,
                                    logprobs, lv.req.choice_index, calls))
-        await self._record(lv, "ok", reason, usage, timing)
-
-    def _usage(self, lv: _Live, num_prompt: int, num_cached: int = 0) -> dict:
-        return {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,
-                "total_tokens": num_prompt + lv.num_generated,
-                "prompt_tokens_details": {"cached_tokens": min(num_prompt, int(num_cached))}}
-
-    def _timing(self, lv: _Live, now: float) -> dict:
-        """Worker part of the timing breakdown (ms): queue, prefill, decode."""
-        m = lv.req.marks
-        t_first = lv.t_first or now
-        return {"validation_ms": max(0.0, (m.get("validate_out", 0.0) - m.get("validate_in", 0.0)) * 1e3),
-                "queue_ms": max(0.0, (lv.t_in - m.get("validate_out", lv.t_in)) * 1e3),
-                "prefill_ms": max(0.0, (t_first - lv.t_in) * 1e3),
-                "decode_ms": max(0.0, (now - t_first) * 1e3)}
-
-    async def _send(self, lv: _Live, chunk: Chunk) -> None:
-        lv.seq += 1
-        if lv.handoff:
-            self.migration.on_resumed_chunk(lv)  # the hand-over gap of a migrated sequence ends here
-        if chunk.text:
-            content_log.log_content("output", lv.req.request_id, chunk.text)  # ACTORSERVE_LOG_PROMPTS=1 only
-        await self._safe_publish(lv.req.reply, chunk.encode())
-        if chunk.final:
-            self.live.pop(lv.req.request_id, None)
-            self.num_finished += 1
+        self.outbox.record(lv, "ok", reason, u, t)
 
     async def _safe_publish(self, subject: str, data: bytes) -> None:
         try:
@@ -420,8 +436,8 @@ class WorkerService:
         except BusError as exc:
             log.warning("publish to %s failed: %s", subject, exc)
 
-    async def _finish_abort(self, lv: _Live) -> None:
-        self.num_aborted += 1
+    def _finish_abort(self, lv: Live) -> None:
+        """End ``lv``, aborted for ``lv.aborted`` (a cancel, its deadline, a drain), with its error."""
         if lv.cancel_step >= 0:
             self.max_cancel_steps = max(self.max_cancel_steps, self.num_steps - lv.cancel_step)
         if lv.aborted == "deadline":
@@ -432,35 +448,7 @@ class WorkerService:
                              type_="unavailable", code="worker_draining", retryable=True, retry_after=1.0)
         else:
             err = error_dict(499, f"request cancelled ({lv.aborted})", type_="cancelled", code="cancelled")
-        await self._finish_error(lv, err, status="cancelled")
-
-    async def _finish_error(self, lv: _Live, err: dict, status: str = "error") -> None:
-        usage = self._usage(lv, len(lv.req.prompt_token_ids))
-        timing = self._timing(lv, time.time())
-        await self._send(lv, Chunk(lv.req.request_id, lv.seq, final=True, finish_reason="abort", usage=usage,
-                                   timing=timing, error=err, model=lv.req.model_ref, worker_id=self.cfg.worker_id,
-                                   choice_index=lv.req.choice_index))
-        await self._record(lv, status, "abort", usage, timing, err.get("code"))
-
-    async def _record(self, lv: _Live, status: str, reason, usage: dict, timing: dict, code=None) -> None:
-        rec = CompletionRecord(lv.req.request_id, lv.req.tenant, lv.req.name, lv.req.version, status, reason,
-                               usage["prompt_tokens"], usage["completion_tokens"], timing, lv.req.priority,
-                               code, self.cfg.worker_id, time.time(), lv.req.choice_index,
-                               lv.tools.num_calls if lv.tools else 0)
-        if lv.trace is not None:
-            self._record_spans(lv, status, usage, timing)
-        await self._safe_publish(subjects.done(lv.req.name, lv.req.version), rec.encode())
-
-    def _record_spans(self, lv: _Live, status: str, usage: dict, timing: dict) -> None:
-        """``prefill`` and ``decode`` spans from the measured ``prefill_ms`` / ``decode_ms`` (one engine step
-        serves many requests, so the spans are recorded afterwards with explicit times, not around steps)."""
-        t_first = lv.t_in + timing["prefill_ms"] / 1e3
-        attrs = {"actorserve.request_id": lv.req.request_id, "actorserve.worker_id": self.cfg.worker_id,
-                 "actorserve.status": status}
-        tracing.record_span("prefill", lv.t_in, t_first, lv.trace,
-                            {**attrs, "actorserve.prompt_tokens": usage["prompt_tokens"]})
-        tracing.record_span("decode", t_first, t_first + timing["decode_ms"] / 1e3, lv.trace,
-                            {**attrs, "actorserve.completion_tokens": usage["completion_tokens"]})
+        self.outbox.finish(lv, err, status="cancelled", aborted=True)
 
     # ---- heartbeats --------------------------------------------------------------------------
     def credits_msg(self) -> Credits:
@@ -481,14 +469,15 @@ class WorkerService:
         delta, self._served_sent = served_delta(served, self._served_sent)
         return delta
 
-    async def _publish_credits(self) -> None:
+    async def publish_credits(self) -> None:
+        """Publish this worker's credits (``credits_msg``) now; a bus failure is logged."""
         subj = subjects.credits(self.cfg.name, self.cfg.version, self.cfg.worker_id)
         await self._safe_publish(subj, self.credits_msg().encode())
 
     async def _credits_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.credits_interval_s)
-            await self._publish_credits()
+            await self.publish_credits()
 
     def stats_msg(self) -> WorkerStats:
         """Engine statistics plus this worker's finished/aborted counters (outputs.worker_stats)."""

@@ -135,6 +135,12 @@ class ServerProcess:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def returncode(self) -> int | None:
+        """Exit status of the last process once it exited (``Popen.returncode``); None before the first
+        start or while it runs."""
+        return self._proc.returncode if self._proc is not None else None
+
+    @property
     def port(self) -> int:
         """Client port on 127.0.0.1. Raises RuntimeError before the first start."""
         if self.ports is None:

@@ -1,8 +1,11 @@
 """OS processes of ``actorserve up``: one supervised actor process, spawning it in its own process group,
-stopping a group of them, the restart budget, ``pids.json`` and the small probes the CLI's ``status`` uses.
+stopping a group of them in waves, the restart budget, ``pids.json``, and :class:`ProcessTable`, the
+supervisor's table of its actor processes (the lock, spawning, the restart budget, the pid file, the
+events); plus the small probes the CLI's ``status`` uses.
 
-Used by control/ops/supervisor.py (:class:`control.ops.supervisor.Supervisor`) and control/ops/cli.py.
-Only the process groups this code started are ever signalled, never anything found by name.
+Used by control/ops/supervisor.py (:class:`control.ops.supervisor.Supervisor` and its reconcilers) and
+control/ops/cli.py. Only the process groups this code started are ever signalled, never anything found by
+name.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -188,6 +192,22 @@ def terminate(group: list[ActorProcess], timeout_s: float, waves: Sequence[Seque
         log.info("stopped %d process(es) in %.1f s", len(signalled), time.monotonic() - t0)
 
 
+# Stop order: the rollout controller and the autoscaler first (no decisions while the stack goes away),
+# then the edges (no new traffic), then the pipeline front to back.
+STOP_ORDER = ("rollout", "autoscaler", "gateway", "jobs", "validator", "scheduler", "worker")
+# The same order as waves: every process of a wave is SIGTERMed at once, the next wave follows when the
+# earlier ones exited or a short gap later (``terminate``), all within one deadline. Edges first (no new
+# work enters; gateways keep waiting for their streams), then the validator and the schedulers (the queue
+# is still dispatched to running workers for a moment), then the workers (they finish what they run within
+# their drain timeout).
+STOP_WAVES = (("rollout", "autoscaler", "gateway", "jobs"), ("validator", "scheduler"), ("worker",))
+
+
+def stop_rank(a: ActorProcess) -> int:
+    """Position of ``a``'s kind in STOP_ORDER (unknown kinds last): sort key of a group to stop."""
+    return STOP_ORDER.index(a.kind) if a.kind in STOP_ORDER else len(STOP_ORDER)
+
+
 # Exit statuses of an actor that stopped because it was asked to (SIGTERM / SIGINT: a clean drain
 # exits 0; a second signal during the drain 143 / 130; killed by the signal before its handler was
 # installed -15 / -2). The supervisor does not restart such an actor (supervisor_health.py).
@@ -283,3 +303,79 @@ def log_follower(path: Path, stream: TextIO) -> Callable[..., None]:
             stream.flush()
 
     return echo
+
+
+# -- the supervisor's table of processes ------------------------------------------------------------
+
+
+class ProcessTable:
+    """The actor processes of one supervisor and what every change to them shares: ``lock`` (an RLock held
+    by every reader and writer of the table, from the monitor, the registry watch and the caller's
+    thread), ``actors`` (running, or kept stopped), ``draining`` (taken out of ``actors``, being stopped),
+    ``stopping`` (set once a stop began: nothing starts after it), spawning (``spawn``: each kind's
+    environment from ``env_of``), stopping (``terminate``: STOP_WAVES within ``stop_timeout_s`` s), the
+    restart budget (``within_budget``), ``pids.json`` (``write_pids``; the embedded servers' pids from
+    ``servers``) and the human-readable ``events``.
+    """
+
+    def __init__(self, state_dir: Path, env_of: Callable[[str | None], Mapping[str, str]],
+                 servers: Callable[[], Iterable[Any]], stop_timeout_s: float = 15.0, max_restarts: int = 5,
+                 restart_window_s: float = 60.0) -> None:
+        self.state_dir, self.env_of, self.servers = state_dir, env_of, servers
+        self.stop_timeout_s, self.max_restarts, self.restart_window_s = stop_timeout_s, max_restarts, restart_window_s
+        self.lock = threading.RLock()
+        self.actors: list[ActorProcess] = []
+        self.draining: list[ActorProcess] = []
+        self.stopping = False
+        self.events: list[str] = []
+
+    def event(self, msg: str, level: int = logging.INFO) -> None:
+        """Log ``msg`` and keep it in ``events``."""
+        log.log(level, msg)
+        self.events.append(msg)
+
+    def actor(self, name: str) -> ActorProcess:
+        """The ActorProcess called ``name`` (e.g. ``"worker-0"``); KeyError if unknown."""
+        for a in self.actors:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def spawn(self, a: ActorProcess) -> None:
+        """Start ``a`` (module ``spawn``) in the state directory with its kind's environment; OSError when
+        it cannot."""
+        spawn(a, self.state_dir, self.env_of(a.kind))
+
+    def terminate(self, group: list[ActorProcess]) -> None:
+        """Stop ``group`` in the waves of STOP_WAVES (every wave concurrent, one ``stop_timeout_s`` deadline)."""
+        terminate(group, self.stop_timeout_s, STOP_WAVES)
+
+    def pids(self) -> dict[str, int]:
+        """``{"nats": pid, "etcd": pid, "gateway-0": pid, ...}`` of the live processes."""
+        out: dict[str, int] = {}
+        for srv in self.servers():
+            if srv.running and srv.pid is not None:
+                out[srv.name] = srv.pid
+        with self.lock:
+            for a in self.actors:
+                if a.running and a.pid is not None:
+                    out[a.name] = a.pid
+        return out
+
+    def write_pids(self) -> None:
+        """Rewrite ``pids.json``: the live processes, and those kept stopped (module ``write_pids``)."""
+        with self.lock:
+            stopped = {a.name: {"by": a.stopped_by, "status": a.proc.returncode if a.proc is not None else None}
+                       for a in self.actors if a.stopped_by and not a.running}
+            stopped.update({a.name: {"by": a.stopped_by, "status": None, "draining": True} for a in self.actors
+                            if a.stopped_by and a.running})  # scaled down, still draining
+        write_pids(self.state_dir, self.pids(), stopped)
+
+    def within_budget(self, name: str, rc: Any, history: collections.deque[float], log_path: Any) -> bool:
+        """Spend one restart of ``name`` (exit status ``rc``) from its budget ``history`` (restart times,
+        monotonic s); False, logged and kept in ``events``, once spent."""
+        if restart_allowed(history, time.monotonic(), self.restart_window_s, self.max_restarts):
+            return True
+        self.event(f"{name} exited with status {rc}; restarted {len(history)} times in the last "
+                   f"{self.restart_window_s:.0f} s: giving up on it (log: {log_path})", logging.ERROR)
+        return False

@@ -2,8 +2,9 @@
 (``/actorserve/desired/...``, control/state/names.py ``desired_key``), written by the autoscaler actor
 (actors/autoscaler/) or by an operator. User page: docs/autoscaling.md.
 
-Reconciled on every round of the registry watch (control/ops/supervisor_versions.py, every
-``registry_poll_s`` seconds, one etcd connection), once the stack was ready:
+Reconciled by :class:`ScalingReconciler` on every round of the registry watch
+(control/ops/supervisor_versions.py, every ``registry_poll_s`` seconds, one etcd connection), once the
+stack was ready:
 
 - validators: ``desired_key("validator")`` -> that many ``validator-<n>`` processes;
 - workers of each running model version, per pool: ``desired_key("worker", name, version, pool)`` -> that
@@ -19,7 +20,7 @@ An absent key keeps today's count; :meth:`control.ops.supervisor.Supervisor.star
 Scale-up spawns like a restart. A replica counts as ready once etcd shows it with its pid: a worker's
 leased record (``/actorserve/workers/...``, taken after its model loaded), any other kind's leased
 metrics record (``/actorserve/metrics/<kind>/...``). Spawn -> ready seconds (the cold start) go to the
-supervisor's events and :attr:`ScalingMixin.scaling_log`.
+supervisor's events and :attr:`ScalingReconciler.log`.
 
 Scale-down stops the victims with SIGTERM of their process group: replicas not ready yet first, then the
 newest (highest index). A worker drains (it migrates or finishes its running sequences), a validator
@@ -43,11 +44,12 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from control.ops.supervisor_processes import ActorProcess, signal_actor
+from control.ops.stack_config import StackConfig
+from control.ops.supervisor_processes import ActorProcess, ProcessTable, signal_actor
 
 log = logging.getLogger("actorserve.supervisor")
 
@@ -211,36 +213,70 @@ def autoscaler_limits_argv(cores: int, workers: int, gateways: int, validators: 
             "--worker-limits", f"{workers}:{max(workers, cores)}", "--pool", pool]
 
 
-class ScalingMixin:
-    """The desired-count reconciliation of :class:`control.ops.supervisor.Supervisor` (module docstring).
+class ReplicaFactory(Protocol):
+    """How the reconciler gets new replicas (``ActorFactory`` implements it)."""
 
-    Uses the supervisor's ``_lock``, ``_stopping``, ``_ready``, ``actors``, ``_versions``, ``model_ref``,
-    ``stop_timeout_s``, ``max_workers``, ``pool``, ``_scaling_log``, ``_scale_notes``, ``_scale_killed``
-    and its ``_validator_actor``, ``_worker_actor``, ``_spawn``, ``_write_pids``, ``_event``.
-    """
+    def worker(self, ref: str, n: int, pool: str) -> ActorProcess:
+        """Worker ``n`` of version ``ref`` on ``pool`` (not started)."""
+
+    def validator(self, n: int) -> ActorProcess:
+        """Validator ``n`` (not started)."""
+
+    def worker_prefix(self, ref: str) -> str:
+        """Name prefix of version ``ref``'s workers."""
+
+
+def started_counts(actors: Iterable[ActorProcess], model_ref: str, pool: str) -> dict[str, int]:
+    """Desired key -> replicas (> 0) of the ``actors`` ``up`` starts itself: validators, the workers of
+    ``model_ref`` per pool (``pool`` when a worker names none)."""
+    from control.state.names import desired_key
+
+    name, _, version = model_ref.partition("@")
+    actors = list(actors)
+    counts = {desired_key("validator"): sum(1 for a in actors if a.kind == "validator")}
+    for a in actors:
+        if a.kind == "worker" and a.model in (None, model_ref):
+            key = desired_key("worker", name, version, a.pool or pool)
+            counts[key] = counts.get(key, 0) + 1
+    return {k: n for k, n in counts.items() if n > 0}
+
+
+class ScalingReconciler:
+    """The desired-count reconciliation of one supervisor (module docstring), over its ``procs``:
+    ``running_versions`` (``name@version`` -> fingerprint, owned by the version reconciler) says which
+    versions run; ``ready()`` whether the stack passed readiness (nothing is scaled before)."""
+
+    def __init__(self, cfg: StackConfig, procs: ProcessTable, replicas: ReplicaFactory,
+                 running_versions: Mapping[str, str], ready: Callable[[], bool]) -> None:
+        self.cfg, self.procs, self.replicas = cfg, procs, replicas
+        self.running_versions, self.ready = running_versions, ready
+        self._log: list[dict[str, Any]] = []
+        self._notes: dict[str, str] = {}  # desired key / target -> last warning logged about it
+        self._killed: set[str] = set()  # scaled-down replicas SIGKILLed after stop_timeout_s
 
     @property
-    def scaling_log(self) -> list[dict[str, Any]]:
+    def log(self) -> list[dict[str, Any]]:
         """Every scale action, oldest first: ``{"ts": epoch s, "action": "start" | "stop" | "ready" |
         "exited" | "killed", "name", "kind", "target", "reason", ...}`` (``"start"`` / ``"stop"``: ``"by"``,
         ``"decided_at"`` (the record's ``ts``); ``"ready"``: ``"cold_start_s"``, spawn -> ready;
         ``"exited"``: ``"status"``, ``"drain_s"``)."""
-        with self._lock:
-            return [dict(e) for e in self._scaling_log]
+        with self.procs.lock:
+            return [dict(e) for e in self._log]
 
     def _record(self, action: str, a: ActorProcess, target: str, reason: str, msg: str,
                 level: int = logging.INFO, **extra: Any) -> None:
-        """Append one :attr:`scaling_log` entry and the event ``msg``."""
-        self._scaling_log.append({"ts": time.time(), "action": action, "name": a.name, "kind": a.kind,
-                                  "target": target, "reason": reason, **extra})
-        self._event(msg, level)
+        """Append one :attr:`log` entry and the event ``msg``."""
+        self._log.append({"ts": time.time(), "action": action, "name": a.name, "kind": a.kind,
+                          "target": target, "reason": reason, **extra})
+        self.procs.event(msg, level)
 
-    def _wants_ready_records(self) -> bool:
+    def wants_ready_records(self) -> bool:
         """True while a live validator or worker has not been seen ready (the watch then reads the records)."""
-        with self._lock:
-            return any(a.ready_at is None and a.running and a.kind in ("worker", *SCALED_KINDS) for a in self.actors)
+        with self.procs.lock:
+            return any(a.ready_at is None and a.running and a.kind in ("worker", *SCALED_KINDS)
+                       for a in self.procs.actors)
 
-    def scaling_round(self, desired_records: Mapping[str, Any], ready_records: Mapping[str, Any] | None,
+    def round(self, desired_records: Mapping[str, Any], ready_records: Mapping[str, Any] | None,
                       now: float | None = None, notices: Mapping[str, Any] | None = None) -> bool:
         """One round: note replicas that became ready (``ready_records``: etcd records under the workers and
         metrics prefixes, None: not read), finish scale-downs, stop workers whose preemption notice
@@ -251,21 +287,21 @@ class ScalingMixin:
 
         now = time.time() if now is None else now
         counts = parse_desired(desired_records, desired_prefix())
-        with self._lock:
-            if self._stopping:
+        with self.procs.lock:
+            if self.procs.stopping:
                 return False
             if ready_records is not None:
                 self._note_ready(ready_records, now)
             changed = self._reap_leaving(now)
             changed |= self._preempt_due(notices or {}, now)
-            if self._ready:
+            if self.ready():
                 self._note_skipped(counts)
                 d = counts.kinds.get("validator")
                 if d is not None:
                     changed |= self._scale_validators(d, now)
                 changed |= self._scale_workers(counts.workers, now)
             if changed:
-                self._write_pids()
+                self.procs.write_pids()
         return changed
 
     # -- readiness and finished scale-downs ------------------------------------------------------
@@ -275,7 +311,7 @@ class ScalingMixin:
         from control.state.names import all_metrics_prefix, all_workers_prefix
 
         wp, mp = all_workers_prefix(), all_metrics_prefix()
-        for a in self.actors:
+        for a in self.procs.actors:
             if a.ready_at is None and a.running and replica_ready(a, records, wp, mp):
                 a.ready_at = now
                 cold = now - (a.spawned_at or now)
@@ -289,21 +325,22 @@ class ScalingMixin:
         """Report scaled-down replicas that exited; SIGKILL those still running ``stop_timeout_s`` after
         their SIGTERM. True when one exited (``pids.json`` changes)."""
         changed = False
-        for a in self.actors:
+        for a in self.procs.actors:
             if a.stopped_by not in LEAVING or a.term_sent_at is None:
                 continue
             if not a.running:
                 rc = a.proc.returncode if a.proc is not None else None
                 drain = now - a.term_sent_at
                 a.term_sent_at = None
-                self._scale_killed.discard(a.name)
+                self._killed.discard(a.name)
                 self._record("exited", a, self._target_of(a), "", f"{a.name} stopped ({LEAVING[a.stopped_by]}) "
                              f"{drain:.1f} s after its SIGTERM, exit status {rc}", status=rc, drain_s=round(drain, 3))
                 changed = True
-            elif now - a.term_sent_at > self.stop_timeout_s and a.name not in self._scale_killed:
-                self._scale_killed.add(a.name)
+            elif now - a.term_sent_at > self.cfg.stop_timeout_s and a.name not in self._killed:
+                self._killed.add(a.name)
                 signal_actor(a, signal.SIGKILL)
-                self._record("killed", a, self._target_of(a), "", f"{a.name} still draining {self.stop_timeout_s:.0f} "
+                self._record("killed", a, self._target_of(a), "", f"{a.name} still draining "
+                             f"{self.cfg.stop_timeout_s:.0f} "
                              f"s after its scale-down: SIGKILL", logging.WARNING)
         return changed
 
@@ -319,7 +356,7 @@ class ScalingMixin:
             if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or now < deadline:
                 continue
             wid = key[len(notices_prefix()):]
-            for a in self.actors:
+            for a in self.procs.actors:
                 if a.kind == "worker" and a.name == wid and a.running and a.stopped_by is None:
                     a.stopped_by, a.term_sent_at = "preempted", now
                     signal_actor(a, signal.SIGTERM)
@@ -337,47 +374,47 @@ class ScalingMixin:
                 notes[kind] = ("gateways bind fixed ports: their count stays --gateways under `up`"
                                if kind == "gateway" else "the supervisor does not scale this kind")
         for key, why in notes.items():
-            if self._scale_notes.get(key) != why:
-                self._scale_notes[key] = why
+            if self._notes.get(key) != why:
+                self._notes[key] = why
                 log.warning("desired count %s ignored: %s", key, why)
 
     def _target_of(self, a: ActorProcess) -> str:
         """Decision target of ``a``: ``validator`` or ``worker/<name>/<version>/<pool>``."""
         if a.kind == "worker" and a.model:
-            return "worker/" + a.model.replace("@", "/") + f"/{a.pool or self.pool}"
+            return "worker/" + a.model.replace("@", "/") + f"/{a.pool or self.cfg.pool}"
         return a.kind
 
     # -- carrying out the counts -----------------------------------------------------------------
 
     def _active(self, pred: Any) -> list[ActorProcess]:
         """The replicas matching ``pred`` the supervisor means to keep running (not stopped, not given up)."""
-        return [a for a in self.actors if pred(a) and a.stopped_by is None and not a.given_up]
+        return [a for a in self.procs.actors if pred(a) and a.stopped_by is None and not a.given_up]
 
     def _scale_validators(self, d: Desired, now: float) -> bool:
         current = self._active(lambda a: a.kind == "validator")
         want = min(d.count, MAX_REPLICAS)
         if want > len(current):
             for _ in range(want - len(current)):
-                self._start_replica(self._validator_actor(self._free_index("validator", "validator-")),
+                self._start_replica(self.replicas.validator(self._free_index("validator", "validator-")),
                                     "validator", len(current), want, d)
             return True
         if want < len(current):
             reps = [Replica(a.name, replica_index(a.name, "validator-") or 0, is_ready(a)) for a in current]
             for name in choose_victims(reps, len(current) - want, 1 if want > 0 else 0):
-                self._stop_replica(self.actor(name), "validator", len(current), want, d, now)
+                self._stop_replica(self.procs.actor(name), "validator", len(current), want, d, now)
             return True
         return False
 
     def _scale_workers(self, workers: Mapping[tuple[str, str], Desired], now: float) -> bool:
         changed = False
         for ref in sorted({ref for ref, _ in workers}):
-            if ref not in self._versions:
+            if ref not in self.running_versions:
                 continue
             keyed = {pool: d for (r, pool), d in workers.items() if r == ref}
             mine = self._active(lambda a, ref=ref: a.kind == "worker" and a.model == ref)
             total = sum(min(keyed[p].count, MAX_REPLICAS) if p in keyed else
-                        sum(1 for a in mine if (a.pool or self.pool) == p)
-                        for p in {*(a.pool or self.pool for a in mine), *keyed})
+                        sum(1 for a in mine if (a.pool or self.cfg.pool) == p)
+                        for p in {*(a.pool or self.cfg.pool for a in mine), *keyed})
             for pool, d in sorted(keyed.items()):
                 changed |= self._scale_pool(ref, pool, d, total, now)
         return changed
@@ -386,48 +423,44 @@ class ScalingMixin:
         """Carry out one version pool's count; ``version_total`` is the version's desired total over pools."""
         target = f"worker/{ref.replace('@', '/')}/{pool}"
         version = self._active(lambda a: a.kind == "worker" and a.model == ref)
-        current = [a for a in version if (a.pool or self.pool) == pool]
+        current = [a for a in version if (a.pool or self.cfg.pool) == pool]
         want = min(d.count, MAX_REPLICAS)
         if want > len(current):
-            room = self.max_workers - len(self._active(lambda a: a.kind == "worker"))
+            room = self.cfg.max_workers - len(self._active(lambda a: a.kind == "worker"))
             n = min(want - len(current), max(0, room))
             self._note(target, "" if n == want - len(current) else
-                       f"{target}: {want - len(current) - n} worker(s) not started: {self.max_workers} workers "
+                       f"{target}: {want - len(current) - n} worker(s) not started: {self.cfg.max_workers} workers "
                        f"in all is the most this machine runs (max_workers)")
-            prefix = self._worker_prefix(ref)
+            prefix = self.replicas.worker_prefix(ref)
             for _ in range(n):
-                self._start_replica(self._worker_actor(ref, self._free_index("worker", prefix, ref), pool),
+                self._start_replica(self.replicas.worker(ref, self._free_index("worker", prefix, ref), pool),
                                     target, len(current), want, d)
             return n > 0
         if want < len(current):
             others_ready = sum(1 for a in version if a not in current and is_ready(a))
             keep = 0 if version_total == 0 else max(0, 1 - others_ready)
-            prefix = self._worker_prefix(ref)
+            prefix = self.replicas.worker_prefix(ref)
             reps = [Replica(a.name, replica_index(a.name, prefix) or 0, is_ready(a)) for a in current]
             victims = choose_victims(reps, len(current) - want, keep)
             self._note(target, "" if len(victims) == len(current) - want else
                        f"{target}: keeping {len(current) - want - len(victims)} worker(s) over the desired "
                        f"{want}: the last ready worker of {ref} is stopped only for a desired total of 0")
             for name in victims:
-                self._stop_replica(self.actor(name), target, len(current), want, d, now)
+                self._stop_replica(self.procs.actor(name), target, len(current), want, d, now)
             return bool(victims)
         self._note(target, "")
         return False
 
     def _note(self, target: str, msg: str) -> None:
         """Log ``msg`` about ``target`` when it differs from the last one (a deferred action, once)."""
-        if self._scale_notes.get(target, "") != msg:
-            self._scale_notes[target] = msg
+        if self._notes.get(target, "") != msg:
+            self._notes[target] = msg
             if msg:
                 log.warning("%s", msg)
 
-    def _worker_prefix(self, ref: str) -> str:
-        name, _, version = ref.partition("@")
-        return "worker-" if ref == self.model_ref else f"worker-{name}-{version}-"
-
     def _free_index(self, kind: str, prefix: str, ref: str | None = None) -> int:
         """Lowest index of ``<prefix><n>`` no replica holds (a scaled-down, exited one frees its index)."""
-        used = [replica_index(a.name, prefix) for a in self.actors
+        used = [replica_index(a.name, prefix) for a in self.procs.actors
                 if a.kind == kind and (ref is None or a.model == ref)
                 and not (a.stopped_by == "autoscaler" and not a.running)]
         return next_free_index(n for n in used if n is not None)
@@ -435,9 +468,9 @@ class ScalingMixin:
     def _start_replica(self, a: ActorProcess, target: str, current: int, want: int, d: Desired) -> None:
         """Spawn the new replica ``a`` (replacing an exited, scaled-down entry of the same name)."""
         a.dynamic = True
-        self.actors = [b for b in self.actors if b.name != a.name] + [a]
+        self.procs.actors = [b for b in self.procs.actors if b.name != a.name] + [a]
         try:
-            self._spawn(a)
+            self.procs.spawn(a)
         except OSError as e:
             log.error("could not start %s: %s", a.name, e)
             return

@@ -3,7 +3,8 @@
 with the registry's active versions.
 
 :func:`desired_versions` is the rule (which versions should run, with how many workers);
-:class:`VersionsMixin` applies it to the supervisor's processes.
+:class:`VersionReconciler` applies it to the supervisor's processes and runs the registry watch, whose
+every round also hands the desired replica counts to the scaling reconciler (supervisor_scaling.py).
 """
 
 from __future__ import annotations
@@ -11,28 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from control.ops.deploy import manifest_fingerprint, version_worker_count
-from control.ops.supervisor_processes import ActorProcess
+from control.ops.stack_config import StackConfig
+from control.ops.supervisor_processes import (STOP_ORDER, STOP_WAVES, ActorProcess,  # noqa: F401 (re-exported)
+                                              ProcessTable, stop_rank)
 
 log = logging.getLogger("actorserve.supervisor")
-
-# Stop order: the rollout controller and the autoscaler first (no decisions while the stack goes away),
-# then the edges (no new traffic), then the pipeline front to back.
-STOP_ORDER = ("rollout", "autoscaler", "gateway", "jobs", "validator", "scheduler", "worker")
-# The same order as waves: every process of a wave is SIGTERMed at once, the next wave follows when the
-# earlier ones exited or a short gap later (control/ops/supervisor_processes.py ``terminate``), all
-# within one deadline. Edges first (no new work enters; gateways keep waiting for their streams), then
-# the validator and the schedulers (the queue is still dispatched to running workers for a moment),
-# then the workers (they finish what they run within their drain timeout).
-STOP_WAVES = (("rollout", "autoscaler", "gateway", "jobs"), ("validator", "scheduler"), ("worker",))
-
-
-def stop_rank(a: ActorProcess) -> int:
-    """Position of ``a``'s kind in STOP_ORDER (unknown kinds last): sort key of a group to stop."""
-    return STOP_ORDER.index(a.kind) if a.kind in STOP_ORDER else len(STOP_ORDER)
 
 Models = Mapping[str, Mapping[str, Mapping[str, Any]]]  # {name: {version: manifest}}
 
@@ -62,22 +51,55 @@ def desired_versions(models: Models, default_workers: int, reported: set[str]) -
     return desired
 
 
-class VersionsMixin:
-    """The registry watch and :meth:`reconcile` of :class:`control.ops.supervisor.Supervisor`.
+class VersionActors(Protocol):
+    """How the reconciler gets a version's processes (``ActorFactory`` implements it)."""
 
-    Uses the supervisor's ``_lock``, ``_stopping``, ``_stop_requested``, ``actors``, ``_versions``
-    (running ref -> fingerprint), ``_draining``, ``_bad_manifests``, ``workers``, ``registry_poll_s``,
-    ``dev_api_key``, ``state_dir``, ``stack`` and its ``_version_actors``, ``_spawn``, ``_terminate``,
-    ``_write_pids``, ``_event``.
-    """
+    def version_actors(self, ref: str, workers: int) -> list[ActorProcess]:
+        """The scheduler and ``workers`` workers of version ``ref`` (not started)."""
 
-    def _watch_thread(self) -> None:
+
+class RegistrySide(Protocol):
+    """What the registry watch reads of the running stack (``Supervisor`` implements it)."""
+
+    stack: Any  # control.ops.embedded.EmbeddedStack once started (its ``etcd_url``)
+    dev_api_key: str | None  # key of tenant "dev" once set up: new model names are allowed for it
+
+
+class ScalingRound(Protocol):
+    """What each round of the watch hands the desired counts to (``ScalingReconciler`` implements it)."""
+
+    def wants_ready_records(self) -> bool:
+        """True while a replica has not been seen ready (the watch then reads the readiness records)."""
+
+    def round(self, desired_records: Mapping[str, Any], ready_records: Mapping[str, Any] | None,
+              now: float | None = None, notices: Mapping[str, Any] | None = None) -> bool:
+        """Carry out one round of desired counts; True when anything changed."""
+
+
+class VersionReconciler:
+    """The registry watch (:meth:`watch`) and :meth:`reconcile` of one supervisor: ``running`` maps each
+    model version whose processes run (``name@version``) to its manifest's fingerprint."""
+
+    def __init__(self, cfg: StackConfig, procs: ProcessTable, actors: VersionActors, side: RegistrySide,
+                 stop_requested: threading.Event) -> None:
+        self.cfg, self.procs, self.actors, self.side, self.stop_requested = cfg, procs, actors, side, stop_requested
+        self.running: dict[str, str] = {}  # "name@version" running -> fingerprint of its manifest
+        self.bad_manifests: set[str] = set()  # invalid active versions already reported
+
+    def adopt(self, ref: str, fingerprint: str) -> None:
+        """Count version ``ref`` (manifest ``fingerprint``), started by the supervisor itself, as running."""
+        with self.procs.lock:
+            self.running[ref] = fingerprint
+
+    def watch(self, scaling: ScalingRound) -> None:
+        """The registry watch (a thread's target; its own event loop) until the stop; ``scaling`` carries
+        out the desired counts each round. Errors are logged, never raised."""
         try:
-            asyncio.run(self._watch_registry())
+            asyncio.run(self._watch_registry(scaling))
         except Exception:  # pragma: no cover - logged, the rest of the stack keeps running
             log.exception("registry watch stopped")
 
-    async def _watch_registry(self) -> None:
+    async def _watch_registry(self, scaling: ScalingRound) -> None:
         """Poll the registry every ``registry_poll_s`` s (one connection, reopened after errors) and
         reconcile the running model versions with it, then the replica counts with the desired prefix
         (control/ops/supervisor_scaling.py; readiness read from the workers' and the metrics records
@@ -90,30 +112,30 @@ class VersionsMixin:
         allowed: set[str] | None = None  # model names the dev tenant was given (start() did the first)
         warned = False
         try:
-            while not self._stop_requested.is_set():
+            while not self.stop_requested.is_set():
                 try:
                     if reg is None:
-                        reg = await Registry.open(self.stack.etcd_url, timeout=3.0)
+                        reg = await Registry.open(self.side.stack.etcd_url, timeout=3.0)
                         waker = asyncio.ensure_future(self._wake_on_desired(reg, wake))
                     models = await reg.list_models()
-                    desired, ready, notices = await self._read_scaling(reg)
+                    desired, ready, notices = await self._read_scaling(reg, scaling.wants_ready_records())
                     warned = False
                 except Exception as e:
-                    if not warned and not self._stop_requested.is_set():
+                    if not warned and not self.stop_requested.is_set():
                         log.warning("registry watch: cannot read the registry (%r); retrying", e)
                         warned = True
                     if reg is not None:
                         waker = await _cancelled(waker)
                         await reg.close()
                         reg = None
-                    await asyncio.sleep(self.registry_poll_s)
+                    await asyncio.sleep(self.cfg.registry_poll_s)
                     continue
                 allowed = await self._allow_new_models(reg, models, allowed)
                 # Spawning is quick; draining may wait up to stop_timeout_s: keep it off the loop.
                 await asyncio.to_thread(self.reconcile, models)
-                await asyncio.to_thread(self.scaling_round, desired, ready, None, notices)
+                await asyncio.to_thread(scaling.round, desired, ready, None, notices)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self.registry_poll_s)
+                    await asyncio.wait_for(wake.wait(), self.cfg.registry_poll_s)
                 wake.clear()
         finally:
             await _cancelled(waker)
@@ -131,14 +153,15 @@ class VersionsMixin:
         except Exception as e:  # the 0.5 s poll still carries the counts out
             log.debug("registry watch: the desired-count watch ended (%r)", e)
 
-    async def _read_scaling(self, reg: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-        """The records under ``desired_prefix()``, (only while a replica is not seen ready yet) those under
-        the workers' and the metrics prefixes (else None), and the preemption notices."""
+    async def _read_scaling(self, reg: Any, with_ready: bool) -> tuple[dict[str, Any], dict[str, Any] | None,
+                                                                        dict[str, Any]]:
+        """The records under ``desired_prefix()``, (only ``with_ready``: while a replica is not seen ready
+        yet) those under the workers' and the metrics prefixes (else None), and the preemption notices."""
         from control.state.names import all_metrics_prefix, all_workers_prefix, desired_prefix, notices_prefix
 
         desired = await reg.get_prefix_json(desired_prefix())
         notices = await reg.get_prefix_json(notices_prefix())
-        if not self._wants_ready_records():
+        if not with_ready:
             return desired, None, notices
         ready = await reg.get_prefix_json(all_workers_prefix())
         ready.update(await reg.get_prefix_json(all_metrics_prefix()))
@@ -149,11 +172,11 @@ class VersionsMixin:
         if allowed is None:
             return set(models)
         new_names = set(models) - allowed
-        if new_names and self.dev_api_key:
+        if new_names and self.side.dev_api_key:
             try:
                 from control.state.tenants import TenantAdmin
 
-                await TenantAdmin(reg).ensure_dev_tenant(self.state_dir, sorted(new_names))
+                await TenantAdmin(reg).ensure_dev_tenant(self.cfg.state_dir, sorted(new_names))
                 allowed |= new_names
             except Exception as e:
                 log.warning("registry watch: could not allow %s for the dev tenant: %r",
@@ -169,63 +192,65 @@ class VersionsMixin:
         changed active one is then started again). Returns ``(started, stopped)`` refs. Called by the
         registry watch; safe to call from any thread. Does nothing once :meth:`stop` began.
         """
-        desired = desired_versions(models, self.workers, self._bad_manifests)
-        with self._lock:
-            if self._stopping:
+        desired = desired_versions(models, self.cfg.workers, self.bad_manifests)
+        procs = self.procs
+        with procs.lock:
+            if procs.stopping:
                 return [], []
             stop_refs, draining = self._forget_versions(desired)
         if draining:
-            self._terminate(sorted(draining, key=stop_rank))
-            with self._lock:
+            procs.terminate(sorted(draining, key=stop_rank))
+            with procs.lock:
                 gone = {id(a) for a in draining}
-                self._draining = [a for a in self._draining if id(a) not in gone]
-        with self._lock:
-            started = [] if self._stopping else self._start_versions(desired)
+                procs.draining = [a for a in procs.draining if id(a) not in gone]
+        with procs.lock:
+            started = [] if procs.stopping else self._start_versions(desired)
         return started, stop_refs
 
     def _forget_versions(self, desired: Mapping[str, tuple[str, int]]) -> tuple[list[str], list[ActorProcess]]:
         """Under the lock: move the processes of running versions not in ``desired`` (or changed) to
-        ``_draining``; returns those refs and processes."""
-        stop_refs = [r for r, fp in self._versions.items() if r not in desired or desired[r][0] != fp]
+        ``draining``; returns those refs and processes."""
+        procs = self.procs
+        stop_refs = [r for r, fp in self.running.items() if r not in desired or desired[r][0] != fp]
         draining: list[ActorProcess] = []
         for ref in stop_refs:
-            del self._versions[ref]
-            group = [a for a in self.actors if a.model == ref]
-            self.actors = [a for a in self.actors if a.model != ref]
+            del self.running[ref]
+            group = [a for a in procs.actors if a.model == ref]
+            procs.actors = [a for a in procs.actors if a.model != ref]
             draining += group
-            self._event(f"{ref} left the registry's active versions (or changed): draining "
+            procs.event(f"{ref} left the registry's active versions (or changed): draining "
                         + (", ".join(a.name for a in group) or "nothing"))
-        self._draining += draining
+        procs.draining += draining
         if draining:
-            self._write_pids()
+            procs.write_pids()
         return stop_refs, draining
 
     def _start_versions(self, desired: Mapping[str, tuple[str, int]]) -> list[str]:
         """Under the lock: spawn the scheduler and workers of every desired version not running yet."""
         started: list[str] = []
         for ref, (fp, workers) in sorted(desired.items()):
-            if ref in self._versions:
+            if ref in self.running:
                 continue
-            group = self._version_actors(ref, workers)
+            group = self.actors.version_actors(ref, workers)
             for a in group:
                 a.dynamic = True
-                self.actors.append(a)
+                self.procs.actors.append(a)
                 try:
-                    self._spawn(a)
+                    self.procs.spawn(a)
                 except OSError as e:
                     log.error("could not start %s: %s", a.name, e)
-            self._versions[ref] = fp
+            self.running[ref] = fp
             started.append(ref)
-            self._event(f"{ref} registered: started " + ", ".join(a.name for a in group))
+            self.procs.event(f"{ref} registered: started " + ", ".join(a.name for a in group))
         if started:
-            self._write_pids()
+            self.procs.write_pids()
         return started
 
     @property
     def running_versions(self) -> list[str]:
         """``name@version`` of every model version whose processes this supervisor runs, sorted."""
-        with self._lock:
-            return sorted(self._versions)
+        with self.procs.lock:
+            return sorted(self.running)
 
 
 async def _cancelled(task: asyncio.Future | None) -> None:

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from control.ops.stack_config import StackConfig
 from control.ops.supervisor import START_ORDER, Supervisor, SupervisorError
 
 
@@ -33,12 +34,13 @@ def _start_stopped(sup: Supervisor) -> None:
 
 def _autoscaler_line(sup: Supervisor) -> str:
     """One banner line: whether the autoscaler runs, and its bounds (docs/autoscaling.md)."""
+    cfg = sup.cfg
     if not any(a.kind == "autoscaler" for a in sup.actors):
-        why = ("--multi-model: hosts are not scaled" if getattr(sup, "multi_model", False) else "--no-autoscaler"
-               if not sup.autoscaler else "its actor kind is not installed")
+        why = ("--multi-model: hosts are not scaled" if cfg.multi_model else "--no-autoscaler"
+               if not cfg.autoscaler else "its actor kind is not installed")
         return f"autoscaler: off ({why}); counts stay fixed (docs/autoscaling.md)"
-    return (f"autoscaler: on (validators 1..{max(1, sup.cores)}, workers {sup.workers}..{sup.max_workers} per "
-            f"version, gateways {sup.gateways}); `actorserve autoscaler status`, `up --no-autoscaler` to pin")
+    return (f"autoscaler: on (validators 1..{max(1, cfg.cores)}, workers {cfg.workers}..{cfg.max_workers} per "
+            f"version, gateways {cfg.gateways}); `actorserve autoscaler status`, `up --no-autoscaler` to pin")
 
 
 def main_up(args: argparse.Namespace) -> int:
@@ -61,7 +63,7 @@ def main_up(args: argparse.Namespace) -> int:
         extra = getattr(args, f"{kind}_args", None)
         if extra:
             actor_args[kind] = shlex.split(extra)
-    sup = Supervisor(
+    sup = Supervisor(StackConfig(
         args.state_dir or os.environ.get("ACTORSERVE_STATE_DIR") or ".actorserve",
         host=args.host,
         port=args.port,
@@ -76,7 +78,7 @@ def main_up(args: argparse.Namespace) -> int:
         tls=bool(getattr(args, "tls", False)),
         autoscaler=not getattr(args, "no_autoscaler", False),
         multi_model=bool(getattr(args, "multi_model", False)),
-    )
+    ))
 
     def on_signal(signum: int, _frame: Any) -> None:
         sup.request_stop()
@@ -98,7 +100,7 @@ def main_up(args: argparse.Namespace) -> int:
             )
             sup.wait_ready(args.ready_timeout)
         except (SupervisorError, FileNotFoundError, ValueError, RuntimeError) as e:
-            if sup._stop_requested.is_set() and isinstance(e, SupervisorError):
+            if sup.stop_requested and isinstance(e, SupervisorError):
                 print("actorserve: interrupted during startup; stopping", file=sys.stderr)
                 status = 130
             else:
@@ -107,8 +109,8 @@ def main_up(args: argparse.Namespace) -> int:
             return status
         url = sup.http_url
         print(
-            f"\nactorserve is ready: {url}/v1  (model {sup.model_name}, {sup.gateways} gateway(s), "
-            f"{sup.workers} worker(s))\n"
+            f"\nactorserve is ready: {url}/v1  (model {sup.cfg.model_name}, {sup.cfg.gateways} gateway(s), "
+            f"{sup.cfg.workers} worker(s))\n"
             f"  endpoints: {sup.state_dir / 'endpoints.json'}   logs: {sup.logs_dir}/\n"
             f"  dev API key (tenant dev): {sup.dev_api_key}   (also in {sup.state_dir / 'dev-api-key'})\n"
             f"  NATS API: {sup.stack.nats.url}  user {_read(sup.state_dir / 'dev-nats-user')}, "
@@ -118,7 +120,7 @@ def main_up(args: argparse.Namespace) -> int:
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             + (f"    --cacert {sup.tls_dir / 'ca.pem'} \\\n" if sup.tls_dir else "") +
             f"    -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n"
-            f"    -d '{{\"model\":\"{sup.model_name}\",\"messages\":[{{\"role\":\"user\","
+            f"    -d '{{\"model\":\"{sup.cfg.model_name}\",\"messages\":[{{\"role\":\"user\","
             f"\"content\":\"What is the capital of France?\"}}],\"temperature\":0}}'\n\n"
             f"Press Ctrl-C to stop.",
             flush=True,

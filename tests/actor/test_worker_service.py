@@ -10,7 +10,8 @@ import pytest
 
 from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.types import EngineStats
-from actors.worker.service import WorkerConfig, WorkerService, _Live
+from actors.worker.live import Live
+from actors.worker.service import WorkerConfig, WorkerService
 from bus import subjects
 from bus.memory import MemoryBus
 from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
@@ -288,7 +289,7 @@ async def test_urgent_dispatch_reaches_the_engine_with_priority_and_tenant():
 def test_batch_newcomer_never_displaces_an_interactive_request():
     svc = WorkerService(MemoryBus(), RecordingEngine(), WorkerConfig("w1", "m", "1"))
     for rid, prio in (("vi", "interactive"), ("vb", "batch")):
-        svc.live[rid] = _Live(dataclasses.replace(gen(rid), priority=prio), time.time())
+        svc.live[rid] = Live(dataclasses.replace(gen(rid), priority=prio), time.time())
         svc.engine.reqs[rid] = 0  # running in the engine
     assert not svc.can_preempt("vi", "batch") and svc.can_preempt("vi", "interactive")
     assert svc.can_preempt("vb", "batch") and svc.can_preempt("vb", "interactive")

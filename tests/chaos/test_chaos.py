@@ -70,7 +70,7 @@ class ChaosStack:
     @property
     def urls(self) -> list[str]:
         """Both gateways' base URLs."""
-        return [self.sup.gateway_url(i) for i in range(self.sup.gateways)]
+        return [self.sup.gateway_url(i) for i in range(self.sup.cfg.gateways)]
 
     def recorded_pids(self) -> set[int]:
         """Every pid this test may signal: the supervisor's processes and the standby."""
@@ -93,14 +93,15 @@ def _start_standby(sup, log_path: Path) -> subprocess.Popen:
 def chaos(tmp_path_factory) -> ChaosStack:
     """2 gateways, 2 workers, 2 schedulers (one started here), supervised; stopped at the end."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     base = tmp_path_factory.mktemp("chaos")
     gguf = str(base / "tiny.gguf")
     write_tiny_llama_gguf(gguf)
-    sup = Supervisor(base / "state", port=0, gateways=2, workers=2, supervise=True, model_file=gguf,
-                     model_name=MODEL, model_version=VERSION, max_restarts=10, stop_timeout_s=5.0,
-                     actor_args={"worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
-                                 "scheduler": ["--max-queue-per-tenant", "1024"]})
+    sup = Supervisor(StackConfig(base / "state", port=0, gateways=2, workers=2, supervise=True, model_file=gguf,
+                                 model_name=MODEL, model_version=VERSION, max_restarts=10, stop_timeout_s=5.0,
+                                 actor_args={"worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
+                                 "scheduler": ["--max-queue-per-tenant", "1024"]}))
     sup.start()
     standby = None
     try:

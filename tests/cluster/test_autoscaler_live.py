@@ -85,18 +85,19 @@ def live_stack(state: Path, tiny: str, *, autoscaler: bool, env: dict | None = N
                policy: list[str] | None = None) -> Iterator[Any]:
     """A supervised tiny-model stack (1 gateway, validator, worker), the autoscaler on or off."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     args: dict[str, list[str]] = {"worker": WORKER_ARGS}
     if autoscaler:
         _need_autoscaler()
         args["autoscaler"] = ["--tick-s", "0.25", *[x for p in (policy or POLICY) for x in ("--policy-set", p)]]
-    sup = Supervisor(state, port=0, supervise=True, model_file=tiny, model_name=MODEL, workers=1,
-                     autoscaler=autoscaler, actor_args=args, env=env or {})
+    sup = Supervisor(StackConfig(state, port=0, supervise=True, model_file=tiny, model_name=MODEL, workers=1,
+                                 autoscaler=autoscaler, actor_args=args, env=env or {}))
     t0 = time.monotonic()
     sup.start()
     try:
         sup.wait_ready(timeout=120)
-        print(f"stack ready in {time.monotonic() - t0:.1f} s ({len(sup.actors)} actors, cores {sup.cores})")
+        print(f"stack ready in {time.monotonic() - t0:.1f} s ({len(sup.actors)} actors, cores {sup.cfg.cores})")
         yield sup
     finally:
         sup.stop()
@@ -292,7 +293,7 @@ async def idle_moves(sup, seconds: float = 4.0) -> list[dict]:
     while the first worker still registers, is fine). The caller asserts, after measuring the rest."""
     await asyncio.sleep(seconds)
     ds = await decisions(sup)
-    today = {"validator": 1, "gateway": sup.gateways, f"worker/{MODEL}/1/{sup.pool}": sup.workers}
+    today = {"validator": 1, "gateway": sup.cfg.gateways, f"worker/{MODEL}/1/{sup.cfg.pool}": sup.cfg.workers}
     moved = [d for d in ds if d.get("desired") != today.get(d.get("target"), d.get("desired"))]
     seen = [(d.get("target"), d.get("current"), d.get("desired")) for d in ds]
     print(f"idle {seconds:.0f} s: {len(ds)} decision(s) {seen}, {len(moved)} away from today's counts; "

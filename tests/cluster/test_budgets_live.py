@@ -34,14 +34,15 @@ WORST = (2 + 4 + 4) * PRICE_PER_TOKEN  # (bytes + SPECIAL_SLACK) prompt + max_to
 @pytest.fixture(scope="module")
 def gw3(tmp_path_factory):
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     path = str(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
     write_tiny_llama_gguf(path)
     # watch_registry=False: this test starts and edits nothing but tiny@1's price (no version reconciling needed)
-    sup = Supervisor(tmp_path_factory.mktemp("budgets-state"), port=0, gateways=3, supervise=False,
-                     watch_registry=False, model_file=path, model_name=MODEL,
-                     actor_args={"worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
-                                 "scheduler": ["--max-queue-per-tenant", "1024"]})
+    sup = Supervisor(StackConfig(tmp_path_factory.mktemp("budgets-state"), port=0, gateways=3, supervise=False,
+                                 watch_registry=False, model_file=path, model_name=MODEL,
+                                 actor_args={"worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
+                                 "scheduler": ["--max-queue-per-tenant", "1024"]}))
     sup.start()
     try:
         sup.wait_ready(timeout=120)

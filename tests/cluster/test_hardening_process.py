@@ -6,7 +6,7 @@ cluster-test`` (collected only with ``ACTORSERVE_CLUSTER=1``). No root needed. E
   SIGTERMs stays stopped and SIGHUP starts it again. About 25 s.
 * Stopping a stack with two model versions (3 workers, 2 schedulers) and streams in flight that cannot
   finish (a 25 s first-token delay): at most ``stop_timeout_s`` (15 s) + 5 s (the waves of
-  control/ops/supervisor_versions.py STOP_WAVES; one after another this took ~25 s). About 60 s.
+  control/ops/supervisor_processes.py STOP_WAVES; one after another this took ~25 s). About 60 s.
 * nats-server SIGKILLed and restarted (1 s down) under jobs and streams, three times: jobs in flight
   complete, streams in flight end and a new stream gets its first token within a few seconds of the
   restart (the ~50 s stall of decision 0008). About 45 s.
@@ -167,8 +167,8 @@ def test_stop_with_two_versions_and_streams_in_flight_is_bounded(tmp_path, tiny)
         sup.stop()  # idempotent: leaving the with block stops nothing more
         took = time.monotonic() - t0
         print(f"stop with 2 versions ({len(pids)} processes) and 4 stuck streams: {took:.1f} s "
-              f"(stop_timeout_s {sup.stop_timeout_s:.0f} s)")
-        assert took <= sup.stop_timeout_s + 5, f"stopping took {took:.1f} s"
+              f"(stop_timeout_s {sup.cfg.stop_timeout_s:.0f} s)")
+        assert took <= sup.cfg.stop_timeout_s + 5, f"stopping took {took:.1f} s"
         assert [n for n, pid in pids.items() if _alive(pid)] == []
 
 

@@ -22,13 +22,15 @@ from tests.engine_fixtures import write_tiny_llama_gguf
 def stack(tmp_path_factory: pytest.TempPathFactory):
     """The default deployment: 1 gateway, validator, scheduler, worker (SmolLM2)."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     # watch_registry=False: tests on this stack register tiny@1 and start its actors themselves.
-    sup = Supervisor(tmp_path_factory.mktemp("e2e-state"), port=0, supervise=False, watch_registry=False,
-                     # float32 pinned: texts asserted here (e.g. "Paris") sit on near-ties of the default
-                     # bfloat16+int4 path (first token: float32 top-2 gap 0.09; decision 0028)
-                     actor_args={"worker": ["--kv-cache-bytes", str(128 * 1024 * 1024), "--dtype", "float32",
-                                            "--quantization", "none"]})
+    sup = Supervisor(StackConfig(
+        tmp_path_factory.mktemp("e2e-state"), port=0, supervise=False, watch_registry=False,
+        # float32 pinned: texts asserted here (e.g. "Paris") sit on near-ties of the default
+        # bfloat16+int4 path (first token: float32 top-2 gap 0.09; decision 0028)
+        actor_args={"worker": ["--kv-cache-bytes", str(128 * 1024 * 1024), "--dtype", "float32",
+                               "--quantization", "none"]}))
     sup.start()
     try:
         sup.wait_ready(timeout=240)

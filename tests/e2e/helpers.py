@@ -16,9 +16,10 @@ def tiny_deployment(state_dir, tiny_gguf: str, actor_args: dict, ready_s: float 
     """A Supervisor stack serving the tiny model as ``tiny`` (no restarts); stopped on exit. ``kwargs`` go to
     the Supervisor (e.g. ``env``)."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
-    sup = Supervisor(state_dir, port=0, supervise=False, model_file=tiny_gguf, model_name="tiny",
-                     actor_args=actor_args, **kwargs)
+    sup = Supervisor(StackConfig(state_dir, port=0, supervise=False, model_file=tiny_gguf, model_name="tiny",
+                                 actor_args=actor_args, **kwargs))
     sup.start()
     try:
         sup.wait_ready(timeout=ready_s)

@@ -34,9 +34,11 @@ WORKER_ARGS = ["--kv-cache-bytes", "8000000", "--max-num-seqs", "2", "--no-progr
 def rel_stack(tmp_path_factory, tiny_gguf):
     """tiny@1 with 2 workers (2 slots each), supervised: an actor that dies is restarted (and recorded)."""
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
-    sup = Supervisor(tmp_path_factory.mktemp("rel"), port=0, supervise=True, model_file=tiny_gguf,
-                     model_name="tiny", workers=2, actor_args={"worker": WORKER_ARGS}, watch_registry=False)
+    sup = Supervisor(StackConfig(tmp_path_factory.mktemp("rel"), port=0, supervise=True, model_file=tiny_gguf,
+                                 model_name="tiny", workers=2, actor_args={"worker": WORKER_ARGS},
+                                 watch_registry=False))
     sup.start()
     try:
         sup.wait_ready(timeout=120)

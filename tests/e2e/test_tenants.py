@@ -22,11 +22,12 @@ from control.state.tenants import TenantAdmin
 @pytest.fixture(scope="module")
 def gw3(tmp_path_factory, tiny_gguf):
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
-    sup = Supervisor(tmp_path_factory.mktemp("tenants-state"), port=0, gateways=3, supervise=False,
-                     model_file=tiny_gguf, model_name="tiny",
-                     actor_args={"worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
-                                 "scheduler": ["--max-queue-per-tenant", "1024"]})
+    sup = Supervisor(StackConfig(tmp_path_factory.mktemp("tenants-state"), port=0, gateways=3, supervise=False,
+                                 model_file=tiny_gguf, model_name="tiny",
+                                 actor_args={"worker": ["--kv-cache-bytes", "8000000", "--no-progress"],
+                                 "scheduler": ["--max-queue-per-tenant", "1024"]}))
     sup.start()
     try:
         sup.wait_ready(timeout=120)
@@ -54,7 +55,7 @@ def new_tenant(sup, models=("tiny",), **quotas) -> tuple[str, str, str]:
         return name, key_id, key
     out = admin(sup, fn)
     wait_until(lambda: all(httpx.get(sup.gateway_url(i) + "/v1/models", headers=bearer(out[2]),
-                                     timeout=10).status_code == 200 for i in range(sup.gateways)))
+                                     timeout=10).status_code == 200 for i in range(sup.cfg.gateways)))
     return out
 
 

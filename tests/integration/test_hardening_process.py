@@ -138,6 +138,7 @@ def test_actor_runtime_drains_when_its_parent_is_gone(monkeypatch):
 
 def test_up_refuses_over_orphaned_processes(tmp_path):
     from control.ops.supervisor import Supervisor, SupervisorError
+    from control.ops.stack_config import StackConfig
 
     state = tmp_path / "state"
     state.mkdir()
@@ -148,7 +149,7 @@ def test_up_refuses_over_orphaned_processes(tmp_path):
     try:
         (state / "pids.json").write_text(json.dumps({"supervisor": dead.pid, "worker-0": orphan.pid,
                                                       "gateway-0": os.getpid()}))
-        sup = Supervisor(state, port=0)
+        sup = Supervisor(StackConfig(state, port=0))
         with pytest.raises(SupervisorError) as err:
             sup.start()
         sup.stop()
@@ -169,6 +170,7 @@ def test_up_refuses_over_orphaned_processes(tmp_path):
 
 def test_up_refuses_when_the_endpoints_still_answer(tmp_path):
     from control.ops.supervisor import Supervisor, SupervisorError
+    from control.ops.stack_config import StackConfig
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -183,7 +185,7 @@ def test_up_refuses_when_the_endpoints_still_answer(tmp_path):
         clean.mkdir()
         (clean / "endpoints.json").write_text(endpoints)
         assert lifeline.live_stack(clean) is None  # no pids.json: the last up stopped cleanly, ports not looked at
-        sup = Supervisor(tmp_path, port=0)
+        sup = Supervisor(StackConfig(tmp_path, port=0))
         with pytest.raises(SupervisorError, match="still answer") as err:
             sup.start()
         sup.stop()
@@ -236,23 +238,24 @@ def test_restart_rule_statuses():
 
 def test_supervisor_keeps_an_operator_stopped_actor_stopped_and_restarts_a_crash(tmp_path):
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
-    sup = Supervisor(tmp_path, port=0, watch_registry=False)
+    sup = Supervisor(StackConfig(tmp_path, port=0, watch_registry=False))
     stopped = ActorProcess("worker-0", "worker", [sys.executable, "-c", "pass"], tmp_path / "w0.log")
     crashed = ActorProcess("worker-1", "worker", [sys.executable, "-c", "raise SystemExit(1)"], tmp_path / "w1.log")
     spawned = []
-    sup._spawn = lambda a: spawned.append(a.name) or setattr(a, "proc", subprocess.Popen(["sleep", "30"]))
-    sup.actors = [stopped, crashed]
+    sup.procs.spawn = lambda a: spawned.append(a.name) or setattr(a, "proc", subprocess.Popen(["sleep", "30"]))
+    sup.procs.actors = [stopped, crashed]
     try:
         for a in sup.actors:
             a.proc = subprocess.Popen(a.argv)
             a.proc.wait(10)
-        assert sup._supervise_once()
+        assert sup.health.supervise_once()
         assert spawned == ["worker-1"] and stopped.stopped_by == "operator" and crashed.stopped_by is None
         assert sup.stopped_by_operator == ["worker-0"]
         pids = json.loads((tmp_path / "pids.json").read_text())
         assert pids["stopped"] == {"worker-0": {"by": "operator", "status": 0}} and "worker-1" in pids
-        assert sup._supervise_once() and spawned == ["worker-1"]  # still not restarted
+        assert sup.health.supervise_once() and spawned == ["worker-1"]  # still not restarted
         assert any("stopped by operator" in e for e in sup.events)
         assert sup.start_stopped() == ["worker-0"] and spawned == ["worker-1", "worker-0"]
         assert sup.stopped_by_operator == []

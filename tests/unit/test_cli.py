@@ -19,6 +19,7 @@ import pytest
 from actors import runtime
 from control.ops.cli import ACTOR_MODULES, build_parser
 from control.ops.supervisor import Supervisor, model_manifest
+from control.ops.stack_config import StackConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -158,11 +159,11 @@ def test_supervisor_actor_commands_parse(tmp_path):
     """Every argv the supervisor spawns is accepted by the CLI parser."""
     for kind in ACTOR_MODULES:
         _need_actor(kind)
-    sup = Supervisor(tmp_path, port=8100, gateways=2, workers=2, log_level="DEBUG",
-                     actor_args={"worker": ["--kv-cache-bytes", "1000000"]})
+    sup = Supervisor(StackConfig(tmp_path, port=8100, gateways=2, workers=2, log_level="DEBUG",
+                                 actor_args={"worker": ["--kv-cache-bytes", "1000000"]}))
     sup.stack = SimpleNamespace(nats_url="nats://127.0.0.1:1", etcd_url="http://127.0.0.1:2")
     sup.gateway_ports = [8100, 8101]
-    sup._build_actors()
+    sup.procs.actors = sup.factory.initial()
     names = [a.name for a in sup.actors]
     rollout = ["rollout-0"] if "rollout" in ACTOR_MODULES else []  # the rollout controller, one process
     assert names == ["worker-0", "worker-1", "scheduler-0", "validator-0", "jobs-0", *rollout, "gateway-0", "gateway-1"]
@@ -173,7 +174,7 @@ def test_supervisor_actor_commands_parse(tmp_path):
         assert "--nats" not in a.argv
         assert args.state_dir == str(tmp_path.resolve()) and args.log_level == "DEBUG"
         assert a.log_path == tmp_path.resolve() / "logs" / f"{a.name}.log"
-    assert sup._child_env()["ACTORSERVE_NATS"] == "nats://127.0.0.1:1"
+    assert sup.factory.env()["ACTORSERVE_NATS"] == "nats://127.0.0.1:1"
     gw1 = _parse(*sup.actor("gateway-1").argv[3:])
     assert (gw1.port, gw1.gateway_id) == (8101, "gw-1")
     w1 = _parse(*sup.actor("worker-1").argv[3:])
@@ -189,7 +190,7 @@ def test_refused_second_up_keeps_the_running_supervisors_pids_json(tmp_path):
     try:
         pids = tmp_path / PIDS_FILE
         pids.write_text(json.dumps({"supervisor": other.pid, "worker-0": other.pid}))
-        sup = Supervisor(tmp_path, port=0)
+        sup = Supervisor(StackConfig(tmp_path, port=0))
         with pytest.raises(SupervisorError, match="seems to be running"):
             sup.start()
         sup.stop()
@@ -197,8 +198,8 @@ def test_refused_second_up_keeps_the_running_supervisors_pids_json(tmp_path):
     finally:
         other.kill()
         other.wait()
-    own = Supervisor(tmp_path, port=0)
-    own._write_pids()
+    own = Supervisor(StackConfig(tmp_path, port=0))
+    own.procs.write_pids()
     own.stop()  # a supervisor removes its own pids.json
     assert not pids.exists()
 

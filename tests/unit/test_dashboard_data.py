@@ -83,7 +83,7 @@ def test_scheduler_load_report_carries_tenant_shares_against_weights():
 
     ledger = SimpleNamespace(shares=lambda now: {"a": 0.6, "b": 0.3, "old": 0.1})
     svc = SimpleNamespace(bus=None, cfg=SimpleNamespace(scheduler_id="s1"), ledger=ledger,
-                          weights={"a": 1.0, "b": 3.0}, _active_tenants=lambda: ["a", "b", "c"])
+                          weights={"a": 1.0, "b": 3.0}, fair=SimpleNamespace(active_tenants=lambda: ["a", "b", "c"]))
     rows = SchedulerLoad(svc).tenant_shares(0.0)
     assert rows == [["a", 0.6, 0.2], ["b", 0.3, 0.6], ["c", 0.0, 0.2], ["old", 0.1, 0.0]]  # largest first
     load = ActorLoad("scheduler", "s1", 1.0, 1.0, tenants=rows)

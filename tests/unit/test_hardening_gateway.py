@@ -194,14 +194,15 @@ async def test_metrics_needs_the_operator_token_or_hides_tenants():
 
 def test_operator_token_file_is_private_stable_and_only_for_gateways(tmp_path, monkeypatch):
     from control.ops.supervisor import Supervisor
+    from control.ops.stack_config import StackConfig
 
     token = operator_token(tmp_path)
     path = tmp_path / "operator-token"
     assert len(token) >= 40 and path.stat().st_mode & 0o777 == 0o600 and operator_token(tmp_path) == token
     monkeypatch.setenv(OPERATOR_TOKEN_ENV, "inherited")
-    sup = Supervisor(tmp_path, port=0, supervise=False, watch_registry=False)
-    assert sup._child_env("gateway")[OPERATOR_TOKEN_ENV] == token
-    assert OPERATOR_TOKEN_ENV not in sup._child_env("worker")
+    sup = Supervisor(StackConfig(tmp_path, port=0, supervise=False, watch_registry=False))
+    assert sup.factory.env("gateway")[OPERATOR_TOKEN_ENV] == token
+    assert OPERATOR_TOKEN_ENV not in sup.factory.env("worker")
 
 
 def test_jetstream_permissions_name_each_role_s_streams():

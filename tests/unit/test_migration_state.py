@@ -96,12 +96,10 @@ def test_workers_cli_parses_preempt_and_list():
 
 
 def test_tool_call_parser_replay_continues_the_uninterrupted_deltas():
-    """restore_live replays the tool-call parser through the resumed tokens' text; what it emits after the
+    """Live.resume replays the tool-call parser through the resumed tokens' text; what it emits after the
     split equals what the uninterrupted parser emitted there (call ids are random: compared without them)."""
-    from types import SimpleNamespace
-
     from actors.text.tool_calls import make_parser, parse_step
-    from actors.worker.migration import restore_live
+    from actors.worker.live import Live
 
     out = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call> done'
     deltas = [out[i:i + 3] for i in range(0, len(out), 3)]  # one text delta per token
@@ -115,8 +113,7 @@ def test_tool_call_parser_replay_continues_the_uninterrupted_deltas():
     for k in range(len(deltas) + 1):
         st = ResumeState("w1", tuple(range(k)), seq=k, t_in=1.0, t_first=2.0, echo_pending=False)
         req = GenerateRequest("r", "t", "m", "1", "x", (1,), SamplingParams(), resume=st.to_json())
-        lv = SimpleNamespace(seq=0, num_generated=0, echo_pending=True, t_in=5.0, t_first=0.0, handoff=0.0,
-                             tools=make_parser("hermes"), req=req)
-        restore_live(lv, req, deltas[:k])
+        lv = Live(req, 5.0, tools=make_parser("hermes"))
+        lv.resume(req, deltas[:k])
         assert (lv.seq, lv.num_generated, lv.echo_pending, lv.t_in, lv.t_first) == (k, k, False, 1.0, 2.0)
         assert emitted(lv.tools, deltas[k:]) == reference[k:], k

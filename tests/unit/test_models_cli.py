@@ -156,8 +156,9 @@ class _FakeProc:
 @pytest.fixture
 def sup(tmp_path, monkeypatch):
     from control.ops.supervisor import Supervisor, manifest_fingerprint
+    from control.ops.stack_config import StackConfig
 
-    s = Supervisor(tmp_path, port=8100, workers=1, model_name="tiny", watch_registry=False)
+    s = Supervisor(StackConfig(tmp_path, port=8100, workers=1, model_name="tiny", watch_registry=False))
     s.stack = SimpleNamespace(nats_url="nats://127.0.0.1:1", etcd_url="http://127.0.0.1:2",
                               nats=SimpleNamespace(running=False, pid=None, name="nats"),
                               etcd=SimpleNamespace(running=False, pid=None, name="etcd"))
@@ -172,13 +173,13 @@ def sup(tmp_path, monkeypatch):
             s.terminated.append(a.name)
             a.proc.returncode = 0
 
-    monkeypatch.setattr(s, "_spawn", spawn)
-    monkeypatch.setattr(s, "_terminate", terminate)
-    s._build_actors()
+    monkeypatch.setattr(s.procs, "spawn", spawn)
+    monkeypatch.setattr(s.procs, "terminate", terminate)
+    s.procs.actors = s.factory.initial()
     for a in s.actors:
-        s._spawn(a)
+        s.procs.spawn(a)
     s.manifest = {"name": "tiny", "version": "1", "artifact": "/t.gguf", "format": "gguf", "status": "active"}
-    s._versions["tiny@1"] = manifest_fingerprint(s.manifest)
+    s.versions.adopt("tiny@1", manifest_fingerprint(s.manifest))
     return s
 
 
@@ -227,7 +228,7 @@ def test_reconcile_drains_the_initial_version_and_restarts_it_under_its_names(su
 
 
 def test_reconcile_after_stop_does_nothing(sup):
-    sup._stopping = True
+    sup.procs.stopping = True
     assert sup.reconcile({"tiny": {"1": sup.manifest, "2": _m("2")}}) == ([], [])
 
 

@@ -1,10 +1,11 @@
 """The supervisor carries out desired replica counts (control/ops/supervisor_scaling.py): the pure rules
 (record parsing, victim choice, indices, the autoscaler's limits under ``up``) and
-:meth:`Supervisor.scaling_round` on fake processes (no process is started or signalled: ``_spawn`` and
+:meth:`Supervisor.scaling_round` on fake processes (no process is started or signalled: ``procs.spawn`` and
 the signal helpers are replaced by recorders)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import pytest
 from control.ops import supervisor_processes as processes
 from control.ops import supervisor_scaling as scaling
 from control.ops.supervisor import START_ORDER, Supervisor
+from control.ops.stack_config import StackConfig
 from control.ops.supervisor_scaling import (Desired, Replica, autoscaler_limits_argv, choose_victims,
                                             next_free_index, parse_desired, replica_index)
 from control.state.names import all_metrics_prefix, desired_key, desired_prefix, workers_prefix
@@ -97,20 +99,20 @@ def sup(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling, "kind_accepts", lambda kind, opt: True)
     signals: list[tuple[str, signal.Signals]] = []
     monkeypatch.setattr(scaling, "signal_actor", lambda a, sig: signals.append((a.name, sig)))
-    s = Supervisor(tmp_path, port=0, model_name="m", model_version="1", cores=2)
+    s = Supervisor(StackConfig(tmp_path, port=0, model_name="m", model_version="1", cores=2))
     off = SimpleNamespace(running=False, pid=None, name="x")
     s.stack = SimpleNamespace(etcd_url="http://127.0.0.1:1", nats=off, etcd=off)
 
     def spawn(a):
         a.proc, a.stopped_by = FakeProc(), None
         a.spawned_at, a.ready_at, a.term_sent_at = 1000.0, None, None
-    s._spawn = spawn
-    s.actors = [*s._version_actors(s.model_ref, 1), s._validator_actor(0)]
+    s.procs.spawn = spawn
+    s.procs.actors = [*s.factory.version_actors(s.model_ref, 1), s.factory.validator(0)]
     for a in s.actors:
         spawn(a)
         a.ready_at = 1001.0
-    s._versions[s.model_ref] = "fp"
-    s._ready = True
+    s.versions.adopt(s.model_ref, "fp")
+    s.health.ready = True
     s.signals = signals
     return s
 
@@ -126,7 +128,7 @@ def rec(count, reason="test"):
 def test_worker_argv_carries_pool_and_names_stay(sup):
     w = sup.actor("worker-0")
     assert w.argv[w.argv.index("--worker-id") + 1] == "worker-0" and w.argv[w.argv.index("--pool") + 1] == "local"
-    other = sup._worker_actor("m@2", 3, "spot")
+    other = sup.factory.worker("m@2", 3, "spot")
     assert other.name == "worker-m-2-3" and other.argv[other.argv.index("--pool") + 1] == "spot"
 
 
@@ -154,7 +156,7 @@ def test_validators_scale_up_then_down_newest_first_and_stay_stopped(sup, tmp_pa
     assert {e["name"] for e in exited} == {"validator-1", "validator-2"} and exited[0]["drain_s"] == 2.0
     assert json.loads((tmp_path / "pids.json").read_text())["stopped"]["validator-2"] == {"by": "autoscaler",
                                                                                           "status": 0}
-    assert sup._supervise_once() is True and names(sup, "validator") == ["validator-0"]  # not restarted
+    assert sup.health.supervise_once() is True and names(sup, "validator") == ["validator-0"]  # not restarted
     assert sup.start_stopped() == []  # SIGHUP starts only what the operator stopped
     sup.scaling_round({desired_key("validator"): rec(2)}, None, now=2010.0)
     assert names(sup, "validator") == ["validator-0", "validator-1"]  # the lowest free index again
@@ -164,8 +166,8 @@ def test_validators_scale_up_then_down_newest_first_and_stay_stopped(sup, tmp_pa
 def test_scale_down_kills_a_replica_still_draining_after_stop_timeout(sup):
     sup.scaling_round({desired_key("validator"): rec(2)}, None, now=2000.0)
     sup.scaling_round({desired_key("validator"): rec(1)}, None, now=2001.0)
-    sup.scaling_round({desired_key("validator"): rec(1)}, None, now=2001.0 + sup.stop_timeout_s + 1)
-    sup.scaling_round({desired_key("validator"): rec(1)}, None, now=2001.0 + sup.stop_timeout_s + 2)
+    sup.scaling_round({desired_key("validator"): rec(1)}, None, now=2001.0 + sup.cfg.stop_timeout_s + 1)
+    sup.scaling_round({desired_key("validator"): rec(1)}, None, now=2001.0 + sup.cfg.stop_timeout_s + 2)
     assert sup.signals == [("validator-1", signal.SIGTERM), ("validator-1", signal.SIGKILL)]
 
 
@@ -175,14 +177,14 @@ def test_workers_scale_up_within_the_core_cap_and_readiness_is_reported(sup):
     assert names(sup, "worker") == ["worker-0", "worker-1"]  # max_workers = cores = 2
     w1 = sup.actor("worker-1")
     assert w1.pool == "local" and w1.dynamic and "--pool" in w1.argv
-    assert sup._wants_ready_records()
+    assert sup.scaling.wants_ready_records()
     stale = {workers_prefix("m", "1") + "worker-1": {"pid": w1.pid + 1}}
     sup.scaling_round({key: rec(5)}, stale, now=2003.0)
     assert w1.ready_at is None  # an older incarnation's lease does not count
     sup.scaling_round({key: rec(5)}, {workers_prefix("m", "1") + "worker-1": {"pid": w1.pid}}, now=2004.5)
     ready = [e for e in sup.scaling_log if e["action"] == "ready"]
     assert ready == [dict(ready[0], name="worker-1", cold_start_s=1004.5, target="worker/m/1/local")]
-    assert not sup._wants_ready_records()
+    assert not sup.scaling.wants_ready_records()
 
 
 def test_validator_readiness_from_its_metrics_record(sup):
@@ -213,9 +215,9 @@ def test_scale_to_zero_stops_the_last_worker_and_scale_from_zero_starts_one(sup)
 
 
 def test_nothing_before_readiness_or_for_unknown_versions_and_gateways(sup, caplog):
-    sup._ready = False
+    sup.health.ready = False
     assert not sup.scaling_round({desired_key("validator"): rec(2)}, None, now=2000.0)
-    sup._ready = True
+    sup.health.ready = True
     recs = {desired_key("gateway"): rec(3), desired_key("worker", "other", "1", "local"): rec(2)}
     assert not sup.scaling_round(recs, None, now=2001.0)
     assert not sup.scaling_round(recs, None, now=2002.0)
@@ -226,7 +228,7 @@ def test_operator_stopped_replica_keeps_its_name_and_count_is_met_elsewhere(sup)
     sup.scaling_round({desired_key("validator"): rec(2)}, None, now=2000.0)
     v1 = sup.actor("validator-1")
     v1.proc.exit(0)
-    sup._supervise_once()  # a stop the supervisor did not send: "stopped by operator"
+    sup.health.supervise_once()  # a stop the supervisor did not send: "stopped by operator"
     assert v1.stopped_by == "operator"
     sup.scaling_round({desired_key("validator"): rec(2)}, None, now=2001.0)
     assert names(sup, "validator") == ["validator-0", "validator-2"]
@@ -250,10 +252,10 @@ def test_autoscaler_actor_under_up_only_when_asked_and_installed(tmp_path, monke
     monkeypatch.setitem(kinds.ACTOR_MODULES, "autoscaler", "actors.autoscaler.actor")
 
     def built(**kw):
-        s = Supervisor(tmp_path, port=0, cores=2, actor_args={"autoscaler": ["--tick-s", "0.5"]}, **kw)
+        s = Supervisor(StackConfig(tmp_path, port=0, cores=2, actor_args={"autoscaler": ["--tick-s", "0.5"]}, **kw))
         s.stack = SimpleNamespace(etcd_url="http://127.0.0.1:1")
         s.gateway_ports = [8000]
-        s._build_actors()
+        s.procs.actors = s.factory.initial()
         return [a for a in s.actors if a.kind == "autoscaler"]
 
     assert built() == []
@@ -280,19 +282,20 @@ def test_every_argv_under_up_parses(tmp_path):
             importlib.import_module(ACTOR_MODULES[kind])
         except ModuleNotFoundError as e:
             pytest.skip(f"{ACTOR_MODULES[kind]} does not import yet: {e}")
-    s = Supervisor(tmp_path, port=0, cores=2, autoscaler=True, workers=2, gateways=2)
+    s = Supervisor(StackConfig(tmp_path, port=0, cores=2, autoscaler=True, workers=2, gateways=2))
     s.stack = SimpleNamespace(etcd_url="http://127.0.0.1:1")
     s.gateway_ports = [8000, 8001]
-    s._build_actors()
-    s.actors.append(s._worker_actor(s.model_ref, 2, "spot"))
+    s.procs.actors = s.factory.initial()
+    s.procs.actors.append(s.factory.worker(s.model_ref, 2, "spot"))
     assert [a.name for a in s.actors if a.kind == "autoscaler"] == ["autoscaler-0"]
     for a in s.actors:
         args = build_parser().parse_args(a.argv[3:])
         assert args.actor_kind == a.kind
     # what up seeds as desired counts (the autoscaler counts them as starting until they register)
     name, version = s.model_ref.split("@")
-    assert s._started_counts() == {desired_key("validator"): 1, desired_key("worker", name, version, "local"): 2,
-                                   desired_key("worker", name, version, "spot"): 1}
+    assert scaling.started_counts(s.actors, s.model_ref, s.cfg.pool) == {
+        desired_key("validator"): 1, desired_key("worker", name, version, "local"): 2,
+        desired_key("worker", name, version, "spot"): 1}
 
 
 def test_worker_with_a_due_preemption_notice_is_stopped_and_not_replaced_by_name(sup, tmp_path):
@@ -312,15 +315,15 @@ def test_worker_with_a_due_preemption_notice_is_stopped_and_not_replaced_by_name
     assert names(sup, "worker") == ["worker-1", "worker-2"]  # the count is met again, under a new name
     stopped = json.loads((tmp_path / "pids.json").read_text())["stopped"]
     assert stopped["worker-0"] == {"by": "preempted", "status": 0}
-    assert sup._supervise_once() and not sup.actor("worker-0").running  # not restarted
+    assert sup.health.supervise_once() and not sup.actor("worker-0").running  # not restarted
 
 
 def test_up_banner_says_whether_the_autoscaler_runs(tmp_path):
     from control.ops.up import _autoscaler_line
 
-    s = Supervisor(tmp_path, port=0, cores=2)
+    s = Supervisor(StackConfig(tmp_path, port=0, cores=2))
     assert "off (--no-autoscaler)" in _autoscaler_line(s)
-    s.autoscaler = True
+    s.cfg = dataclasses.replace(s.cfg, autoscaler=True)
     assert "off (its actor kind is not installed)" in _autoscaler_line(s)
-    s.actors = [processes.ActorProcess("autoscaler-0", "autoscaler", [], tmp_path / "a.log")]
+    s.procs.actors = [processes.ActorProcess("autoscaler-0", "autoscaler", [], tmp_path / "a.log")]
     assert _autoscaler_line(s).startswith("autoscaler: on (validators 1..2, workers 1..2 per version, gateways 1)")
