@@ -262,7 +262,7 @@ def _pdb(name: str, labels: dict, selector: dict, **budget: int) -> dict:
 
 def _model_labels(kind: str, w: WorkerTarget) -> tuple[dict, dict]:
     """(pod labels, selector) of a version's scheduler or a version-and-pool's workers."""
-    sel = {**{"app.kubernetes.io/name": "actorserve"}, "app.kubernetes.io/component": kind,
+    sel = {"app.kubernetes.io/name": "actorserve", "app.kubernetes.io/component": kind,
            "actorserve.io/model": label_value(w.name), "actorserve.io/model-version": label_value(w.version)}
     if kind == "worker":
         sel["actorserve.io/pool"] = label_value(w.pool)
@@ -275,7 +275,8 @@ def scheduler_docs(w: WorkerTarget, cfg: RenderConfig) -> list[dict]:
     args = ["actor", "scheduler", "--model", f"{w.name}@{w.version}", "--metrics-port", "9100", "--etcd", ETCD_URL]
     dep = _deployment(scheduler_name(w), "scheduler", labels, sel, args, cfg, replicas=2, grace_s=30,
                       ready=["actorserve-probe", METRICS_URL], startup_failures=60,
-                      resources={"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}})
+                      resources={"requests": {"cpu": "500m", "memory": "512Mi"},
+                                 "limits": {"cpu": "2", "memory": "1Gi"}})
     return [dep, _pdb(scheduler_name(w), labels, sel, minAvailable=1)]
 
 
@@ -440,9 +441,11 @@ def add_deploy_command(sub: Any) -> None:
                    help="a model version's workers on a pool (default pool local) with the autoscaler's floor:ceiling "
                    "for them (default --worker-limits); repeatable (default: smollm2-135m-instruct@1)")
     k.add_argument("--worker-limits", default="%d:%d" % DEFAULT_WORKER_LIMITS, metavar="F:C",
-                   help="floor:ceiling of a --worker without one: the autoscaler's --worker-limits (default %(default)s)")
+                   help="floor:ceiling of a --worker without one: the autoscaler's --worker-limits "
+                   "(default %(default)s)")
     k.add_argument("--validators", default="%d:%d" % DEFAULT_VALIDATOR_LIMITS, metavar="F:C",
-                   help="floor:ceiling of the validators: the autoscaler's --limits validator=F:C (default %(default)s)")
+                   help="floor:ceiling of the validators: the autoscaler's --limits validator=F:C "
+                   "(default %(default)s)")
     k.add_argument("--prometheus", default=DEFAULT_PROMETHEUS, metavar="URL",
                    help="Prometheus server KEDA queries (default %(default)s)")
     k.add_argument("--image", default="actorserve:latest", help="container image (default %(default)s)")

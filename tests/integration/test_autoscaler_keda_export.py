@@ -76,10 +76,11 @@ async def test_the_leader_exports_the_desired_count_and_the_standby_nothing(infr
                 if info:
                     urls[cid] = info["url"]
             return len(urls) == 2
+        logs = lambda: [f.read_text()[-2000:] for f in tmp_path.glob("*.log")]  # noqa: E731
         t_end = time.monotonic() + 60.0
         while not await registered():
-            assert time.monotonic() < t_end, [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
-            assert all(p.poll() is None for p in procs.values()), [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
+            assert time.monotonic() < t_end, logs()
+            assert all(p.poll() is None for p in procs.values()), logs()
             await asyncio.sleep(0.2)
 
         def roles():
