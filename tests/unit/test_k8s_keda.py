@@ -296,3 +296,21 @@ def test_long_or_odd_names_become_valid_kubernetes_names(name):
     v = r.label_value(name)
     assert len(v) <= 63 and re.fullmatch(r"[a-z0-9]([a-z0-9_.-]*[a-z0-9])?", v)
     assert r.worker_name(r.WorkerTarget(name, "2")) != r.worker_name(w)
+
+
+def test_the_keda_overlay_renders_the_base_and_its_scaled_objects():
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "k8s" / "keda")], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    sos = [d for d in rendered if d["kind"] == "ScaledObject"]
+    key = lambda d: d["metadata"]["name"]  # noqa: E731
+    assert sorted(sos, key=key) == sorted(r.keda_docs(r.RenderConfig()), key=key)
+    deps = {d["metadata"]["name"] for d in rendered if d["kind"] == "Deployment"}
+    assert {so["spec"]["scaleTargetRef"]["name"] for so in sos} <= deps
