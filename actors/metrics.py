@@ -377,7 +377,7 @@ async def actor_metrics(args: Any, kind: str):
     port = getattr(args, "metrics_port", None)
     if port is not None and port >= 0:
         try:
-            server, url = start_metrics_server(port)
+            server, url = start_metrics_server(port, getattr(args, "metrics_host", None) or "127.0.0.1")
             log.info("metrics on %s", url)
         except OSError as exc:
             log.error("cannot serve metrics on port %s: %s", port, exc)

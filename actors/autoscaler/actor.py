@@ -108,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set a policy field: cpu.FIELD (CpuTierConfig) or pool.FIELD (PoolConfig); repeatable")
     parser.add_argument("--controller-id", default=None, help="id shown in the election key (default: host-pid)")
     parser.add_argument("--lease-ttl", type=int, default=2, metavar="S", help="election lease TTL, 1..5 s (default 2)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
+                        help="address /metrics binds (default 127.0.0.1; 0.0.0.0 in a pod, so that Prometheus "
+                        "scrapes the desired counts KEDA follows: docs/deployment.md)")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -146,7 +149,8 @@ async def build(ctx: ActorContext) -> None:
 
 def _export(scaler) -> None:
     """``/metrics``: ``actorserve_autoscaler_leader`` (1 on the active replica), ``actorserve_autoscaler_desired_
-    replicas{target}`` and ``actorserve_autoscaler_observed_replicas{target}`` (the last tick's),
+    replicas{target,tier,model,version,pool}`` (the leader's desired counts, actors/autoscaler/export.py: what KEDA
+    follows on Kubernetes), ``actorserve_autoscaler_observed_replicas{target}`` (the last tick's),
     ``actorserve_autoscaler_decisions_total`` (decisions written by this process)."""
     from actors.metrics import observable_counter, observable_gauge
 
@@ -155,14 +159,11 @@ def _export(scaler) -> None:
         cpu = [(s["replicas"], {"target": k}) for k, s in snap.get("cpu", {}).items()]
         return cpu + [(s["replicas"], {"target": f"worker/{k}"}) for k, s in snap.get("pools", {}).items()]
 
-    def desired() -> list:
-        return [(n, {"target": k if "/" not in k else f"worker/{k}"})
-                for k, n in scaler.snapshot.get("desired", {}).items()]
-
     observable_gauge("actorserve_autoscaler_leader", "1 while this autoscaler replica is the active one.", "1",
                      lambda: [(1.0 if scaler.is_leader else 0.0, {})])
-    observable_gauge("actorserve_autoscaler_desired_replicas", "Desired replicas per target (etcd, last tick).",
-                     "1", desired)
+    from actors.autoscaler import export
+
+    export.register(scaler)  # actorserve_autoscaler_desired_replicas: the leader only (actors/autoscaler/export.py)
     observable_gauge("actorserve_autoscaler_observed_replicas", "Live replicas per target seen by the last tick.",
                      "1", replicas)
     observable_counter("actorserve_autoscaler_decisions", "Scaling decisions written by this autoscaler.", "1",

@@ -16,6 +16,7 @@ Verbs::
     actorserve workers {list,preempt WORKER_ID [--in-s S]}   (control/ops/workers_cli.py)
     actorserve simulate [--inputs F] [--days 7] [--seed 0] [--policies NAMES] [--json PATH] [--plots DIR]
                                                     (control/ops/simulate_cli.py)
+    actorserve deploy k8s [--worker NAME@VERSION[/POOL][=F:C] ...] [--out DIR]   (control/ops/k8s_render.py)
 
 Exit statuses (control/ops/cli_errors.py): 0 done, 1 error, 2 usage or a refused edit, 3 stack
 unreachable (no endpoint, or etcd / NATS / the metrics endpoints did not answer: one line on stderr, no
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status_command(sub)
     from control.ops.bench_cli import add_bench_commands  # `actorserve bench ...` (the bench extra)
     add_bench_commands(sub)
+    from control.ops.k8s_render import add_deploy_command  # [27] 3: `actorserve deploy k8s` (KEDA)
+    add_deploy_command(sub)
     return parser
 
 

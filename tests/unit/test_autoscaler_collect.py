@@ -202,6 +202,10 @@ def test_metrics_export_reads_the_last_snapshot():
     entry._export(scaler)
     text = render_latest().decode()
     assert "actorserve_autoscaler_leader 1.0" in text
-    assert 'actorserve_autoscaler_desired_replicas{target="worker/m/1/local"} 2.0' in text
+    assert ('actorserve_autoscaler_desired_replicas{model="m",pool="local",target="worker/m/1/local",tier="worker",'
+            'version="1"} 2.0') in text
+    # the exporter gives every series of a family the same label names (empty = absent, as PromQL reads it)
+    assert ('actorserve_autoscaler_desired_replicas{model="",pool="",target="validator",tier="validator",version=""}'
+            ' 3.0') in text
     assert 'actorserve_autoscaler_observed_replicas{target="validator"} 2.0' in text
     assert "actorserve_autoscaler_decisions_total 3.0" in text

@@ -1,7 +1,7 @@
 """The Kubernetes kustomize base deploy/k8s/base (issue 21 item 3): every document validated strictly with
 kubernetes-validate against recent Kubernetes versions, and the cross-references no schema checks (probes,
 Secrets and ConfigMaps that exist, PDB and Service selectors that match, one Deployment per actor kind, each
-connecting as its own NATS role, NATS and etcd clusters of three, RBAC of the autoscaler).
+connecting as its own NATS role, NATS and etcd clusters of three, no Kubernetes API rights for any actor).
 
 Rendered with ``kubectl kustomize`` when kubectl is installed (and compared with the plain files), else the
 resources listed in kustomization.yaml are loaded directly (the base has no generators or transformers).
@@ -22,7 +22,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-from actors.kinds import ACTOR_MODULES  # noqa: E402
+from actors.kinds import ACTOR_MODULES, MODEL_ACTORS  # noqa: E402
 from control.ops.cli import build_parser  # noqa: E402
 from control.ops.nats_roles import ROLES, role_of_kind  # noqa: E402
 
@@ -103,26 +103,39 @@ def test_names_are_unique(docs):
     assert len(seen) == len(set(seen)), [s for s in seen if seen.count(s) > 1]
 
 
+def _of_kind(docs, kind) -> list[tuple[str, dict]]:
+    """(name, Deployment) of an actor kind: ``actorserve-<kind>``, or per model version (and pool) for schedulers
+    and workers (``actorserve-<kind>-<model>-<version>[-<pool>]``, rendered by ``actorserve deploy k8s``)."""
+    return [(n, d) for n, d in _by(docs, "Deployment").items()
+            if d["spec"]["template"]["metadata"]["labels"].get("actorserve.io/actor-kind") == kind]
+
+
 def test_one_deployment_per_actor_kind_connecting_as_its_role(docs):
     deps = _by(docs, "Deployment")
     for kind in ACTOR_MODULES:
-        name = f"actorserve-{kind}"
-        assert name in deps, f"no Deployment {name} for actor kind {kind}"
-        pod = deps[name]["spec"]["template"]
-        assert pod["metadata"]["labels"]["actorserve.io/actor-kind"] == kind
-        (c,) = pod["spec"]["containers"]
-        args = c["args"]
-        assert args[:2] == ["actor", kind], args
-        parsed = build_parser().parse_args(args)
-        assert parsed.nats is None and parsed.etcd == "http://actorserve-etcd:2379", name
-        role = role_of_kind(kind)
-        env = {e["name"]: e for e in c["env"]}
-        assert env["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "actorserve-nats-roles", "key": role}
-        assert env["ACTORSERVE_NATS"]["value"] == f"nats://actorserve-{role}:$(NATS_PASSWORD)@actorserve-nats:4222"
-        assert not any("PASSWORD" in a or "dev-only" in a for a in args), f"{name}: a secret in argv"
-        replicas = _by(docs, "StatefulSet")["actorserve-nats"]["spec"]["replicas"]
-        assert env["ACTORSERVE_JS_REPLICAS"]["value"] == str(replicas), f"{name}: JetStream replicas"
-    extra = {n for n in deps if n.removeprefix("actorserve-") not in ACTOR_MODULES}
+        found = _of_kind(docs, kind)
+        assert found, f"no Deployment for actor kind {kind}"
+        if kind in MODEL_ACTORS:
+            assert all(n.startswith(f"actorserve-{kind}-") for n, _ in found)
+        else:
+            assert [n for n, _ in found] == [f"actorserve-{kind}"]
+        for name, dep in found:
+            pod = dep["spec"]["template"]
+            assert pod["metadata"]["labels"]["actorserve.io/actor-kind"] == kind
+            (c,) = pod["spec"]["containers"]
+            args = c["args"]
+            assert args[:2] == ["actor", kind], args
+            parsed = build_parser().parse_args(args)
+            assert parsed.nats is None and parsed.etcd == "http://actorserve-etcd:2379", name
+            role = role_of_kind(kind)
+            env = {e["name"]: e for e in c["env"]}
+            assert env["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "actorserve-nats-roles", "key": role}
+            assert env["ACTORSERVE_NATS"]["value"] == f"nats://actorserve-{role}:$(NATS_PASSWORD)@actorserve-nats:4222"
+            assert not any("PASSWORD" in a or "dev-only" in a for a in args), f"{name}: a secret in argv"
+            replicas = _by(docs, "StatefulSet")["actorserve-nats"]["spec"]["replicas"]
+            assert env["ACTORSERVE_JS_REPLICAS"]["value"] == str(replicas), f"{name}: JetStream replicas"
+    kinds = {d["spec"]["template"]["metadata"]["labels"].get("actorserve.io/actor-kind") for d in deps.values()}
+    extra = kinds - set(ACTOR_MODULES)
     assert not extra, f"Deployments of no actor kind: {extra}"
 
 
@@ -148,8 +161,9 @@ def test_probes_resources_and_non_root(docs):
                     assert "--metrics-port" in c["args"] and c["args"][c["args"].index("--metrics-port") + 1] == "9100"
     gw = _by(docs, "Deployment")["actorserve-gateway"]["spec"]["template"]["spec"]["containers"][0]
     assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    worker = _by(docs, "Deployment")["actorserve-worker"]["spec"]["template"]["spec"]["containers"][0]
-    assert "--require" in worker["readinessProbe"]["exec"]["command"], "a worker is ready once its engine serves"
+    for _, dep in _of_kind(docs, "worker"):
+        worker = dep["spec"]["template"]["spec"]["containers"][0]
+        assert "--require" in worker["readinessProbe"]["exec"]["command"], "a worker is ready once its engine serves"
 
 
 def test_every_referenced_secret_and_configmap_exists(docs):
@@ -245,19 +259,32 @@ def test_init_job_runs_the_compose_init_script(docs):
     assert script == compose.replace("$$", "$"), "the Job and the compose init run the same script"
 
 
-def test_autoscaler_rbac_and_hooks(docs):
-    deps = _by(docs, "Deployment")
-    role = _by(docs, "Role")["actorserve-autoscaler"]
-    writes = [r for r in role["rules"] if "patch" in r["verbs"]]
-    assert writes and all(set(r["resourceNames"]) == set(deps) for r in writes)
-    assert all(set(r["verbs"]) <= {"get", "list", "watch", "patch", "update"} for r in role["rules"])
-    binding = _by(docs, "RoleBinding")["actorserve-autoscaler"]
-    assert binding["roleRef"]["name"] == "actorserve-autoscaler"
-    assert {s["name"] for s in binding["subjects"]} <= set(_by(docs, "ServiceAccount"))
-    for name, d in deps.items():
-        ann = d["metadata"]["annotations"]
-        lo, hi = int(ann["actorserve.io/min-replicas"]), int(ann["actorserve.io/max-replicas"])
-        assert ann["actorserve.io/autoscale"] == "true" and 1 <= lo <= d["spec"]["replicas"] <= hi, name
+def test_no_pod_gets_kubernetes_api_rights(docs):
+    """No actor calls the Kubernetes API ([27] 3: KEDA carries out the autoscaler's counts): no Role or binding,
+    one ServiceAccount whose token no pod mounts, and no annotation promising that the autoscaler patches
+    replicas."""
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]
+    (sa,) = _by(docs, "ServiceAccount").values()
+    assert sa["automountServiceAccountToken"] is False
+    for (kind, name), pod in _pod_templates(docs).items():
+        if kind == "StatefulSet":  # NATS and etcd: the namespace's default account, bound to nothing here
+            continue
+        assert pod["spec"]["serviceAccountName"] == sa["metadata"]["name"], name
+        assert pod["spec"].get("automountServiceAccountToken") is False, name
+    for d in _by(docs, "Deployment").values():
+        assert not any(k.startswith("actorserve.io/") for k in (d["metadata"].get("annotations") or {})), d
+    text = "\n".join(p.read_text() for p in BASE.rglob("*.yaml"))
+    assert "spec.replicas" not in text and "patch" not in text
+
+
+def test_the_autoscaler_exports_its_counts_to_prometheus(docs):
+    (name, dep), = _of_kind(docs, "autoscaler")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(c["args"])
+    assert args.metrics_host == "0.0.0.0", "Prometheus scrapes the desired counts KEDA follows"
+    for kind in set(ACTOR_MODULES) - {"autoscaler", "gateway"}:
+        for _, other in _of_kind(docs, kind):
+            assert "--metrics-host" not in other["spec"]["template"]["spec"]["containers"][0]["args"], kind
 
 
 def test_make_secrets_replaces_every_placeholder_with_random_values(docs):

@@ -1,0 +1,85 @@
+"""The autoscaler's desired counts as a Prometheus gauge, for an orchestrator to carry out (issue [27] item 3).
+
+``actorserve_autoscaler_desired_replicas`` has one series per target the active replica knows, with the labels
+
+* ``target``: ``validator``, ``gateway`` or ``worker/<name>/<version>/<pool>`` (as in the decision log),
+* ``tier``: ``validator``, ``gateway`` or ``worker``,
+* ``model``, ``version``, ``pool``: the worker target's parts (absent on the CPU tier).
+
+Value: the target's desired count (``/actorserve/desired/...``, re-read each tick and updated at once when this
+replica writes one), else, with no record, the replicas the last tick observed: an absent record means "keep
+today's count" (docs/autoscaling.md), and exporting the observed count keeps an orchestrator that follows the
+gauge (KEDA, deploy/k8s/keda, docs/deployment.md) where it is.
+
+**Only the leader exports.** A standby (and a replica that lost its lease) exports no series at all, so a query
+``max(actorserve_autoscaler_desired_replicas{...})`` over every autoscaler pod sees the leader's values only, and
+no series (Prometheus marks them stale) while no replica leads: KEDA then keeps the current replica count.
+
+Pure: :func:`desired_samples` reads plain attributes of an :class:`~actors.autoscaler.service.Autoscaler` (or
+any object with ``is_leader``, ``state.desired`` and ``snapshot``); it runs in the scraping thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+METRIC = "actorserve_autoscaler_desired_replicas"
+DESCRIPTION = ("Desired replicas per target, exported by the active autoscaler only (its desired record in etcd, "
+               "else the replicas observed at the last tick).")
+
+
+def target_labels(key: str) -> dict[str, str]:
+    """The labels of a target key: ``validator`` / ``gateway`` (CPU tier) or ``name/version/pool`` (a worker
+    pool). ValueError on anything else."""
+    parts = key.split("/")
+    if len(parts) == 1 and parts[0]:
+        return {"target": key, "tier": key}
+    if len(parts) == 3 and all(parts):
+        name, version, pool = parts
+        return {"target": f"worker/{key}", "tier": "worker", "model": name, "version": version, "pool": pool}
+    raise ValueError(f"{key!r} is no autoscaler target (KIND or NAME/VERSION/POOL)")
+
+
+def _count(value: Any) -> int | None:
+    count = getattr(value, "count", value)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
+
+
+def desired_counts(scaler: Any) -> dict[str, int]:
+    """``{target key: count}`` the active replica exports; ``{}`` on a standby."""
+    if not getattr(scaler, "is_leader", False):
+        return {}
+    snap = getattr(scaler, "snapshot", None) or {}
+    out: dict[str, int] = {}
+    for section in ("cpu", "pools"):
+        for key, signals in (snap.get(section) or {}).items():
+            n = _count((signals or {}).get("replicas")) if isinstance(signals, dict) else None
+            if n is not None:
+                out[key] = n
+    state = getattr(scaler, "state", None)
+    records = getattr(state, "desired", None)
+    if records is None:
+        records = snap.get("desired") or {}
+    for key, value in dict(records).items():
+        n = _count(value)
+        if n is not None:
+            out[key] = n
+    return out
+
+
+def desired_samples(scaler: Any) -> list[tuple[float, dict[str, str]]]:
+    """The gauge's ``(value, labels)`` pairs: one per target while ``scaler`` leads, none otherwise."""
+    out = []
+    for key, n in sorted(desired_counts(scaler).items()):
+        try:
+            out.append((float(n), target_labels(key)))
+        except ValueError:
+            continue
+    return out
+
+
+def register(scaler: Any) -> None:
+    """Register the gauge on this process's ``/metrics`` (actors/metrics.py)."""
+    from actors.metrics import observable_gauge
+
+    observable_gauge(METRIC, DESCRIPTION, "1", lambda: desired_samples(scaler))
