@@ -44,7 +44,7 @@ from actors.runtime import (DEFAULT_STATE_DIR, ENV_STATE_DIR, common_arguments, 
 from control.ops.argtypes import non_negative_int as _non_negative_int
 from control.ops.cli_errors import (EXIT_UNREACHABLE, StackUnreachable, is_unreachable, report_unreachable,
                                     stdout_closed, unreachable_line)
-from control.ops.nats_auth import redact_url
+from bus.nats_auth import redact_url
 from control.ops.status_detail import worker_detail
 from control.ops.argtypes import positive_int as _positive_int
 

@@ -252,7 +252,7 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
                 f"another `actorserve up` (pid {pid}) seems to be running with state dir {self.state_dir}; "
                 f"stop it first or pass a different --state-dir"
             )
-        from control.ops.lifeline import live_stack
+        from actors.lifeline import live_stack
 
         left = live_stack(self.state_dir)  # an orphaned stack: its supervisor died, its processes did not
         if left is not None:
@@ -423,7 +423,7 @@ class Supervisor(HealthMixin, VersionsMixin, ScalingMixin):
             from control.ops.nats_roles import KIND_ROLES
             role = KIND_ROLES.get(kind or "")
             env["ACTORSERVE_NATS"] = self.stack.nats.role_url(role) if role else self.stack.nats_url
-        from control.ops.nats_auth import OPERATOR_TOKEN_ENV, operator_token
+        from bus.nats_auth import OPERATOR_TOKEN_ENV, operator_token
         env.pop(OPERATOR_TOKEN_ENV, None)  # only gateways get the operator token (their /metrics checks it)
         if kind == "gateway":
             env[OPERATOR_TOKEN_ENV] = operator_token(self.state_dir)
