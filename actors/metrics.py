@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from control.policy.numbers import is_number
+
 log = logging.getLogger("actorserve.metrics")
 
 METER_NAME = "actorserve"
@@ -149,7 +151,7 @@ def record_observations(timing: Mapping[str, Any] | None, completion_tokens: int
     t: dict[str, float] = {}
     for key in ("validation_ms", "queue_ms", "prefill_ms", "decode_ms"):
         v = (timing or {}).get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+        if is_number(v, minimum=0, finite=False):
             t[key] = float(v) / 1e3
     out: dict[str, float] = {}
     for key, name in (("queue_ms", "queue"), ("prefill_ms", "prefill"), ("decode_ms", "decode")):

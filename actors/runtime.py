@@ -16,7 +16,7 @@ the actor's parts, closers in reverse order, bounded and shielded). The CLI
 * exits 0 after a clean drain (``main`` returned, or ended with the CancelledError the signal
   caused), 1 if ``main`` raised;
 * drains the same way when its parent dies (``ACTORSERVE_PARENT_PID``, set by ``actorserve up``,
-  checked every second; ``up`` also sets ``PR_SET_PDEATHSIG``, control/ops/lifeline.py).
+  checked every second; ``up`` also sets ``PR_SET_PDEATHSIG``, actors/lifeline.py).
 
 This module imports neither torch nor nats, so it is cheap to import from the CLI.
 """
@@ -139,7 +139,8 @@ def resolve_endpoints(args: argparse.Namespace, *, need_nats: bool = True, need_
         nats_url = nats_url or data.get("nats_url") or None
         etcd_url = etcd_url or data.get("etcd_url") or None
         if data.get("tls"):  # a TLS stack (`up --tls`): act as its root user unless TLS files are set already
-            from control.ops.tls_stack import apply_endpoints_tls
+            from bus.tls import apply_endpoints_tls  # in here: ssl stays out of processes without TLS
+
             apply_endpoints_tls(data["tls"])
     missing = [
         (opt, env)

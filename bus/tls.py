@@ -19,13 +19,15 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 ENV_TLS_CA = "ACTORSERVE_TLS_CA"
 ENV_TLS_CERT = "ACTORSERVE_TLS_CERT"
 ENV_TLS_KEY = "ACTORSERVE_TLS_KEY"
 
-__all__ = ["TlsFiles", "ENV_TLS_CA", "ENV_TLS_CERT", "ENV_TLS_KEY"]
+ROOT_ROLE = "root"  # the etcd / NATS user of the supervisor and of the CLI verbs (control/ops/etcd_auth.py)
+
+__all__ = ["TlsFiles", "ENV_TLS_CA", "ENV_TLS_CERT", "ENV_TLS_KEY", "ROOT_ROLE", "endpoints_tls", "apply_endpoints_tls"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,21 @@ class TlsFiles:
             return None if p is None else Path(p).read_bytes()
         return {"root_certificates": read(self.ca), "private_key": read(self.key),
                 "certificate_chain": read(self.cert)}
+
+
+def endpoints_tls(tls_dir: str | os.PathLike[str] | None) -> dict[str, str] | None:
+    """The ``tls`` entry of endpoints.json: ``{"dir": ..., "ca": ...}`` (paths only), None without TLS."""
+    if tls_dir is None:
+        return None
+    d = Path(tls_dir).resolve()
+    return {"dir": str(d), "ca": str(d / "ca.pem")}
+
+
+def apply_endpoints_tls(entry: Any, env: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
+    """Point ``env`` (default ``os.environ``) at the root certificate of an endpoints.json ``tls`` entry
+    unless ``ACTORSERVE_TLS_CERT`` is already set; True when it did. Ignores a malformed entry."""
+    env = os.environ if env is None else env
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("dir"), str) or env.get(ENV_TLS_CERT):
+        return False
+    env.update(TlsFiles.in_dir(entry["dir"], ROOT_ROLE).env())
+    return True

@@ -3,7 +3,7 @@
     python deploy/gen_nats_conf.py           # rewrite deploy/compose/nats.conf and deploy/k8s/base/nats-config.yaml
     python deploy/gen_nats_conf.py --check   # exit 1 (and name the stale files) if they differ from the code
 
-The ``authorization`` block is control/ops/nats_auth.py's ``authorization_block`` with the users of
+The ``authorization`` block is bus/nats_auth.py's ``authorization_block`` with the users of
 control/ops/nats_roles.py (``role_users``): the operator user ``actorserve`` (every subject) and one user per
 internal role (``actorserve-<role>``) with exactly the permissions ``actorserve up`` gives its embedded
 server. The passwords are not in the files: each is a nats-server variable reference ``$NAME`` that the
@@ -13,7 +13,7 @@ A missing variable makes nats-server refuse to start. tests/unit/test_compose.py
 tests/unit/test_k8s_manifests.py fail when the committed files drift from the code (a role's permissions
 changed in nats_roles.py): run this script and commit the result.
 
-Tenant users (one per API key, control/ops/nats_auth.py ``TenantUserSync``) need the config rewritten and
+Tenant users (one per API key, bus/nats_auth.py ``TenantUserSync``) need the config rewritten and
 reloaded when a key changes, which only ``actorserve up`` does; in compose and Kubernetes tenants use the
 HTTP API (docs/deployment.md).
 """
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from control.ops.nats_auth import authorization_block  # noqa: E402
+from bus.nats_auth import authorization_block  # noqa: E402
 from control.ops.nats_roles import ROLES, role_users  # noqa: E402
 
 COMPOSE_CONF = ROOT / "deploy" / "compose" / "nats.conf"

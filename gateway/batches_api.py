@@ -3,7 +3,7 @@
 * ``POST /v1/batches`` — ``{"input_file_id", "endpoint", "completion_window": "24h", "metadata"?}`` → 200 with the
   batch object (status ``validating``). ``endpoint``: ``/v1/chat/completions``, ``/v1/completions`` or
   ``/v1/responses``; the input file must be the tenant's, with purpose ``batch``. The batch is a job
-  (actors/jobs/store.py): its record is written and its job message published (JetStream, de-duplicated by id)
+  (actors/job_store.py): its record is written and its job message published (JetStream, de-duplicated by id)
   before the answer, so an accepted batch is never lost; the jobs actor checks the lines (one bad line fails the
   batch, naming it), runs them at the ``batch`` priority class under the tenant's quotas and budget, and writes
   the output and error files.
@@ -24,7 +24,7 @@ import time
 import orjson
 from aiohttp import web
 
-from actors.jobs import batch_lines, store
+from actors import job_batches as batch_lines, job_store as store
 from bus import subjects
 from bus.kv import KvError
 from gateway.files_api import FilesApi, page

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
 from bus import streams
-from actors.validator.validation import choice_count
+from control.policy.limits import choice_count
 from bus.messages import CompletionRecord
 from control.state.tenants import Budget
 from gateway import budgets as rules

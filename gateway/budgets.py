@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from actors.validator.sampling import default_max_tokens
-from actors.validator.validation import MAX_CHOICES, is_int
+from control.policy.limits import MAX_CHOICES, default_max_tokens
+from control.policy.numbers import is_int
 from control.state.manifest import check_pricing
 from gateway.openai_format import ApiError
 

@@ -13,7 +13,7 @@
   (:meth:`FilesApi.operate`); a file travels whole in one message, so one larger than NATS's ``max_payload`` is
   refused naming that limit (413): use HTTP for it.
 
-State and limits: actors/jobs/files.py. docs/batch.md describes the whole Files + Batch path.
+State and limits: actors/job_files.py. docs/batch.md describes the whole Files + Batch path.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 
 from aiohttp import web
 
-from actors.jobs import files, store
+from actors import job_files as files, job_store as store
 from bus.base import BusError
 from bus.kv import KvError
 from gateway.openai_format import ApiError

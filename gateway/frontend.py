@@ -26,7 +26,7 @@ from gateway.shed import Shape, ShedHints
 from gateway.openai_format import ApiError
 from gateway.tracing import annotate as annotate_trace
 from actors import content_log
-from actors.validator.validation import MAX_CHOICES, choice_count
+from control.policy.limits import MAX_CHOICES, choice_count
 
 log = logging.getLogger(__name__)
 

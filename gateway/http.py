@@ -24,7 +24,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.base import BusError
-from control.ops.nats_auth import OPERATOR_TOKEN_ENV
+from bus.nats_auth import OPERATOR_TOKEN_ENV
 from gateway import pipeline, sse
 from gateway import tracing as gw_tracing
 from gateway.frontend import Frontend, Submitted, new_request_id, parse_deadline_ms

@@ -24,7 +24,7 @@ import time
 import orjson
 from aiohttp import web
 
-from actors.jobs import store
+from actors import job_store as store
 from bus import subjects
 from bus.kv import KvConflict, KvError
 from gateway.openai_format import ApiError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.validator.validation import MAX_COMPLETION_LOGPROBS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
+from control.policy.limits import MAX_COMPLETION_LOGPROBS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
 
 _NUM = {"type": "number"}
 _NULLABLE_STR = {"type": ["string", "null"]}

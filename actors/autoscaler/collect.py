@@ -31,6 +31,7 @@ from typing import Iterable, Mapping
 
 from actors.autoscaler.signals import CPU_KINDS, CpuKindSignals, PoolSignals, pool_signal_key
 from bus.messages import ActorLoad, Credits
+from control.policy.numbers import is_number
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class CollectConfig:
     def __post_init__(self) -> None:
         for name in ("stale_s", "served_window_s", "latency_window_s", "starting_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if not is_number(v) or v <= 0:
                 raise ValueError(f"CollectConfig.{name} must be a number > 0, got {v!r}")
 
 

@@ -30,6 +30,7 @@ from typing import Mapping
 
 from actors.autoscaler.decisions import Decision
 from actors.autoscaler.signals import CpuKindSignals, Limits
+from control.policy.numbers import is_number
 
 _NEG_INF = float("-inf")
 
@@ -63,7 +64,7 @@ class CpuTierConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            if not is_number(v, minimum=0, finite=False):
                 raise ValueError(f"CpuTierConfig.{f.name} must be a number >= 0, got {v!r}")
         for sig in ("lag", "wait", "pending", "cpu"):
             low, target, high = (threshold(self, sig, p) for p in ("low", "target", "high"))

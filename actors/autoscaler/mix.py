@@ -28,8 +28,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from actors.autoscaler.curves import ThroughputCurve
+from control.policy.curves import ThroughputCurve
 from actors.autoscaler.signals import Slo
+from control.policy.numbers import is_number
 
 MARKETS = ("on_demand", "spot")
 EXACT_LIMIT = 4096
@@ -56,7 +57,7 @@ class PoolOffer:
             raise ValueError(f"PoolOffer.market must be one of {', '.join(MARKETS)}, got {self.market!r}")
         for name in ("price_per_h", "preemption_rate_per_h", "recovery_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            if not is_number(v, minimum=0, finite=False):
                 raise ValueError(f"PoolOffer.{name} must be a number >= 0, got {v!r}")
         if isinstance(self.max_workers, bool) or not isinstance(self.max_workers, int) or self.max_workers < 0:
             raise ValueError(f"PoolOffer.max_workers must be an integer >= 0, got {self.max_workers!r}")

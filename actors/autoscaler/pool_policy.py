@@ -36,9 +36,10 @@ import math
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from actors.autoscaler.curves import ThroughputCurve
+from control.policy.curves import ThroughputCurve
 from actors.autoscaler.decisions import Decision
 from actors.autoscaler.signals import Limits, PoolSignals, Slo
+from control.policy.numbers import is_number
 
 _NEG_INF = float("-inf")
 
@@ -71,7 +72,7 @@ class PoolConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            if not is_number(v, minimum=0, finite=False):
                 raise ValueError(f"PoolConfig.{f.name} must be a number >= 0, got {v!r}")
         for name in ("target_util", "kv_high", "kv_low", "slo_low_fraction"):
             if not 0 < getattr(self, name) <= 1:

@@ -36,15 +36,16 @@ from typing import Any, Mapping
 from actors.autoscaler.collect import (CollectConfig, CreditBook, Desired, LatencyBook, LoadBook, pool_signals,
                                        worker_records)
 from actors.autoscaler.cpu_policy import CpuTierConfig, CpuTierPolicy
-from actors.autoscaler.curves import ThroughputCurve
+from control.policy.curves import ThroughputCurve
 from actors.autoscaler.decisions import Decision, DecisionLog
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
 from actors.autoscaler.signals import Limits, Slo, limits_from_autoscale, pool_signal_key, slo_from_autoscale
 from bus import subjects
 from bus.base import Msg
 from bus.messages import ActorLoad, CompletionRecord, Credits
-from control.policy.rollout import itl_ms, ttft_ms
+from control.policy.latency import itl_ms, ttft_ms
 from control.state import names
+from control.state.election import lead
 from actors.aio import cancel_tasks
 
 log = logging.getLogger("actorserve.autoscaler")
@@ -178,31 +179,15 @@ class Autoscaler:
 
     # -- the loop -------------------------------------------------------------------------------
     async def _run(self) -> None:
-        from control.state.election import campaign
+        async def on_lead(_lease: Any) -> None:
+            await self.become_leader()
 
-        while True:
-            lease = None
-            try:
-                if self.cfg.elect:
-                    lease = await campaign(self.registry, names.controller_key(ELECTION_KIND),
-                                           {"id": self.cfg.controller_id, "pid": os.getpid(), "since": time.time()},
-                                           ttl=self.cfg.lease_ttl)
-                await self.become_leader()
-                while lease is None or not lease.lost.is_set():
-                    t0 = time.monotonic()
-                    try:
-                        await self.tick()
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as exc:  # etcd away, a bad record: log, keep going
-                        log.warning("autoscaler tick failed: %r", exc)
-                    await asyncio.sleep(max(0.0, self.cfg.tick_s - (time.monotonic() - t0)))
-                log.error("autoscaler %s lost its election lease; standing by", self.cfg.controller_id)
-            finally:
-                self.is_leader = False
-                if lease is not None and not lease.lost.is_set():
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(lease.revoke())
+        await lead(self.registry, names.controller_key(ELECTION_KIND), self.cfg.controller_id,
+                   elect=self.cfg.elect, ttl=self.cfg.lease_ttl, interval_s=lambda: self.cfg.tick_s, tick=self.tick,
+                   on_lead=on_lead, on_stand_down=self._stand_down, what="autoscaler")
+
+    def _stand_down(self) -> None:
+        self.is_leader = False
 
     async def become_leader(self) -> None:
         """Take over: the decision history and the desired counts of the predecessor seed the policies."""

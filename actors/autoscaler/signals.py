@@ -11,15 +11,16 @@ types on purpose: neither policy can read the other's signals (issue [13] item 1
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from control.policy.numbers import is_number
 
 CPU_KINDS = ("validator", "gateway")
 
 
 def _check_number(owner: str, name: str, value: Any, minimum: float = 0.0) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < minimum:
+    if not is_number(value, minimum=minimum, finite=False):
         raise ValueError(f"{owner}.{name} must be a number >= {minimum:g}, got {value!r}")
 
 

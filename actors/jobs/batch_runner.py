@@ -1,4 +1,4 @@
-"""The jobs actor's runner of OpenAI batches (records of ``kind: "openai_batch"``, see actors/jobs/batch_lines.py).
+"""The jobs actor's runner of OpenAI batches (records of ``kind: "openai_batch"``, see actors/job_batches.py).
 
 One batch, start to end, idempotent (a redelivered batch runs again from its record; its output is written once):
 
@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from actors.aio import cancel_tasks
-from actors.jobs import batch_lines, files, store
+from actors import job_batches as batch_lines, job_files as files, job_store as store
 from gateway import responses_format as rf
 from gateway.openai_format import ApiError
 

@@ -1,5 +1,5 @@
 """The jobs actor's work loop: durable jobs from JetStream, run through the normal request path at the
-``batch`` priority class, results stored by job id (see actors/jobs/store.py for the state).
+``batch`` priority class, results stored by job id (see actors/job_store.py for the state).
 
 Each job message is processed under an in-progress ack (every ``ACK_WAIT_S / 3`` s) and acknowledged
 only after its result is stored, so a crash of this actor (or of nats-server: the stream and the
@@ -18,7 +18,7 @@ import time
 import orjson
 
 from actors.aio import cancel_tasks
-from actors.jobs import store
+from actors import job_store as store
 from actors.jobs.batch_runner import BatchRunner
 from bus import streams
 from bus.base import BusError

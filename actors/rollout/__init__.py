@@ -1,1 +1,1 @@
-"""The rollout controller actor: canary analysis from completion records (control/policy/rollout.py)."""
+"""The rollout controller actor: canary analysis from completion records (actors/rollout/policy.py)."""

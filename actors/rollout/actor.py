@@ -2,7 +2,7 @@
 
 Listens to every completion record (``as.int.done.*.*``), keeps a sliding window of samples per model
 version, and for every model whose routing table (``/actorserve/models/{name}/routing``) is in state
-``canary`` runs :func:`control.policy.rollout.analyse` every ``--interval-s`` (0.5 s): a healthy canary's
+``canary`` runs :func:`actors.rollout.policy.analyse` every ``--interval-s`` (0.5 s): a healthy canary's
 weight is stepped through ``table.steps`` and finally promoted, a canary worse than stable beyond the
 thresholds is rolled back. Each edit is a compare-and-swap write of the routing key (etcd mod_revision),
 made with control/state/routing.py's ``set_weight`` / ``promote`` / ``rollback`` (``by="controller"``, the
@@ -24,14 +24,15 @@ import logging
 import os
 import socket
 import time
+from typing import Any
 
 from actors.serve import ActorContext, serve
 from bus import subjects
 from bus.base import Msg
 from bus.messages import CompletionRecord
 from control.state import names
-from control.state.election import campaign
-from control.policy.rollout import (Decision, PolicyConfig, Sample, VersionWindow, analyse,
+from control.state.election import lead
+from actors.rollout.policy import (Decision, PolicyConfig, Sample, VersionWindow, analyse,
                                     sample_from_record)
 from control.state.routing import RoutingTable, promote, rollback, set_weight
 from actors.aio import cancel_tasks
@@ -123,31 +124,15 @@ class RolloutController:
     # -- analysis -------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
-            lease = None
-            try:
-                if self.elect:
-                    lease = await campaign(self.registry, names.controller_key(ELECTION_KIND),
-                                           {"id": self.controller_id, "pid": os.getpid(), "since": time.time()},
-                                           ttl=self.lease_ttl)
-                    log.info("rollout controller %s is active", self.controller_id)
-                self._lease, self.is_leader = lease, True
-                while lease is None or not lease.lost.is_set():
-                    t0 = time.monotonic()
-                    try:
-                        await self.tick()
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as exc:  # etcd away, a bad record: log, keep going
-                        log.warning("rollout analysis failed: %r", exc)
-                    await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - t0)))
-                log.error("rollout controller %s lost its election lease; standing by", self.controller_id)
-            finally:
-                self.is_leader = False
-                self._lease = None
-                if lease is not None and not lease.lost.is_set():
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(lease.revoke())
+        await lead(self.registry, names.controller_key(ELECTION_KIND), self.controller_id, elect=self.elect,
+                   ttl=self.lease_ttl, interval_s=lambda: self.interval_s, tick=self.tick, on_lead=self._on_lead,
+                   on_stand_down=self._stand_down, what="rollout controller")
+
+    async def _on_lead(self, lease: Any) -> None:
+        self._lease, self.is_leader = lease, True
+
+    def _stand_down(self) -> None:
+        self.is_leader, self._lease = False, None
 
     def config_for(self, name: str, table: RoutingTable) -> PolicyConfig:
         """The table's analysis settings over the defaults (defaults, logged once, when invalid)."""

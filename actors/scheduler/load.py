@@ -2,7 +2,7 @@
 
 **Load.** Every second the active scheduler of a version publishes an ``ActorLoad`` (actors/load_report.py:
 loop lag, CPU) with the version's figures in generated tokens (the unit of the throughput curves,
-actors/autoscaler/curves.py): ``queue_tokens`` / ``queue_len`` (completion tokens the queued requests are
+control/policy/curves.py): ``queue_tokens`` / ``queue_len`` (completion tokens the queued requests are
 expected to generate, by the scheduler's output-length model; requests), ``arrivals_tokens_per_s`` (the
 same of every submit over the last :data:`RATE_WINDOW_S` seconds, refused ones included: they are demand),
 ``served_tokens_per_s`` (tokens its workers generated, from their heartbeats, over the same window),

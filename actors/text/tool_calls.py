@@ -28,10 +28,11 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from bus.messages import TOOL_CALL_FORMATS as FORMATS
+
 __all__ = ["FORMATS", "ParseDelta", "HermesParser", "make_parser", "parse_step", "new_call_id", "render_messages",
            "format_call", "CALL_OPEN", "CALL_CLOSE"]
 
-FORMATS = ("hermes",)  # values of a manifest's ``tool_call_format`` (and of GenerateRequest.tool_parser)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 _ALNUM = string.ascii_letters + string.digits

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Mapping
+
+from control.policy.numbers import is_number
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,7 @@ class ValidatorDelay:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.delay_ms, bool) or not isinstance(self.delay_ms, (int, float)) \
-                or not math.isfinite(self.delay_ms) or self.delay_ms < 0:
+        if not is_number(self.delay_ms, minimum=0):
             raise ValueError(f"{ENV_DELAY_MS} must be a number of ms >= 0, got {self.delay_ms!r}")
 
     @property

@@ -9,17 +9,18 @@ manifest defaults fill only the others (actors/validator/sampling.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bus.messages import MANIFEST_DEFAULTABLE, SamplingParams, check_sampling_field
 
+from control.policy.limits import MAX_STOP_SEQUENCES
+from control.policy.numbers import is_int, is_number
+
 from .errors import RequestError
 from .structured import structured_grammar
 
 PRIORITIES = ("interactive", "batch")
-MAX_STOP_SEQUENCES = 4
 MAX_N = 8  # default server cap on `n`
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation", "continuous_usage_stats"})
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
@@ -88,16 +89,6 @@ class ValidatedRequest:
 def bad(message: str, param: str | None) -> RequestError:
     """The 400 RequestError of a refused field."""
     return RequestError(400, message, param=param)
-
-
-def is_int(v: Any) -> bool:
-    """An integer that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v: Any) -> bool:
-    """A finite int or float that is not a bool."""
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 def opt_number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:

@@ -16,11 +16,10 @@ from typing import Any, Mapping
 
 from bus.messages import SamplingParams
 
+from control.policy.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, default_max_tokens  # noqa: F401 (re-exported)
+
 from .fields import REQUEST_SAMPLING_FIELDS, ValidatedRequest
 
-
-# OpenAI's legacy completions endpoint defaults `max_tokens` to 16 (vLLM copies this).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 SERVER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)
                                    if f.name in REQUEST_SAMPLING_FIELDS}
 
@@ -28,13 +27,6 @@ SERVER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields
 def layered(request: Mapping[str, Any], manifest: Mapping[str, Any], server: Mapping[str, Any]) -> dict[str, Any]:
     """For every key of ``server``: the request's value if it set one, else the manifest's, else the server's."""
     return {k: request[k] if k in request else manifest[k] if k in manifest else v for k, v in server.items()}
-
-
-def default_max_tokens(endpoint: str, defaults: Mapping[str, Any]) -> int | None:
-    """``max_tokens`` (tokens) when the client sets none: the manifest's default, else the server's
-    (16 for "completions"; None for chat: the room left in the context, capped by the operator)."""
-    server = COMPLETIONS_DEFAULT_MAX_TOKENS if endpoint in ("completion", "completions") else None
-    return layered({}, defaults, {"max_tokens": server})["max_tokens"]
 
 
 def stop_token_ids(validated: ValidatedRequest, default_stop_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -24,10 +24,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .fields import (MAX_N, MAX_STOP_SEQUENCES, PRIORITIES, ValidatedRequest, bad, check_unknown, common_fields,
-                     is_int, opt_bool, opt_max_tokens)
+from control.policy.limits import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_COMPLETION_LOGPROBS,  # noqa: F401
+                                   MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS, choice_count)  # (re-exported)
+from control.policy.numbers import is_int
+
+from .fields import (MAX_N, PRIORITIES, ValidatedRequest, bad, check_unknown, common_fields,
+                     opt_bool, opt_max_tokens)
 from .prompts import default_stop_token_ids, prepare_prompt
-from .sampling import COMPLETIONS_DEFAULT_MAX_TOKENS
 from .tools import tool_grammar, validate_tools
 
 __all__ = [
@@ -53,9 +56,6 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_CHOICES = 32  # default server cap on n x number of prompts (engine requests of one API request)
-MAX_TOP_LOGPROBS = 20  # chat `top_logprobs` upper bound (OpenAI)
-MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs` upper bound (OpenAI)
 
 # ---- Every request field, per endpoint, in exactly one class (no field is accepted and silently ignored).
 # The /openapi.json request schemas (gateway/openapi.py) list exactly these fields; tests/unit/
@@ -118,26 +118,6 @@ def check_fields(body: dict, endpoint: str) -> dict[str, Any]:
             raise bad(f"'{name}' must be {what}, got {type(body[name]).__name__}", name)
     carried = set(advisory) | (set(TOOL_CALLING) - {"tools"} if endpoint == "chat" else set())
     return {k: body[k] for k in body if k in carried}
-
-
-def choice_count(endpoint: str, body: Any) -> int:
-    """How many choices (engine requests) a body asks for: ``n`` x number of prompts.
-
-    Pure and cheap (no validation): for a body that passes validation it equals
-    ``ValidatedRequest.num_choices``; the gateway uses it to know how many final chunks to expect.
-    Capped at ``MAX_CHOICES`` + 1: an absurd ``n`` (the validator refuses it) must not make the gateway
-    build billions of per-choice entries (found by the schemathesis run: ``n = 10000000001``).
-    """
-    if not isinstance(body, dict):
-        return 1
-    n = body.get("n")
-    n = n if is_int(n) and n >= 1 else 1
-    prompts = 1
-    p = body.get("prompt")
-    if endpoint in ("completion", "completions") and isinstance(p, list) and p:
-        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
-            prompts = len(p)
-    return min(n * prompts, MAX_CHOICES + 1)
 
 
 def _message_content(m: dict, i: int, role: str) -> str:

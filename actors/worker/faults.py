@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import random
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
+
+from control.policy.numbers import is_number
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ class FaultInjector:
     def __post_init__(self) -> None:
         for fname, hi in (("error_rate", 1.0), ("ttft_delay_ms", None)):
             v = getattr(self, fname)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
-                    or (hi is not None and v > hi):
+            if not is_number(v, minimum=0) or (hi is not None and v > hi):
                 raise ValueError(f"{MANIFEST_KEY}.{fname} must be a number >= 0{'' if hi is None else ' and <= 1'}, "
                                  f"got {v!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -12,13 +12,12 @@ uses it. etcd is found like every other verb (``--etcd``, ``$ACTORSERVE_ETCD``, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Any
 
-from actors.runtime import common_arguments
+from control.ops.argtypes import subcommand_adder
 from control.ops.cli_errors import run_on_registry
 
 DEFAULT_MAX_RANK = 16  # the worker's --max-lora-rank default (actors/worker/actor.py)
@@ -29,11 +28,7 @@ def add_adapters_commands(sub: Any) -> None:
     a = sub.add_parser("adapters", help="register, list and retire LoRA adapters (etcd; docs/lora.md)")
     s = a.add_subparsers(dest="adapters_command", metavar="SUBCOMMAND", required=True)
 
-    def cmd(name: str, help_: str, func) -> argparse.ArgumentParser:
-        p = s.add_parser(name, help=help_)
-        common_arguments(p)
-        p.set_defaults(func=lambda args: run_on_registry(func, args))
-        return p
+    cmd = subcommand_adder(s, run_on_registry)
 
     p = cmd("register", "register a PEFT LoRA adapter for one model version", _register)
     p.add_argument("name", help="adapter name ([a-z0-9][a-z0-9_-]*): requests name MODEL:NAME")

@@ -46,7 +46,7 @@ from control.ops.argtypes import non_negative_int as _non_negative_int
 from control.ops.extras import extra_of_module, missing_extra, missing_extra_line
 from control.ops.cli_errors import (EXIT_UNREACHABLE, EXIT_USAGE, StackUnreachable, is_unreachable, report_unreachable,
                                     stdout_closed, unreachable_line)
-from control.ops.nats_auth import redact_url
+from bus.nats_auth import redact_url
 from control.ops.status_detail import worker_detail
 from control.ops.argtypes import positive_int as _positive_int
 

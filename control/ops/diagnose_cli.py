@@ -1,10 +1,10 @@
 """``actorserve diagnose``: scrape every actor's ``/metrics`` twice, print where time goes and what saturates.
 
-The thin shell around :mod:`control.policy.diagnose`: it lists the metrics endpoints registered in etcd
+The thin shell around :mod:`control.ops.diagnose`: it lists the metrics endpoints registered in etcd
 (``/actorserve/metrics/{kind}/{id}``), scrapes each one at the start and at the end of ``--window-s``
 seconds, reads each local actor's CPU time from ``/proc/<pid>/stat`` at the same moments (falling back to
-its ``process_cpu_seconds_total``), builds a :class:`~control.policy.diagnose.Snapshot` and prints the
-:class:`~control.policy.diagnose.Diagnosis` (``--json`` for machine-readable output).
+its ``process_cpu_seconds_total``), builds a :class:`~control.ops.diagnose.Snapshot` and prints the
+:class:`~control.ops.diagnose.Diagnosis` (``--json`` for machine-readable output).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from control.ops.cli_errors import is_unreachable, report_unreachable
-from control.policy import diagnose as policy
+from control.ops import diagnose as policy
 
 SCRAPE_TIMEOUT_S = 3.0
 HISTOGRAMS = {  # Latency field -> gateway histogram

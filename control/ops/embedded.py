@@ -121,7 +121,7 @@ class EmbeddedStack:
 
     ``start()`` starts etcd then NATS (if NATS fails, etcd is stopped again before raising);
     ``stop()`` stops NATS then etcd. Usable as ``with`` / ``async with``. ``nats_auth``: NATS users on
-    (an internal user for the actors, tenant users via ``nats.set_tenant_users``; control/ops/nats_auth.py).
+    (an internal user for the actors, tenant users via ``nats.set_tenant_users``; bus/nats_auth.py).
     """
 
     def __init__(self, state_dir: str | os.PathLike[str], *, startup_timeout: float = 30.0,
@@ -210,7 +210,7 @@ def write_endpoints(
     tmp = path.with_name(f".{ENDPOINTS_FILE}.{os.getpid()}.tmp")
     data: dict[str, Any] = {"nats_url": nats_url, "etcd_url": etcd_url, "http_url": http_url}
     if tls_dir is not None:
-        from control.ops.tls_stack import endpoints_tls
+        from bus.tls import endpoints_tls
         data["tls"] = endpoints_tls(tls_dir)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

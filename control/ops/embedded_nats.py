@@ -2,7 +2,7 @@
 
 A :class:`control.ops.embedded_server.ServerProcess`; control/ops/embedded.py pairs it with etcd in
 :class:`control.ops.embedded.EmbeddedStack`. The users (internal operator, one per actor role, one per
-tenant key) are control/ops/nats_auth.py's and control/ops/nats_roles.py's.
+tenant key) are bus/nats_auth.py's and control/ops/nats_roles.py's.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class EmbeddedNats(ServerProcess):
         self.tls_dir = None if tls_dir is None else Path(tls_dir)  # `actorserve certs` output: TLS on
         self.max_file_store = max_file_store
         self.max_memory_store = max_memory_store
-        self.auth = auth  # users: internal (operator), one per role (actors), one per tenant key (control/ops/nats_auth.py)
+        self.auth = auth  # users: internal (operator), one per role (actors), one per tenant key (bus/nats_auth.py)
         self.tenant_users: list[dict[str, Any]] = []
         self.reloads = 0  # config reloads sent (SIGHUP) after a tenant user change
 
@@ -61,7 +61,7 @@ class EmbeddedNats(ServerProcess):
         """``url`` with the internal (operator, all subjects) user's credentials when ``auth`` is on."""
         if not self.auth:
             return self.url
-        from control.ops.nats_auth import INTERNAL_USER, internal_password, with_credentials
+        from bus.nats_auth import INTERNAL_USER, internal_password, with_credentials
         return with_credentials(self.url, INTERNAL_USER, internal_password(self.state_dir))
 
     def role_url(self, role: str) -> str:
@@ -70,12 +70,12 @@ class EmbeddedNats(ServerProcess):
         if not self.auth:
             return self.url
         from bus.subjects import role_user
-        from control.ops.nats_auth import with_credentials
+        from bus.nats_auth import with_credentials
         from control.ops.nats_roles import role_passwords
         return with_credentials(self.url, role_user(role), role_passwords(self.state_dir)[role])
 
     def set_tenant_users(self, users: list[dict[str, Any]]) -> bool:
-        """Install tenant NATS users (control.ops.nats_auth.tenant_users); when they changed and the server
+        """Install tenant NATS users (bus.nats_auth.tenant_users); when they changed and the server
         runs, rewrite the config and reload it (SIGHUP: nats-server re-checks connected clients, so a
         removed user is disconnected). Returns True when a reload was sent."""
         with self._lock:
@@ -129,7 +129,7 @@ class EmbeddedNats(ServerProcess):
     def _auth_section(self) -> str:
         if not self.auth:
             return ""
-        from control.ops.nats_auth import authorization_block, internal_password
+        from bus.nats_auth import authorization_block, internal_password
         from control.ops.nats_roles import role_passwords, role_users
         return authorization_block(internal_password(self.state_dir), self.tenant_users,
                                    role_users(role_passwords(self.state_dir)))

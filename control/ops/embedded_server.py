@@ -8,7 +8,7 @@
 * runs in its own process group (``start_new_session=True``); ``stop()`` signals that group only,
   never anything found by name;
 * gets SIGTERM from the kernel when the process that started it dies (``PR_SET_PDEATHSIG``,
-  control/ops/lifeline.py), so a SIGKILLed ``actorserve up`` or test run leaves no server behind;
+  actors/lifeline.py), so a SIGKILLed ``actorserve up`` or test run leaves no server behind;
 * records its pid in ``<state-dir>/<name>.pid`` while running.
 
 Every server works both synchronously (``start()`` / ``stop()`` / ``with``) and as an async context
@@ -34,7 +34,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from control.ops import lifeline
+from actors import lifeline
 from control.ops.ports import free_ports
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class ServerProcess:
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(argv)}\n".encode())
             logf.flush()
-            # SIGTERM when this process dies, even by SIGKILL: no orphaned server (control/ops/lifeline.py).
+            # SIGTERM when this process dies, even by SIGKILL: no orphaned server (actors/lifeline.py).
             self._proc = lifeline.popen(
                 argv,
                 stdin=subprocess.DEVNULL,

@@ -41,7 +41,7 @@ from typing import Any
 
 from aetcd import rpc
 
-from bus.tls import TlsFiles
+from bus.tls import ROOT_ROLE, TlsFiles
 from control.ops.nats_roles import KIND_ROLES, ROLES
 from control.state import names
 
@@ -49,7 +49,6 @@ __all__ = ["role_permissions", "enable_rbac", "enable_rbac_sync", "READ", "READW
            "client_roles", "main_etcd_auth"]
 
 READ, READWRITE = "read", "readwrite"
-ROOT_ROLE = "root"
 
 
 def client_roles() -> tuple[str, ...]:

@@ -38,7 +38,7 @@ object store; jobs AS_JOBS, ``as_jobs``, ``as_quota`` (spend-budget reservations
 the scheduler its journals
 ``SCHED_<name>_<version>`` — any stream name, since a name prefix is no NATS wildcard, but every platform
 stream of :func:`platform_streams` denied (what remains: a scheduler could create and read streams of
-other names). Tenant users are unchanged (control/ops/nats_auth.py).
+other names). Tenant users are unchanged (bus/nats_auth.py).
 
 Passwords: one random password per role, kept (mode 0600) in ``<state-dir>/nats-role-passwords.json``
 and in the 0600 server config; the supervisor hands each actor its role's URL in the environment

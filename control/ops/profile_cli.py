@@ -95,7 +95,7 @@ def measure_curve(engine, pool: str, batches, prompts, decode_prompt: int, decod
     """Measure ``engine`` (an idle LLMEngine) into a ThroughputCurve for ``pool`` (module docstring);
     ``meta`` is added to the curve's meta (threads, dtype, CPU flags, ...); every point is the best of
     ``repeats`` runs (the least disturbed one on a shared machine)."""
-    from actors.autoscaler.curves import DecodePoint, PrefillPoint, ThroughputCurve
+    from control.policy.curves import DecodePoint, PrefillPoint, ThroughputCurve
     from bench.engine_bench import cpu_model, engine_decode, engine_ttft
 
     rng = random.Random(seed)

@@ -27,12 +27,13 @@ import sys
 import time
 from typing import Any, Callable
 
-from actors.runtime import common_arguments, resolve_endpoints
+from actors.runtime import resolve_endpoints
+from control.ops.argtypes import subcommand_adder
 from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable  # noqa: F401
 
 CAS_ATTEMPTS = 5
 
-# CLI option -> analysis key (control/policy/rollout.py PolicyConfig), with its argparse type
+# CLI option -> analysis key (actors/rollout/policy.py PolicyConfig), with its argparse type
 ANALYSIS_OPTIONS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--window-s", "window_s", float, "sliding window of samples, seconds (default 30)"),
     ("--min-samples", "min_samples", int, "requests per side before comparing (default 20)"),
@@ -73,8 +74,8 @@ def parse_weight(value: str) -> float:
 
 def analysis_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``analysis`` dict of ``rollout start``: only the options given (the rest stay defaults).
-    ValueError when a value is out of range (checked by control.policy.rollout.PolicyConfig)."""
-    from control.policy.rollout import PolicyConfig
+    ValueError when a value is out of range (checked by actors.rollout.policy.PolicyConfig)."""
+    from actors.rollout.policy import PolicyConfig
 
     analysis = {key: getattr(args, key) for _, key, _, _ in ANALYSIS_OPTIONS if getattr(args, key, None) is not None}
     if getattr(args, "manual", False):
@@ -90,12 +91,7 @@ def add_rollout_commands(sub: Any) -> None:
                        "rollout controller (`actorserve actor rollout`) steps, promotes or rolls back on its own.")
     rs = r.add_subparsers(dest="rollout_command", metavar="SUBCOMMAND", required=True)
 
-    def cmd(name: str, help_: str, func) -> argparse.ArgumentParser:
-        p = rs.add_parser(name, help=help_, description=help_)
-        common_arguments(p)
-        p.add_argument("name", help="model name")
-        p.set_defaults(func=lambda args: run(func, args))
-        return p
+    cmd = subcommand_adder(rs, run, describe=True, model_name=True)
 
     p = cmd("start", "send a share of the model's traffic to a canary version", _start)
     p.add_argument("--canary", required=True, metavar="VERSION", help="version under rollout (must be active)")
@@ -242,7 +238,7 @@ def _when(ts: Any) -> str:
 
 def status_report(name: str, table: Any, active: list[str]) -> dict[str, Any]:
     """The ``rollout status --json`` document: the routing record plus effective analysis settings."""
-    from control.policy.rollout import PolicyConfig
+    from actors.rollout.policy import PolicyConfig
 
     d = table.to_dict()
     try:

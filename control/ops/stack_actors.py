@@ -126,7 +126,7 @@ class ActorFactory:
             from control.ops.nats_roles import KIND_ROLES
             role = KIND_ROLES.get(kind or "")
             env["ACTORSERVE_NATS"] = stack.nats.role_url(role) if role else stack.nats_url
-        from control.ops.nats_auth import OPERATOR_TOKEN_ENV, operator_token
+        from bus.nats_auth import OPERATOR_TOKEN_ENV, operator_token
         env.pop(OPERATOR_TOKEN_ENV, None)  # only gateways get the operator token (their /metrics checks it)
         if kind == "gateway":
             env[OPERATOR_TOKEN_ENV] = operator_token(self.cfg.state_dir)

@@ -191,7 +191,7 @@ class Supervisor:
                 f"another `actorserve up` (pid {pid}) seems to be running with state dir {self.state_dir}; "
                 f"stop it first or pass a different --state-dir"
             )
-        from control.ops.lifeline import live_stack
+        from actors.lifeline import live_stack
 
         left = live_stack(self.state_dir)  # an orphaned stack: its supervisor died, its processes did not
         if left is not None:

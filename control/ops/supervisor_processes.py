@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from control.ops import lifeline
+from actors import lifeline
 
 log = logging.getLogger("actorserve.supervisor")
 

@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from actors.runtime import common_arguments
+from control.ops.argtypes import subcommand_adder
 from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable, run_on_registry  # noqa: F401
 
 
@@ -49,11 +50,7 @@ def add_tenant_commands(sub: Any) -> None:
     t = sub.add_parser("tenants", help="manage tenants, API keys, quotas and model access (etcd)")
     ts = t.add_subparsers(dest="tenants_command", metavar="SUBCOMMAND", required=True)
 
-    def cmd(name: str, help_: str, func) -> argparse.ArgumentParser:
-        p = ts.add_parser(name, help=help_)
-        common_arguments(p)
-        p.set_defaults(func=lambda args: _run(func, args))
-        return p
+    cmd = subcommand_adder(ts, _run)
 
     p = cmd("create", "create a tenant and print its first API key (shown once)", _create)
     p.add_argument("name")

@@ -5,8 +5,8 @@ each child's TLS environment, and the context the supervisor's own HTTPS probes 
   process (the supervisor: etcd root) at the root client certificate through ``ACTORSERVE_TLS_*``;
 * :func:`child_tls_env` is what an actor of a kind gets: the CA and its role's client certificate (its
   etcd user), and for a gateway also the HTTPS server certificate (``ACTORSERVE_HTTPS_CERT``/``_KEY``);
-* :func:`endpoints_tls` is the ``tls`` entry of ``endpoints.json`` and :func:`apply_endpoints_tls` the
-  reverse, used by CLI verbs that find the stack there (they act as ``root``).
+* the ``tls`` entry of ``endpoints.json`` and its reverse (used by CLI verbs that find the stack there: they
+  act as ``root``) are :func:`bus.tls.endpoints_tls` and :func:`bus.tls.apply_endpoints_tls`.
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import os
 import socket
 import ssl
 from pathlib import Path
-from typing import Any, Mapping
 
-from bus.tls import ENV_TLS_CA, ENV_TLS_CERT, TlsFiles
+from bus.tls import ENV_TLS_CA, TlsFiles
 
 TLS_DIR_NAME = "tls"
 ENV_HTTPS_CERT = "ACTORSERVE_HTTPS_CERT"  # gateway/actor.py reads these two
 ENV_HTTPS_KEY = "ACTORSERVE_HTTPS_KEY"
 
-__all__ = ["prepare_tls", "child_tls_env", "probe_context", "endpoints_tls", "apply_endpoints_tls",
-           "TLS_DIR_NAME"]
+__all__ = ["prepare_tls", "child_tls_env", "probe_context", "TLS_DIR_NAME"]
 
 
 def _san_hosts(host: str) -> list[str]:
@@ -69,23 +67,3 @@ def probe_context(url: str) -> ssl.SSLContext | None:
     if not url.startswith("https://"):
         return None
     return ssl.create_default_context(cafile=os.environ.get(ENV_TLS_CA) or None)
-
-
-def endpoints_tls(tls_dir: str | os.PathLike[str] | None) -> dict[str, str] | None:
-    """The ``tls`` entry of endpoints.json: ``{"dir": ..., "ca": ...}`` (paths only), None without TLS."""
-    if tls_dir is None:
-        return None
-    d = Path(tls_dir).resolve()
-    return {"dir": str(d), "ca": str(d / "ca.pem")}
-
-
-def apply_endpoints_tls(entry: Any, env: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
-    """Point ``env`` (default ``os.environ``) at the root certificate of an endpoints.json ``tls`` entry
-    unless ``ACTORSERVE_TLS_CERT`` is already set; True when it did. Ignores a malformed entry."""
-    from control.ops.certs import ROOT_ROLE
-
-    env = os.environ if env is None else env
-    if not isinstance(entry, Mapping) or not isinstance(entry.get("dir"), str) or env.get(ENV_TLS_CERT):
-        return False
-    env.update(TlsFiles.in_dir(entry["dir"], ROOT_ROLE).env())
-    return True

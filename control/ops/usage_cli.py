@@ -179,7 +179,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         return _fail(f"usage: {e}", 1)
     except Exception as e:
         from bus.base import BusError
-        from control.ops.nats_auth import redact_url
+        from bus.nats_auth import redact_url
 
         if isinstance(e, BusError):
             return report_unreachable("NATS", redact_url(nats_url), e)

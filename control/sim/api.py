@@ -19,12 +19,12 @@ A pool is one accelerator type on one market; its key is ``"<type>/<market>"`` (
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from actors.autoscaler.curves import ThroughputCurve
+from control.policy.curves import ThroughputCurve
 from actors.autoscaler.signals import Slo
+from control.policy.numbers import is_number
 
 MARKETS = ("on_demand", "spot")
 
@@ -48,7 +48,7 @@ def split_pool_key(key: str) -> tuple[str, str]:
 
 
 def _num(owner: str, name: str, v: Any, minimum: float = 0.0, strict: bool = False) -> None:
-    bad = isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v)
+    bad = not is_number(v)
     if bad or v < minimum or (strict and v <= minimum):
         raise ValueError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} {minimum:g}, got {v!r}")
 

@@ -4,7 +4,7 @@ Every number in the file (a scalar or a list of numbers) must have a sibling ``<
 where it comes from (a price list, a paper, a datasheet, our measurement, or "design choice"); a number
 without one is refused (ValueError naming the table and key). Curves: ``decode_batch`` /
 ``decode_tokens_per_s`` / ``decode_itl_ms`` and ``prefill_prompt_tokens`` / ``prefill_ttft_ms`` per type
-become the live autoscaler's ``ThroughputCurve`` (actors/autoscaler/curves.py), so policies plan with the
+become the live autoscaler's ``ThroughputCurve`` (control/policy/curves.py), so policies plan with the
 same curve type the live autoscaler reads from ``actorserve profile``.
 """
 
@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
-from actors.autoscaler.curves import DecodePoint, PrefillPoint, ThroughputCurve
+from control.policy.curves import DecodePoint, PrefillPoint, ThroughputCurve
 from actors.autoscaler.signals import Slo
 from control.sim.api import AccelType, CpuTier, FleetInputs, SpotModel, TraceSpec
 

@@ -7,7 +7,7 @@ routed and queued together. Within a bin, the share of requests whose TTFT = que
 prefill(P) meets the SLO is the lognormal mass of ``P <= P*`` where ``prefill(P*) = SLO - wait``, divided by
 the bin's mass: exact for the distribution, no sampling (the "per-tick estimate from the distribution").
 
-Curves: :class:`CurveTable` evaluates ``ThroughputCurve`` (actors/autoscaler/curves.py) rules with numpy —
+Curves: :class:`CurveTable` evaluates ``ThroughputCurve`` (control/policy/curves.py) rules with numpy —
 tokens/s proportional below the first measured batch and flat above the last; ITL the first point's below
 and the last segment's slope above; prefill TTFT linear, extended — and is tested equal to the live class.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.autoscaler.curves import ThroughputCurve
+from control.policy.curves import ThroughputCurve
 from control.sim.api import FleetInputs, TraceSpec
 
 DEFAULT_BINS = 10

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from control.policy.numbers import is_number
+
 TIE_PENALTY_PER_REPLICA = 1e-7  # USD/h: among equal-cost mixes prefer the one with fewer replicas
 
 
@@ -43,7 +45,7 @@ class BucketItem:
         if not isinstance(self.key, str) or not self.key:
             raise ValueError("BucketItem.key must be a non-empty string")
         v = self.price_per_h
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        if not is_number(v, minimum=0):
             raise ValueError(f"BucketItem.price_per_h must be a finite number >= 0, got {v!r}")
         if isinstance(self.gpus_per_replica, bool) or not isinstance(self.gpus_per_replica, int) \
                 or self.gpus_per_replica < 1:
@@ -51,7 +53,7 @@ class BucketItem:
         if self.max_count is not None and (isinstance(self.max_count, bool) or not isinstance(self.max_count, int)
                                            or self.max_count < 0):
             raise ValueError(f"BucketItem.max_count must be None or an integer >= 0, got {self.max_count!r}")
-        if any(isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0
+        if any(not is_number(c, minimum=0)
                for c in self.capacity_tokens_per_s):
             raise ValueError(f"BucketItem.capacity_tokens_per_s must be finite numbers >= 0, got "
                              f"{self.capacity_tokens_per_s!r}")

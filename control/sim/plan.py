@@ -39,6 +39,7 @@ from actors.autoscaler.mix import PoolOffer, plan_mix
 from actors.autoscaler.pool_policy import PoolConfig
 from actors.autoscaler.signals import Slo
 from control.sim.api import MARKETS, FleetInputs, pool_key, split_pool_key
+from control.policy.numbers import is_int, is_number
 
 MIN_ATTAINMENT = 0.995
 COST_TOLERANCE = 0.10
@@ -47,7 +48,7 @@ WARMUP_MIN = 1  # the engine's first tick runs before its first decision (no rep
 
 
 def _pos(owner: str, name: str, v: Any, integer: bool = False) -> None:
-    ok = not isinstance(v, bool) and (isinstance(v, int) if integer else isinstance(v, (int, float)))
+    ok = is_int(v) if integer else is_number(v, finite=False)
     if not ok or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{owner}.{name} must be {'an integer' if integer else 'a finite number'} > 0, got {v!r}")
 

@@ -9,8 +9,11 @@ Takeover time after a kill -9 is therefore <= ttl + poll_s (+ one etcd round tri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Any, Mapping
+import os
+import time
+from typing import Any, Awaitable, Callable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +56,36 @@ async def still_holds(registry, lease, field: str, ident: Any) -> bool | None:
     except Exception:
         return None
     return value is not None and value.get(field) == ident and lease_id == lease.lease_id
+
+
+async def lead(registry, key: str, ident: str, *, elect: bool, ttl: int, interval_s: Callable[[], float],
+               tick: Callable[[], Awaitable[None]], on_lead: Callable[[Any], Awaitable[None]],
+               on_stand_down: Callable[[], None], what: str) -> None:
+    """The loop of a controller with one active instance (the autoscaler, the rollout controller): win
+    ``key`` (with ``elect``; else lead at once, lease None), ``await on_lead(lease)``, then ``await tick()``
+    every ``interval_s()`` seconds while the lease holds (a failed tick is logged and the loop goes on);
+    on losing the lease, ``on_stand_down()``, revoke what is left of it and campaign again. Runs until
+    cancelled. ``what`` names the controller in the log."""
+    while True:
+        lease = None
+        try:
+            if elect:
+                lease = await campaign(registry, key, {"id": ident, "pid": os.getpid(), "since": time.time()},
+                                       ttl=ttl)
+                log.info("%s %s is active", what, ident)
+            await on_lead(lease)
+            while lease is None or not lease.lost.is_set():
+                t0 = time.monotonic()
+                try:
+                    await tick()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # etcd away, a bad record: log, keep going
+                    log.warning("%s tick failed: %r", what, exc)
+                await asyncio.sleep(max(0.0, interval_s() - (time.monotonic() - t0)))
+            log.error("%s %s lost its election lease; standing by", what, ident)
+        finally:
+            on_stand_down()
+            if lease is not None and not lease.lost.is_set():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(lease.revoke())

@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from actors.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
-from bus.messages import sampling_defaults
+from bus.messages import TOOL_CALL_FORMATS, sampling_defaults
 from control.state import names
+from control.policy.numbers import is_number
 
 SUPPORTED_FORMATS = ("gguf",)
 SUPPORTED_TOKENIZERS = ("gguf",)
@@ -35,7 +35,7 @@ def check_pricing(value: Any) -> dict[str, float] | None:
     out = {}
     for k in PRICING_FIELDS:
         v = value.get(k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_PRICE_PER_1M:
+        if not is_number(v) or not 0 <= v <= MAX_PRICE_PER_1M:
             raise ValueError(f"pricing.{k} must be a number of USD per 1M tokens between 0 and "
                              f"{MAX_PRICE_PER_1M:g}, got {v!r}")
         out[k] = float(v)
@@ -61,7 +61,7 @@ class ModelManifest:
       the wire SamplingParams field; any other key is refused.
     * ``status``: one of ``active``, ``disabled``, ``retired``.
     * ``tool_call_format``: how this model writes tool calls and reads tools and results
-      (``actors.text.tool_calls.FORMATS``: ``"hermes"``; docs/tools.md), the parser the worker runs on its
+      (``bus.messages.TOOL_CALL_FORMATS``: ``"hermes"``; docs/tools.md), the parser the worker runs on its
       output; None: the model takes no ``tools`` (a request offering them answers 400).
     * ``pricing``: USD per 1M prompt and completion tokens (:func:`check_pricing`), charged to tenants'
       budgets (gateway/budgets.py, docs/budgets.md); None: free. Read by the gateways only: a price change

@@ -7,19 +7,19 @@ A pool record lives at ``pool_key(pool)`` (``/actorserve/pools/{pool}``)::
 
 written by ``actorserve pools set`` (control/ops/pools_cli.py); the pool under ``actorserve up`` is ``local``.
 A version's measured curve on a pool lives at ``profile_key(name, version, pool)`` (``actorserve profile``,
-actors/autoscaler/curves.py). ``PoolRecord`` is pure; the async helpers take any object with the Registry's
+control/policy/curves.py). ``PoolRecord`` is pure; the async helpers take any object with the Registry's
 ``get_json`` / ``put_json`` / ``get_prefix_json`` / ``delete`` (control/state/registry.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from actors.autoscaler.curves import ThroughputCurve
+from control.policy.curves import ThroughputCurve
 from control.state import names
+from control.policy.numbers import is_number
 
 MARKETS = ("on_demand", "spot")
 LOCAL_POOL = "local"
@@ -52,7 +52,7 @@ class PoolRecord:
                 raise ValueError(f"{f} must be an integer >= 0, got {v!r}")
         for f in _FLOATS:
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v) or v < 0:
+            if not is_number(v, minimum=0):
                 raise ValueError(f"{f} must be a finite number >= 0, got {v!r}")
             object.__setattr__(self, f, float(v))
         if self.market not in MARKETS:

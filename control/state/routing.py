@@ -12,7 +12,7 @@ Stored as JSON at ``/actorserve/models/{name}/routing`` (docs/architecture.md). 
   (percent, ascending, last one 100 = promote), e.g. ``[5, 25, 50, 100]``.
 * ``last_good``: the stable version before the rollout started (a rollback returns traffic to ``stable``,
   which is unchanged during a rollout; ``last_good`` is kept for ``promote`` followed by ``rollback``).
-* ``analysis``: rollout controller thresholds (see control/policy/rollout.py); {} means defaults.
+* ``analysis``: rollout controller thresholds (see actors/rollout/policy.py); {} means defaults.
 * ``decisions``: newest last, at most MAX_DECISIONS: ``{"ts", "action", "by", "weight", "reasons"}``.
 * ``started_at`` / ``updated_at``: unix seconds.
 
@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from control.policy.numbers import is_number
+
 STICKY_MODES = ("request", "tenant")
 STATES = ("idle", "canary", "promoted", "rolled_back")
 DEFAULT_STEPS = (5.0, 25.0, 50.0, 100.0)
@@ -43,7 +45,7 @@ def bucket(name: str, key: str) -> int:
 
 
 def _check_weight(w: Any, fname: str = "weight") -> float:
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 100:
+    if not is_number(w) or not 0 <= w <= 100:
         raise ValueError(f"{fname} must be a number from 0 to 100 (percent), got {w!r}")
     return float(w)
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from control.state import names
+from control.policy.numbers import is_number
 
 PRIORITY_CLASSES = ("interactive", "batch")
 QUOTA_FIELDS = ("rpm", "tpm", "concurrency", "daily_tokens")
@@ -82,7 +83,7 @@ class Budget:
     period: str = "month"
 
     def __post_init__(self) -> None:
-        if isinstance(self.usd, bool) or not isinstance(self.usd, (int, float)) or not 0 <= self.usd <= MAX_BUDGET_USD:
+        if not is_number(self.usd) or not 0 <= self.usd <= MAX_BUDGET_USD:
             raise ValueError(f"budget.usd must be a number of USD between 0 and {MAX_BUDGET_USD:g}, got {self.usd!r}")
         if self.period not in BUDGET_PERIODS:
             raise ValueError(f"budget.period must be one of {', '.join(BUDGET_PERIODS)}, got {self.period!r}")

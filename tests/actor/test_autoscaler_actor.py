@@ -223,7 +223,7 @@ def curve_json(pool: str) -> dict:
 async def test_a_pool_mix_starts_workers_where_the_mix_wants_them():
     """Two priced pools with measured curves: the version's demand goes to the pools of the cheapest mix
     (mix.plan_mix), each of which scales from zero up to its count; the default pool keeps its floor."""
-    from actors.autoscaler.curves import ThroughputCurve
+    from control.policy.curves import ThroughputCurve
     from actors.autoscaler.mix import PoolOffer, plan_mix
     from control.state.pools import PoolRecord
 

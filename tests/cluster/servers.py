@@ -4,7 +4,7 @@ etcd cluster (argv), the credentials, and the small checks the test runs against
 NATS (docs.nats.io, "Clustering" and "JetStream Clustering"): every server listens on its host's address
 (client 4222, routes 6222, monitoring 8222), names itself ``n-<host>``, routes to the two others with a
 route user, runs JetStream with its own store directory; the ``authorization`` block is
-control/ops/nats_auth.py's (internal operator user, the per-role users of control/ops/nats_roles.py, the
+bus/nats_auth.py's (internal operator user, the per-role users of control/ops/nats_roles.py, the
 tenant's key user). etcd: members ``e-<host>`` with client 2379 and peer 2380 on the host's address,
 ``--initial-cluster`` naming all three and a token unique to the run.
 """
@@ -49,8 +49,8 @@ class Auth:
 
     @classmethod
     def create(cls, secrets_dir: Path) -> "Auth":
-        """Fresh passwords (control/ops/nats_auth.py and nats_roles.py files under ``secrets_dir``)."""
-        from control.ops.nats_auth import internal_password
+        """Fresh passwords (bus/nats_auth.py and nats_roles.py files under ``secrets_dir``)."""
+        from bus.nats_auth import internal_password
         from control.ops.nats_roles import role_passwords
 
         secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -61,7 +61,7 @@ class Auth:
         """``nats://user:password@addr:4222`` of ``role`` (None: the internal operator user; ``scheme``
         ``tls`` with TLS)."""
         from bus.subjects import role_user
-        from control.ops.nats_auth import INTERNAL_USER, with_credentials
+        from bus.nats_auth import INTERNAL_USER, with_credentials
 
         base = f"{scheme}://{addr}:{NATS_PORT}"
         if role is None:
@@ -70,7 +70,7 @@ class Auth:
 
     def authorization(self) -> str:
         """The ``authorization { users = [...] }`` block of every server."""
-        from control.ops.nats_auth import authorization_block
+        from bus.nats_auth import authorization_block
         from control.ops.nats_roles import role_users
 
         return authorization_block(self.internal, self.tenant_users, role_users(self.roles))
@@ -145,8 +145,8 @@ def etcd_argv(cluster: "Cluster", host: str) -> list[str]:
 # -- state read by the test ---------------------------------------------------------------------------
 
 async def tenant_users(etcd_urls: str, tls=None) -> list[dict]:
-    """NATS user entries of every tenant key (control/ops/nats_auth.py); ``tls``: bus.tls.TlsFiles."""
-    from control.ops.nats_auth import tenant_users as users
+    """NATS user entries of every tenant key (bus/nats_auth.py); ``tls``: bus.tls.TlsFiles."""
+    from bus.nats_auth import tenant_users as users
     from control.state.registry import Registry
 
     async with Registry.connect(etcd_urls, tls=tls) as reg:

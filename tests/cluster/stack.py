@@ -14,7 +14,7 @@ load   the load generator (tests/cluster/loadgen.py)
 
 NATS: one config per server (tests/cluster/servers.py), cluster routes between the three addresses
 (route user and password), JetStream with its own store directory, and the per-role users of
-control/ops/nats_auth.py + nats_roles.py (internal operator user, one user per actor role, the tenant's
+bus/nats_auth.py + nats_roles.py (internal operator user, one user per actor role, the tenant's
 key user). Every actor gets its role's URLs of all three servers in ``ACTORSERVE_NATS`` (environment,
 never argv) and ``ACTORSERVE_JS_REPLICAS=3``, so every stream, KV bucket and object store is created with
 three replicas. etcd: ``--etcd`` lists the three members, the actor's own host first. Only the pids this

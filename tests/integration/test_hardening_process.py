@@ -1,7 +1,7 @@
 """Process hardening of ``actorserve up`` (issue 21 item 4), the cheap parts, without a stack:
 
 * children die with their parent, even by SIGKILL, even when the thread that started them exited
-  (control/ops/lifeline.py: ``PR_SET_PDEATHSIG`` from one long-lived spawner thread); a real
+  (actors/lifeline.py: ``PR_SET_PDEATHSIG`` from one long-lived spawner thread); a real
   nats-server too; a Python actor also watches ``ACTORSERVE_PARENT_PID`` (actors/runtime.py);
 * ``up`` refuses to start over a stack left behind (live pids of ``pids.json``, or answering
   ``endpoints.json`` ports), in one line saying how to stop it;
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from control.ops import lifeline
+from actors import lifeline
 from control.ops.supervisor_processes import ActorProcess, stopped_on_request, terminate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def _wait_gone(pid: int, timeout: float) -> float | None:
 _PARENT = r"""
 import sys, threading, time
 sys.path.insert(0, {repo!r})
-from control.ops import lifeline
+from actors import lifeline
 out = {{}}
 def spawn():  # from a thread that exits right after: PDEATHSIG must not fire then
     out["p"] = lifeline.popen(["sleep", "60"], start_new_session=True)

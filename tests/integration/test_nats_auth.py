@@ -1,4 +1,4 @@
-"""NATS users of the embedded nats-server (control/ops/nats_auth.py): the internal user may do anything, a
+"""NATS users of the embedded nats-server (bus/nats_auth.py): the internal user may do anything, a
 tenant key's user may only publish to the public API and read its own inbox, and a removed user is cut
 off by the reload. Real nats-server."""
 
@@ -12,7 +12,7 @@ from nats.errors import NoServersError
 
 from control.ops.embedded import EmbeddedNats
 from control.ops.embedded_server import http_get_json
-from control.ops.nats_auth import tenant_users
+from bus.nats_auth import tenant_users
 from control.state.tenants import _key_entry, new_api_key
 
 

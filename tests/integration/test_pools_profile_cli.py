@@ -14,7 +14,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from actors.autoscaler.curves import ThroughputCurve
+from control.policy.curves import ThroughputCurve
 from bench.engine_bench import cpu_model
 from control.state import names
 from tests.engine_fixtures import write_tiny_llama_gguf

@@ -160,7 +160,7 @@ async def test_controller_never_overwrites_a_concurrent_operator_edit(infra, reg
     now = time.time() + 1
     for v in ("1", "2"):
         for i in range(5):
-            from control.policy.rollout import Sample
+            from actors.rollout.policy import Sample
             ctl.add_sample(name, v, Sample(now - 0.5, "ok", 10.0, 5.0))
     assert await ctl.tick(now) == []  # the controller wanted to step, lost the race, wrote nothing
     assert ctl.last_decisions[name].action == "step"

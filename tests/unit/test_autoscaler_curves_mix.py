@@ -1,4 +1,4 @@
-"""Throughput curves (actors/autoscaler/curves.py), the pool mix (mix.py) and pool records
+"""Throughput curves (control/policy/curves.py), the pool mix (mix.py) and pool records
 (control/state/pools.py): interpolation, capacity at the ITL SLO, JSON round trips, the cheapest mix per
 SLO-met token, the spot cap and the preemption loss."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from actors.autoscaler.curves import DecodePoint, PrefillPoint, ThroughputCurve
+from control.policy.curves import DecodePoint, PrefillPoint, ThroughputCurve
 from actors.autoscaler.mix import PoolOffer, choose_mix, plan_mix
 from actors.autoscaler.signals import Slo
 from control.state.pools import PoolRecord

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from actors.jobs import batch_lines, files
+from actors import job_batches as batch_lines, job_files as files
 from actors.jobs.batch_runner import output_file_id, response_from_chat
 from bus.kv import MemoryBuckets
 from bus.streams import JOBS

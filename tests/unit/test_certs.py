@@ -19,7 +19,8 @@ from control.ops.embedded import etcd_tls_flags
 from control.ops.embedded_nats import nats_tls_block
 from control.ops.etcd_auth import READ, READWRITE, _range_end, role_permissions
 from control.ops.nats_roles import KIND_ROLES, ROLES
-from control.ops.tls_stack import apply_endpoints_tls, child_tls_env, endpoints_tls
+from bus.tls import apply_endpoints_tls, endpoints_tls
+from control.ops.tls_stack import child_tls_env
 from control.state import names
 
 

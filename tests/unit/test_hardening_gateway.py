@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from actors import metrics as m
 from bus import subjects
 from bus.memory import MemoryBus
-from control.ops.nats_auth import OPERATOR_TOKEN_ENV, operator_token
+from bus.nats_auth import OPERATOR_TOKEN_ENV, operator_token
 from gateway.auth import unauthorized
 from gateway.frontend import Frontend, FrontendConfig
 from gateway.http import HttpFront

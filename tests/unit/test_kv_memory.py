@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from actors.jobs import store as jobs
+from actors import job_store as jobs
 from bus.kv import KvConflict, MemoryBuckets, MemoryKV
 from bus.messages import CompletionRecord
 from bus.streams import BucketConfig

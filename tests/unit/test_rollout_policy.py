@@ -1,4 +1,4 @@
-"""Canary analysis rules (control/policy/rollout.py): pure, no I/O."""
+"""Canary analysis rules (actors/rollout/policy.py): pure, no I/O."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from bus.messages import CompletionRecord
 from control.state.routing import RoutingTable, start_rollout
-from control.policy.rollout import (PolicyConfig, Sample, VersionWindow, analyse, itl_ms, next_weight, percentile,
+from actors.rollout.policy import (PolicyConfig, Sample, VersionWindow, analyse, itl_ms, next_weight, percentile,
                                     sample_from_record, summarise, ttft_ms)
 
 T0 = 1_000_000.0

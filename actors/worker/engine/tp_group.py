@@ -73,7 +73,7 @@ class TPGroup:
         return group
 
     def _spawn(self, config) -> None:
-        from control.ops.lifeline import popen
+        from actors.lifeline import popen
 
         for rank in range(1, self.world):
             cfg = json.dumps(dataclasses.asdict(dataclasses.replace(config, tp_rank=rank)))

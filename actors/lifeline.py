@@ -227,7 +227,7 @@ def live_stack(state_dir: str | os.PathLike[str], own_pid: int | None = None) ->
     except (OSError, ValueError):
         eps = {}
     if isinstance(eps, dict):
-        from control.ops.nats_auth import redact_url
+        from bus.nats_auth import redact_url
 
         answering = [f"{k} {redact_url(eps[k])}" for k in ("nats_url", "etcd_url", "http_url")
                      if isinstance(eps.get(k), str) and _port_answers(eps[k])]

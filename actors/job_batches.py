@@ -1,6 +1,6 @@
 """OpenAI Batch: the batch object, its input lines checked, its output and error lines written (pure: no I/O).
 
-A batch (``POST /v1/batches``) is a job of the jobs actor (actors/jobs/store.py: same bucket, stream, statuses
+A batch (``POST /v1/batches``) is a job of the jobs actor (actors/job_store.py: same bucket, stream, statuses
 and transitions) whose record carries ``kind: "openai_batch"``, the ``input_file_id`` and the ``endpoint``. The
 jobs actor reads the input file and checks it with :func:`parse_input` before any line runs; as OpenAI does, one
 bad line fails the whole batch at ``validating`` (``errors.data[i]``: ``code``, ``message``, ``line`` 1-based,

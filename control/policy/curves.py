@@ -18,14 +18,14 @@ ITL the same way).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from control.policy.numbers import is_number
+
 
 def _positive(owner: str, name: str, v: Any, allow_zero: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v) \
-            or v < 0 or (v == 0 and not allow_zero):
+    if not is_number(v, minimum=0) or (v == 0 and not allow_zero):
         raise ValueError(f"{owner}.{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {v!r}")
     return float(v)
 

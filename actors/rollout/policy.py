@@ -49,8 +49,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from control.policy.latency import itl_ms, ttft_ms
+from control.policy.numbers import is_number
+
 ACTIONS = ("wait", "step", "promote", "rollback")
-TTFT_KEYS = ("queue_ms", "prefill_ms", "validation_ms", "gateway_ms")  # summed into TTFT when present
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         def num(fname: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
             v = getattr(self, fname)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_number(v):
                 raise ValueError(f"analysis.{fname} must be a number, got {v!r}")
             if (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
                 bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
@@ -119,30 +121,6 @@ class Sample:
     status: str  # "ok" | "error" | "cancelled"
     ttft_ms: float | None = None  # None when the record has no queue/prefill timing
     itl_ms: float | None = None  # None with fewer than 2 completion tokens
-
-
-def ttft_ms(timing: Mapping[str, Any]) -> float | None:
-    """Time to first token of one request, ms: queue + prefill (+ validation, gateway when present);
-    None when neither queue_ms nor prefill_ms is there."""
-    if not isinstance(timing, Mapping) or ("queue_ms" not in timing and "prefill_ms" not in timing):
-        return None
-    total = 0.0
-    for k in TTFT_KEYS:
-        v = timing.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-            total += float(v)
-    return total
-
-
-def itl_ms(timing: Mapping[str, Any], completion_tokens: int) -> float | None:
-    """Mean inter-token latency of one request, ms: ``decode_ms / (completion_tokens - 1)``;
-    None with fewer than 2 completion tokens or no decode_ms."""
-    if not isinstance(timing, Mapping) or not isinstance(completion_tokens, int) or completion_tokens < 2:
-        return None
-    v = timing.get("decode_ms")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        return None
-    return float(v) / max(1, completion_tokens - 1)
 
 
 def sample_from_record(record: Any, *, received_at: float | None = None) -> Sample:

@@ -1,7 +1,7 @@
 """OpenAI Files on JetStream: file records in the jobs bucket, contents in the jobs object store (state, no HTTP).
 
 Shared by the gateway's Files API (gateway/files_api.py) and the jobs actor (which reads a batch's input file and
-writes its output and error files). Layout, beside the job records of actors/jobs/store.py:
+writes its output and error files). Layout, beside the job records of actors/job_store.py:
 
 * KV bucket ``as_jobs`` (TTL 7 days): ``f.<tenant>.<file id>`` -> the file record (OpenAI's file object plus the
   tenant and the object's name). Scoped by tenant: another tenant's id is not found, as an unknown one.
