@@ -49,7 +49,4 @@ def warm_up(engine, prefill_lens: tuple[int, ...] = PREFILL_LENS, decode_tokens:
 def _forget(engine) -> None:
     """Drop the warm-up's prefix-cache blocks, counters and step-rate measurements."""
     engine.reset_prefix_cache()
-    engine.block_manager.prefix_query_tokens = engine.block_manager.prefix_hit_tokens = 0
-    engine.scheduler.prefix_hits_by_tenant.clear()
-    engine._stats = EngineStats(num_total_blocks=engine.kv.num_blocks)
-    engine.rates = StepRates(engine.rates.alpha)
+    engine.reset_counters()
