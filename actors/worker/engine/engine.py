@@ -100,7 +100,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, share_weights_of: "LLMEngine | None" = None,
                  runner: ModelRunner | None = None) -> None:
-        """The engine over ``runner``; None: a ``TorchRunner`` loading ``config.model_path``, with
+        """The engine over ``runner`` (``config``: any ``kv_blocks.SchedulingConfig``, e.g. the zero-compute
+        one); None: a ``TorchRunner`` loading ``config.model_path`` (an ``EngineConfig``), with
         ``share_weights_of`` (an engine of the same artifact, dtype and device, one rank) over that engine's
         weights instead of a copy (a multi-version host's versions of one artifact, actors/worker/host.py).
         ValueError when ``share_weights_of`` does not match."""
@@ -155,7 +156,7 @@ class LLMEngine:
             raise RuntimeError("resize_kv needs an idle one-rank engine")
         self.runner.resize_kv(int(kv_bytes))
         self._build_blocks()
-        self.usage.stats.num_total_blocks = self.blocks.num_blocks
+        self.usage.set_total_blocks(self.blocks.num_blocks)
 
     # ----------------------------------------------------------------- requests
 

@@ -48,6 +48,10 @@ class UsageMeter:
         self.stats = EngineStats(num_total_blocks=num_total_blocks)
         self.rates = StepRates(self.rates.alpha)
 
+    def set_total_blocks(self, num_total_blocks: int) -> None:
+        """The KV cache's block count changed (a resize)."""
+        self.stats.num_total_blocks = num_total_blocks
+
     def record_step(self, plan: StepPlan, rows: list[RequestState], num_sampled: int,
                     sched: SchedulerCounters, blocks: BlockCounters) -> None:
         """Count one step: ``rows[i]`` is the request of ``plan.seqs[i]``; ``num_sampled`` tokens generated.
