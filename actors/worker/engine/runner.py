@@ -98,6 +98,12 @@ class ModelRunner(Protocol):
     def admit_gate(self, name: str, in_use: set[str]) -> bool:
         """True when a request of adapter ``name`` may be admitted now (``in_use``: adapters of running ones)."""
 
+    def register_adapter(self, name: str, path: str) -> None:
+        """Make LoRA adapter ``name`` (a PEFT directory at ``path``) servable; ValueError when it cannot be."""
+
+    def unregister_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (the engine checks that no live request names it)."""
+
     def execute(self, batch: RunnerInput) -> RunnerOutput:
         """Compute ``batch`` (writing the rows' K/V into their blocks) and sample every sampling row."""
 
