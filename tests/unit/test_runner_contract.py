@@ -94,7 +94,7 @@ def test_prefill_then_decode(runner):
     assert len(s.outputs["a"]) == 3 and s.done["a"] == 9
 
 
-def test_greedy_is_deterministic_and_batch_independent(runner, tiny_path):
+def test_greedy_is_deterministic_and_batch_independent(runner):
     prompt = [1, 45, 55, 65, 75, 85]
     alone = Seqs(runner)
     alone.add("x", prompt)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import time
 
-from .step_rates import StepRates
-from .types import EngineRequest, EngineStats, SamplingParams
+from .types import EngineRequest, SamplingParams
 
 PREFILL_LENS = (16, 64, 8, 8)  # prompt tokens per warm-up request: two prefill shapes, then a batch of 4
 DECODE_TOKENS = 4  # tokens generated per warm-up request (decode steps at 4 rows, then fewer)
