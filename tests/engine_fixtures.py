@@ -27,10 +27,10 @@ def prefill_logits(engine, prompt: list[int]):
     table = engine.block_manager.allocate("__probe__", len(prompt))
     try:
         bs, n = engine.config.block_size, len(prompt)
-        slots = engine._tensor([table[p // bs] * bs + p % bs for p in range(n)])
-        positions = engine._tensor(list(range(n)))
+        slots = engine.runner.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        positions = engine.runner.tensor(list(range(n)))
         meta = BatchMetadata(positions, slots, slots, [n], [n], positions)
-        return engine.model.forward(engine._tensor(prompt), meta, engine.kv.tensor)
+        return engine.model.forward(engine.runner.tensor(prompt), meta, engine.kv.tensor)
     finally:
         engine.block_manager.free("__probe__")
 
@@ -47,9 +47,9 @@ def stepwise_logits(engine, prompt: list[int]):
         bs, rows = engine.config.block_size, []
         slots = [table[p // bs] * bs + p % bs for p in range(len(prompt))]
         for p, tok in enumerate(prompt):
-            meta = BatchMetadata(engine._tensor([p]), engine._tensor([slots[p]]), engine._tensor(slots[: p + 1]),
-                                 [1], [p + 1], engine._tensor([0]))
-            rows.append(engine.model.forward(engine._tensor([tok]), meta, engine.kv.tensor))
+            t = engine.runner.tensor
+            meta = BatchMetadata(t([p]), t([slots[p]]), t(slots[: p + 1]), [1], [p + 1], t([0]))
+            rows.append(engine.model.forward(engine.runner.tensor([tok]), meta, engine.kv.tensor))
         return torch.cat(rows)
     finally:
         engine.block_manager.free("__probe__")

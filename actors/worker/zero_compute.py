@@ -1,4 +1,4 @@
-"""The zero-compute engine: the ``LLMEngine`` interface with no model behind it (``--engine zero-compute``).
+"""The zero-compute engine: ``LLMEngine`` over a runner that does no model compute (``--engine zero-compute``).
 
 What it is for: measuring what the platform itself costs (``actorserve bench platform``, issue 15 item 6,
 docs/decisions/0029-platform-cost.md). A worker started with ``--engine zero-compute`` serves every request
@@ -7,8 +7,9 @@ gateway's, validator's, scheduler's, the worker shell's, the bus's and etcd's al
 unless asked for: the worker's default is ``--engine torch``; its log, its etcd record (``"engine":
 "zero-compute"``) and ``actorserve status`` name it.
 
-What it keeps of the real engine (actors/worker/engine/engine.py), so that the worker shell, the scheduler
-and the gateway see the same traffic:
+It is the real engine (actors/worker/engine/engine.py) with ``ZeroComputeRunner`` behind the runner seam
+(actors/worker/engine/runner.py, docs/decisions/0036-runner-seam.md): the request bookkeeping is the same code,
+so the worker shell, the scheduler and the gateway see the same traffic:
 
 * batching: the same pure ``IterationScheduler`` and ``BlockManager`` (chunked prefill under
   ``max_num_batched_tokens``, ``max_num_seqs`` slots, KV blocks sized from the GGUF's shape and the byte
@@ -16,7 +17,8 @@ and the gateway see the same traffic:
 * the real tokenizer's bytes (read from the GGUF's metadata only, no tensor is loaded), the incremental
   detokenizer and the stop-string matcher: ``max_tokens``, ``max_model_len``, ``stop``,
   ``stop_token_ids``, ``ignore_eos`` behave as in the real engine;
-* the outputs: one ``StepOutput`` per sampled row per step, aborts reported on the next step.
+* the outputs and counters: one ``StepOutput`` per sampled row per step (``num_cached_tokens`` on the last),
+  aborts reported on the next step, ``EngineStats`` counted as the real engine counts them.
 
 The tokens: output position ``i`` of every request is ``cycle[i % len(cycle)]``, where ``cycle`` is the first
 ``CYCLE_LEN`` vocabulary ids (by id) whose bytes are an ASCII space followed by 2 or more ASCII letters (a
@@ -29,17 +31,13 @@ top entry. Structured outputs (``params.grammar``) are refused with ValueError (
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from actors.text.gguf_meta import read_gguf_metadata
-from actors.worker.engine.block_manager import BlockManager
-from actors.worker.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, replay, token_bytes_table
-from actors.worker.engine.iteration_scheduler import IterationScheduler, StepPlan
-from actors.worker.engine.request_book import RequestBook
-from actors.worker.engine.step_rates import StepRates
-from actors.worker.engine.types import EngineRequest, EngineStats, StepOutput
+from actors.worker.engine.detokenizer import token_bytes_table
+from actors.worker.engine.engine import LLMEngine
+from actors.worker.engine.runner import RunnerInput, RunnerOutput, RowSampling
 
 ENGINE_NAME = "zero-compute"
 CYCLE_LEN = 16  # distinct tokens of the output cycle
@@ -72,20 +70,6 @@ class ZeroComputeConfig:
             raise ValueError("eos_after and step_ms must be >= 0")
 
 
-@dataclass
-class _Request:
-    req: EngineRequest
-    token_ids: list[int]  # prompt + generated
-    detok: IncrementalDetokenizer
-    stop: StopStringMatcher
-    output_ids: list[int] = field(default_factory=list)
-    prompt_served: int = 0
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.req.prompt_token_ids)
-
-
 def word_cycle(token_bytes: list[bytes], n: int = CYCLE_LEN) -> tuple[int, ...]:
     """The first ``n`` ids whose bytes are b" " + 2 or more ASCII letters; fewer found: any non-empty
     tokens fill up. ValueError when the vocabulary has no non-empty token."""
@@ -98,12 +82,14 @@ def word_cycle(token_bytes: list[bytes], n: int = CYCLE_LEN) -> tuple[int, ...]:
     return tuple(words)
 
 
-class ZeroComputeEngine(RequestBook):
-    """See module docstring. Not thread-safe (one caller: the worker's step loop), like ``LLMEngine``."""
+class ZeroComputeRunner:
+    """The ``ModelRunner`` (runner.py) that computes nothing: output position ``i`` of a request is
+    ``cycle[i % len(cycle)]`` (or EOS at ``eos_after``), its logprob 0.0. Reads only the GGUF's metadata."""
 
     name = ENGINE_NAME
     quantization = None
     dtype_name = "none"
+    structured = None  # grammars are refused
 
     def __init__(self, config: ZeroComputeConfig) -> None:
         self.config = config
@@ -117,121 +103,70 @@ class ZeroComputeEngine(RequestBook):
         self.cycle = word_cycle(self.token_bytes)
         self.num_blocks = max(1, config.kv_cache_bytes // _block_bytes(meta, config.block_size))
         arch = meta.get("general.architecture", "llama")
-        limit = config.max_model_len or int(meta.get(f"{arch}.context_length", 2048))
-        self.max_model_len = min(limit, self.num_blocks * config.block_size)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = IterationScheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self._requests: dict[str, _Request] = {}
-        self._aborted: list[StepOutput] = []
-        self._stats = EngineStats(num_total_blocks=self.num_blocks)
-        self.rates = StepRates()
-        self._served_lock = threading.Lock()
+        self.position_limit = config.max_model_len or int(meta.get(f"{arch}.context_length", 2048))
 
     def describe(self) -> str:
-        """One start-up log line: what this engine is and its capacity."""
+        """One start-up log line: what this runner is and its capacity."""
+        max_len = min(self.position_limit, self.num_blocks * self.config.block_size)
         return (f"engine {ENGINE_NAME}: NO MODEL COMPUTE (deterministic tokens, platform measurement only); "
-                f"{self.num_blocks} blocks x {self.config.block_size} tokens, max_model_len {self.max_model_len}")
+                f"{self.num_blocks} blocks x {self.config.block_size} tokens, max_model_len {max_len}")
 
-    # ---- requests (same contract as LLMEngine) ----------------------------------------------
-    def add_request(self, req: EngineRequest, front: bool = False) -> list[str]:
-        """Queue ``req``; ValueError on an empty / too long / out-of-vocabulary prompt, a duplicate id, or a
-        grammar. Returns the text of resumed tokens (a migrated sequence), as ``LLMEngine.add_request``."""
-        done = list(req.resumed_output_ids)
-        ids = (*req.prompt_token_ids, *done)
-        if not req.prompt_token_ids:
-            raise ValueError("prompt_token_ids is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len}")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError("prompt token id out of vocabulary range")
-        if req.params.grammar is not None:
-            raise ValueError("structured outputs are not supported by the zero-compute engine")
-        if req.request_id in self._requests:
-            raise ValueError(f"duplicate request_id {req.request_id!r}")
-        r = _Request(req, list(ids), IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
-                     output_ids=done, prompt_served=len(req.prompt_token_ids) if done else 0)
-        texts = replay(r.detok, r.stop, done)
-        self._requests[req.request_id] = r
-        self.scheduler.add(req.request_id, len(ids), r.token_ids, front=front, urgent=req.urgent,
-                           priority=req.priority)
-        return texts
+    def close(self) -> None:
+        """Nothing to release."""
 
-    def detach_request(self, request_id: str) -> tuple[tuple[int, ...], bytes] | None:
-        """Take a request out to migrate it: (tokens generated, b"" — no sampler state), None when unknown."""
-        r = self._requests.pop(request_id, None)
-        if r is None:
-            return None
-        self.scheduler.remove(request_id)
-        return tuple(r.output_ids), b""
+    def new_rng(self, seed: int | None, state: bytes | None) -> None:
+        """No random state: the output is fixed."""
+        return None
 
-    # ---- step --------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        """One iteration of the real engine's plan with the forward pass replaced by the token cycle."""
-        t0 = time.perf_counter()
-        outputs, self._aborted = self._aborted, []
-        plan = self.scheduler.schedule()
-        if plan.is_empty():
-            return outputs
+    def rng_state(self, rng: None) -> bytes:
+        """b"" (no sampler state to migrate)."""
+        return b""
+
+    def check_adapter(self, name: str | None, path: str, in_use: set[str]) -> None:
+        """Every adapter is served (as the base model: no weights)."""
+
+    def admit_gate(self, name: str, in_use: set[str]) -> bool:
+        """Always True (no adapter slots to find)."""
+        return True
+
+    def register_adapter(self, name: str, path: str) -> None:
+        """ValueError: no adapters are kept (the worker shell skips a runner without ``adapters``)."""
+        raise ValueError("the zero-compute engine keeps no LoRA adapters")
+
+    def unregister_adapter(self, name: str) -> None:
+        """Nothing kept, nothing to forget."""
+
+    def resize_kv(self, kv_bytes: int) -> int:
+        """RuntimeError: a zero-compute engine is never one of a multi-version host's versions."""
+        raise RuntimeError("the zero-compute engine does not resize its KV cache")
+
+    def extra_stats(self) -> dict:
+        """No runner counters."""
+        return {}
+
+    def execute(self, batch: RunnerInput) -> RunnerOutput:
+        """The next cycle token of every sampling row, after ``step_ms`` of sleep; logprobs 0.0 with the token
+        itself as the only top entry."""
         if self.config.step_ms:
             time.sleep(self.config.step_ms / 1e3)
-        self.scheduler.commit(plan)
-        sampling = [self._requests[s.seq_id] for s in plan.seqs if s.samples]
-        self._update_stats(plan, len(sampling))
-        outputs += [self._on_token(r, self._next_token(r)) for r in sampling]
-        decodes = sum(1 for s in plan.seqs if s.num_new_tokens == 1)
-        self.rates.observe(decodes, plan.num_batched_tokens - decodes, time.perf_counter() - t0)
-        return outputs
+        tokens = [self._next_token(row.sampling) for row in batch.sampling_rows]
+        lps = [None if row.sampling.params.logprobs is None else (t, 0.0, ((t, 0.0),))
+               for row, t in zip(batch.sampling_rows, tokens)]
+        return RunnerOutput(tokens, lps)
 
-    def _next_token(self, r: _Request) -> int:
-        i = len(r.output_ids)
+    def _next_token(self, s: RowSampling) -> int:
+        i = len(s.output_ids)
         if self.config.eos_after and i + 1 == self.config.eos_after and self.eos_token_ids:
             return self.eos_token_ids[0]
         return self.cycle[i % len(self.cycle)]
 
-    def _on_token(self, r: _Request, token: int) -> StepOutput:
-        """Record ``token``, apply the stop rules of ``LLMEngine._on_token``, return its StepOutput."""
-        r.output_ids.append(token)
-        r.token_ids.append(token)
-        self.scheduler.append_token(r.req.request_id)
-        p = r.req.params
-        reason = "stop" if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos) else None
-        text = "" if reason else r.stop.feed(r.detok.add_tokens([token]))
-        if not reason:
-            reason = "stop" if r.stop.stopped else self._length_reason(r)
-        if reason and not r.stop.stopped:
-            text += r.stop.feed(r.detok.flush()) + r.stop.flush()
-            reason = "stop" if r.stop.stopped else reason
-        if reason:
-            self.scheduler.remove(r.req.request_id)
-            del self._requests[r.req.request_id]
-        lp = None if p.logprobs is None else ((token, 0.0, ((token, 0.0),)),)
-        return StepOutput(r.req.request_id, (token,), text, reason is not None, reason, r.num_prompt,
-                          len(r.output_ids), lp)
 
-    def _length_reason(self, r: _Request) -> str | None:
-        if len(r.output_ids) >= r.req.params.max_tokens or len(r.token_ids) >= self.max_model_len:
-            return "length"
-        return None
+class ZeroComputeEngine(LLMEngine):
+    """``LLMEngine`` over a ``ZeroComputeRunner`` (module docstring). Not thread-safe, like ``LLMEngine``."""
 
-    # ---- reporting ---------------------------------------------------------------------------
-    def _update_stats(self, plan: StepPlan, num_sampled: int) -> None:
-        s = self._stats
-        s.num_steps += 1
-        s.num_generated_tokens += num_sampled
-        s.max_batch_size_seen = max(s.max_batch_size_seen, len(plan.seqs))
-        with self._served_lock:
-            for item in plan.seqs:
-                r = self._requests[item.seq_id]
-                end = min(item.start + item.num_new_tokens, r.num_prompt)
-                new_prompt = max(0, end - max(item.start, r.prompt_served))
-                s.num_prompt_tokens += new_prompt
-                counts = s.served.setdefault(r.req.tenant, [0, 0])
-                counts[0] += new_prompt
-                counts[1] += int(item.samples)
-                r.prompt_served = max(r.prompt_served, end)
-        s.extra["num_preemptions"] = self.scheduler.num_preemptions
-        s.extra["prefix_cache_hit_tokens"] = self.block_manager.prefix_hit_tokens
-        s.extra["prefix_cache_query_tokens"] = self.block_manager.prefix_query_tokens
+    def __init__(self, config: ZeroComputeConfig) -> None:
+        """Read ``config.model_path``'s metadata (no tensor); ValueError on a bad GGUF."""
+        super().__init__(config, runner=ZeroComputeRunner(config))
 
 
 def _block_bytes(meta: dict, block_size: int) -> int:

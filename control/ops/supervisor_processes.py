@@ -118,7 +118,7 @@ def spawn(a: ActorProcess, cwd: Path, env: Mapping[str, str]) -> None:
     with open(a.log_path, "ab") as logf:
         logf.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {shlex.join(a.argv)}\n".encode())
         logf.flush()
-        # SIGTERM (drain) when this process dies, even by SIGKILL (control/ops/lifeline.py); the actor also
+        # SIGTERM (drain) when this process dies, even by SIGKILL (actors/lifeline.py); the actor also
         # watches ACTORSERVE_PARENT_PID.
         a.proc = lifeline.popen(a.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 cwd=str(cwd), env={**env, lifeline.ENV_PARENT_PID: str(os.getpid())},

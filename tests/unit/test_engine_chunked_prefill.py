@@ -37,7 +37,7 @@ def long_prompt():
 
 def capture(engine, rid):
     got = []
-    orig = engine._forward
+    orig = engine.runner.forward
 
     def forward(plan):
         out = orig(plan)
@@ -46,7 +46,7 @@ def capture(engine, rid):
             got.append(out[ids.index(rid)].clone())
         return out
 
-    engine._forward = forward
+    engine.runner.forward = forward
     return got
 
 

@@ -66,13 +66,13 @@ def logits_with(e: LLMEngine, prompt: list[int], name: str | None) -> torch.Tens
     table = e.block_manager.allocate("__probe__", len(prompt))
     try:
         n, bs = len(prompt), e.config.block_size
-        slots = e._tensor([table[p // bs] * bs + p % bs for p in range(n)])
-        meta = BatchMetadata(e._tensor(list(range(n))), slots, slots, [n], [n], e._tensor(list(range(n))))
+        slots = e.runner.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        meta = BatchMetadata(e.runner.tensor(list(range(n))), slots, slots, [n], [n], e.runner.tensor(list(range(n))))
         if name is not None:
             e.adapters.ensure_host(name, set())
             e.adapters.place(name, set())
             meta.lora = e.adapters.batch([name], [n])
-        return e.model.forward(e._tensor(prompt), meta, e.kv.tensor)
+        return e.model.forward(e.runner.tensor(prompt), meta, e.kv.tensor)
     finally:
         e.block_manager.free("__probe__")
 

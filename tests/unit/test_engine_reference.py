@@ -189,9 +189,9 @@ NEAR_TIE = 1e-3
 
 
 def _capture_logits(engine):
-    """Wrap engine._forward to record, per request, the logits row used to sample each token."""
+    """Wrap engine.runner.forward to record, per request, the logits row used to sample each token."""
     seen: dict[str, list[torch.Tensor]] = {}
-    orig = engine._forward
+    orig = engine.runner.forward
 
     def forward(plan):
         logits = orig(plan)
@@ -199,8 +199,8 @@ def _capture_logits(engine):
             seen.setdefault(item.seq_id, []).append(logits[row].clone())
         return logits
 
-    engine._forward = forward
-    return seen, lambda: setattr(engine, "_forward", orig)
+    engine.runner.forward = forward
+    return seen, lambda: setattr(engine.runner, "forward", orig)
 
 
 def test_fp32_greedy_same_alone_and_in_batch_of_32(engine):

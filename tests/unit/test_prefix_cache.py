@@ -130,7 +130,7 @@ def _first_logits_and_tokens(engine, rid, prompt, n):
     from actors.worker.engine.types import EngineRequest, SamplingParams
 
     captured = []
-    orig = engine._forward
+    orig = engine.runner.forward
 
     def forward(plan):
         out = orig(plan)
@@ -138,7 +138,7 @@ def _first_logits_and_tokens(engine, rid, prompt, n):
             captured.append(out[[s.seq_id for s in plan.seqs if s.samples].index(rid)].clone())
         return out
 
-    engine._forward = forward
+    engine.runner.forward = forward
     try:
         engine.add_request(EngineRequest(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=n,
                                                                             ignore_eos=True)))
@@ -147,7 +147,7 @@ def _first_logits_and_tokens(engine, rid, prompt, n):
             for o in engine.step():
                 tokens += o.new_token_ids
     finally:
-        engine._forward = orig
+        engine.runner.forward = orig
     return captured[0], tokens
 
 

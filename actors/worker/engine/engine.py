@@ -1,7 +1,10 @@
-"""``LLMEngine``: continuous-batching Llama inference over a paged KV cache (CPU or CUDA).
+"""``LLMEngine``: continuous-batching inference over a paged KV cache, with the compute behind a runner.
 
-One ``step()`` = plan (``IterationScheduler``), one packed forward over every scheduled token
-(``LlamaModel``), sampling (``sampler``), stop checks and incremental detokenization.
+One ``step()`` = plan (``IterationScheduler``), the runner's ``execute`` (runner.py: one packed forward over every
+scheduled token and sampling; ``TorchRunner`` on CPU or CUDA, or the zero-compute runner), then the stop rules
+and incremental detokenization. The engine keeps the request bookkeeping once, as parts with named interfaces
+(docs/decisions/0036-runner-seam.md): ``KVBlocks`` (kv_blocks.py: block manager, prefix cache, scheduler),
+``RequestBook`` (request_book.py), ``StopRules`` (stopping.py) and ``UsageMeter`` (usage.py).
 
 Output conventions:
 * At most one ``StepOutput`` per request per step.  Prefill chunks that do not reach the end of the
@@ -18,35 +21,29 @@ Output conventions:
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
-from . import cpu_kernels
-from .request_book import RequestBook
-from .resident_kv import ResidentKV
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, replay
-from .hardware import DTYPES, resolve_dtype
-from .quant import QUANTIZERS, make_linear_factory, quantized_kernels_pay, resolve_quantization
-from .iteration_scheduler import ScheduledSeq, StepPlan
-from .kv_cache import KVCache, bytes_per_block
-from .memory import kv_bytes_for_budget, tensor_bytes
-from .tensor_parallel import shard_config, shard_plan, shard_weights, wrap_row_parallel
-from .tp_group import LeaderModel, TPGroup
-from .model import BatchMetadata, LlamaModel, packed_linear_factory
-from .sampler import generator_state, make_generator, sample_batch, set_generator_state, top_logprobs
-from .step_rates import StepRates
-from .structured import GrammarState, Structured
+from .hardware import DTYPES
+from .iteration_scheduler import StepPlan
+from .kv_blocks import KVBlocks
+from .quant import QUANTIZERS
+from .request_book import RequestBook, RequestState
+from .runner import ModelRunner, RowSampling, RunnerInput, RunnerRow
+from .stopping import StopRules
 from .types import EngineRequest, EngineStats, StepOutput
-from .weights_cache import PackCache, read_artifact
-
-log = logging.getLogger(__name__)
+from .usage import UsageMeter
 
 _DTYPES = DTYPES
+
+# Attributes of the runner read through the engine (``engine.kv``, ``engine.model``, ...) by the worker shell,
+# benches and tests; a runner that lacks one (zero-compute: no model, no KV tensor) raises AttributeError.
+RUNNER_ATTRS = frozenset({
+    "model", "kv", "tp", "adapters", "model_config", "dtype_name", "quantization", "weights_bytes",
+    "weights_shared", "weights_cached", "load_phases", "lora_reserve_bytes", "position_limit", "structured",
+    "special_names", "name", "cycle", "num_blocks",
+})
 
 
 @dataclass
@@ -97,393 +94,247 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or one of {sorted([*QUANTIZERS, 'auto'])}")
 
 
-@dataclass
-class _Request:
-    """Engine-side state of one request."""
+class LLMEngine:
+    """See module docstring.  Not thread-safe: call from one thread (the worker's engine loop); ``stats()`` may
+    be called from another."""
 
-    req: EngineRequest
-    token_ids: list[int]  # prompt + generated
-    generator: torch.Generator
-    detok: IncrementalDetokenizer
-    stop: StopStringMatcher
-    output_ids: list[int] = field(default_factory=list)
-    grammar: GrammarState | None = None  # llguidance matcher when params.grammar is set
-    prompt_served: int = 0  # prompt positions computed so far at least once (recomputation is not service)
+    def __init__(self, config: EngineConfig, share_weights_of: "LLMEngine | None" = None,
+                 runner: ModelRunner | None = None) -> None:
+        """The engine over ``runner`` (``config``: any ``kv_blocks.SchedulingConfig``, e.g. the zero-compute
+        one); None: a ``TorchRunner`` loading ``config.model_path`` (an ``EngineConfig``), with
+        ``share_weights_of`` (an engine of the same artifact, dtype and device, one rank) over that engine's
+        weights instead of a copy (a multi-version host's versions of one artifact, actors/worker/host.py).
+        ValueError when ``share_weights_of`` does not match."""
+        self.config = config
+        if runner is None:
+            from .torch_runner import TorchRunner
+            runner = TorchRunner(config, share_weights_of.runner if share_weights_of is not None else None)
+        self.runner = runner
+        self.vocab_size, self._eos_token_ids = runner.vocab_size, runner.eos_token_ids
+        self.token_bytes = runner.token_bytes
+        self.book = RequestBook()
+        self._build_blocks()
+        self.usage = UsageMeter(self.blocks.num_blocks)
+
+    def _build_blocks(self) -> None:
+        """Block space, scheduler and stop rules over the runner's KV blocks (at load, after ``resize_kv``)."""
+        self.blocks = KVBlocks(self.config, self.runner.num_blocks, self.runner.position_limit,
+                               self.runner.admit_gate)
+        self.block_manager, self.scheduler = self.blocks.block_manager, self.blocks.scheduler
+        self.max_model_len = self.blocks.max_model_len
+        self.stop_rules = StopRules(self._eos_token_ids, self.max_model_len)
 
     @property
-    def num_prompt(self) -> int:
-        return len(self.req.prompt_token_ids)
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS / end-of-turn ids that finish a request ("stop", unless ignore_eos); the runner's by default."""
+        return self._eos_token_ids
 
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: tuple[int, ...]) -> None:
+        self._eos_token_ids = tuple(ids)
+        self.stop_rules = StopRules(self._eos_token_ids, self.max_model_len)
 
-class _PhaseClock:
-    """Seconds between consecutive ``mark`` calls, by phase name (monotonic clock), after ``phases``
-    timed already."""
+    def __getattr__(self, name: str):
+        """``RUNNER_ATTRS`` read from the runner (AttributeError for other names, or when it lacks one)."""
+        if name in RUNNER_ATTRS and "runner" in self.__dict__:
+            return getattr(self.runner, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
-    def __init__(self, phases: dict[str, float] | None = None) -> None:
-        self.phases: dict[str, float] = dict(phases or {})
-        self._last = time.monotonic()
-
-    def mark(self, phase: str) -> None:
-        now = time.monotonic()
-        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
-        self._last = now
-
-
-class LLMEngine(ResidentKV, RequestBook):
-    """See module docstring.  Not thread-safe: call from one thread (the worker's engine loop)."""
-
-    def __init__(self, config: EngineConfig, share_weights_of: "LLMEngine | None" = None) -> None:
-        """Load ``config.model_path``; with ``share_weights_of`` (an engine of the same artifact, dtype and
-        quantization, one rank) use its model's weights instead of loading a copy: this engine gets its own
-        KV cache, block manager, scheduler and adapters (a multi-version host's versions of one artifact,
-        actors/worker/host.py). ValueError when ``share_weights_of`` does not match."""
-        self.config = config
-        self.dtype_name = resolve_dtype(config.dtype, config.device)  # "auto" resolved
-        dtype = _DTYPES[self.dtype_name]
-        if share_weights_of is not None:
-            self._init_shared(share_weights_of, dtype)
-            return
-        art = read_artifact(config.model_path, dtype, config.device, config.progress, config.weights_cache)
-        self.model_config, self.weights_cached = art.config, art.cached
-        clock = _PhaseClock(art.phases)  # seconds per load phase (actors/worker/load_phases.py names them)
-        kv_room = config.memory_budget_bytes or config.kv_cache_bytes  # the KV cache gets at most this (bytes)
-        limit = min(config.max_model_len or self.model_config.context_length,  # positions: no more than fit
-                    max(1, kv_room // bytes_per_block(self.model_config, config.block_size, dtype)) * config.block_size)
-        self.quantization = resolve_quantization(config.quantization, config.model_path, self.dtype_name,
-                                                 config.device, types=art.tensor_types)  # "auto" resolved
-        if self.quantization and not quantized_kernels_pay(self.dtype_name, config.device):
-            log.warning("weight-only %s with %s on %s runs slower than dense weights (quant.py)",
-                        self.quantization, self.dtype_name, config.device)
-        dense = packed_linear_factory(dtype, config.device) if config.quant_dense_copy else None
-        kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
-        factory = make_linear_factory(self.quantization, dense, kernels=kernels)
-        packs = PackCache(config.model_path, dtype, self.quantization, kernels) \
-            if config.weights_cache and factory is not None else None
-        clock.mark("kernels")
-        self.tp, shard_cfg = self._open_group(art, config)
-        if self.tp is not None:
-            packs = None  # the pack cache holds whole projections, not a rank's shard
-        self.position_limit = limit  # positions the model's tables cover (tokens)
-        self.model = LlamaModel(shard_cfg, art.weights, limit,
-                                packs.wrap(factory) if packs else factory, config.native_kernels)
-        if self.tp is not None:
-            wrap_row_parallel(self.model, None)  # the default process group: the TP group
-        if packs:
-            packs.save()
-        clock.mark("quantize")
-        self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
-        self.weights_shared = False  # True: the weights belong to another engine (share_weights_of)
-        self._init_adapters(dtype, config.max_loras if self.tp is None else 0)
-        kv_bytes = (kv_bytes_for_budget(config.memory_budget_bytes, self.weights_bytes + self.lora_reserve_bytes)
-                    if config.memory_budget_bytes else config.kv_cache_bytes)
-        if self.tp is not None:
-            kv_bytes = self._group_kv_bytes(kv_bytes, shard_cfg, dtype)
-        self.kv = KVCache(shard_cfg, kv_bytes, config.block_size, dtype, config.device)
-        log.info(self.kv.describe())
-        if self.tp is not None:
-            self.tp.describe(self.weights_bytes, self.kv.num_bytes)
-            if config.tp_rank == 0:
-                self.model = LeaderModel(self.model, self.tp)
-        self.load_phases = clock.phases  # {phase: s}: artifact_read, convert, kernels, quantize
-        self._build_blocks()
-        self.token_bytes, self.special_names = art.token_bytes, art.special_names
-        del art  # the model holds what it needs of the weights
-        self._init_requests()
-
-    def _init_requests(self) -> None:
-        """Request book-keeping, statistics and threads (the end of every kind of load)."""
-        config = self.config
-        self.vocab_size = self.model_config.vocab_size
-        self.eos_token_ids = self._eos_ids()
-        self.structured = Structured(config.model_path, self.token_bytes, self.eos_token_ids,
-                                     special_names=self.special_names)
-        self._requests: dict[str, _Request] = {}
-        self._aborted: list[StepOutput] = []
-        self._stats = EngineStats(num_total_blocks=self.kv.num_blocks)
-        self.rates = StepRates()  # measured step time per batch size and prefill speed (step_rates.py)
-        self._served_lock = threading.Lock()  # stats.served is written by step() (a thread), read by stats()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self._threads = torch.get_num_threads()
-        log.info("engine: dtype %s, quantization %s, %d torch threads", self.dtype_name, self.quantization,
-                 self._threads)
-
-    def _open_group(self, art, config: EngineConfig):
-        """(TPGroup or None, the ModelConfig this rank builds): with ``tensor_parallel`` > 1 the group is joined
-        (rank 0 starts the followers) and ``art.weights`` cut to this rank's shard (tensor_parallel.py)."""
-        if config.tensor_parallel == 1:
-            return None, self.model_config
-        plan = shard_plan(self.model_config.num_heads, self.model_config.num_kv_heads, self.model_config.ffn_size,
-                          config.tensor_parallel)  # ValueError before any process starts
-        if config.num_threads is None and config.device == "cpu":  # the ranks share this machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel))
-        group = TPGroup.open(config, self.dtype_name, self.quantization)
-        shard = plan[config.tp_rank]
-        shard_weights(art.weights, self.model_config, shard)
-        log.info("tensor parallel rank %d of %d: query heads %s, KV heads %s, MLP columns %s", shard.rank,
-                 shard.world, shard.q_heads, shard.kv_heads, shard.ffn)
-        return group, shard_config(self.model_config, shard)
-
-    def _group_kv_bytes(self, kv_bytes: int, shard_cfg, dtype: torch.dtype) -> int:
-        """This rank's KV bytes for the blocks every rank can hold: ``kv_cache_bytes`` sizes the whole model's
-        KV (all heads); a memory budget is per rank (its own weights and heads)."""
-        bs = self.config.block_size
-        full = bytes_per_block(self.model_config, bs, dtype)
-        blocks = kv_bytes // (bytes_per_block(shard_cfg, bs, dtype) if self.config.memory_budget_bytes else full)
-        return self.tp.agree_min(blocks) * bytes_per_block(shard_cfg, bs, dtype)
+    def describe(self) -> str:
+        """One start-up log line (the runner's)."""
+        return self.runner.describe()
 
     def close(self) -> None:
-        """Stop the tensor-parallel followers and leave the group (nothing to do on one rank)."""
-        if self.tp is not None:
-            self.tp.close()
+        """Release the runner (tensor-parallel followers, groups)."""
+        self.runner.close()
 
-    def _eos_ids(self) -> tuple[int, ...]:
-        """EOS (and end-of-turn, if distinct) token ids from GGUF metadata."""
-        ids = [self.model_config.eos_token_id, self.model_config.eot_token_id]
-        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+    def resize_kv(self, kv_bytes: int) -> None:
+        """Replace the KV cache by one of ``kv_bytes`` bytes (a host re-splitting its budget when residency
+        changes). Only on an idle engine: RuntimeError when a request is held or with tensor parallelism;
+        ValueError below one block. Cached prefixes are dropped."""
+        if not self.book.is_idle():
+            raise RuntimeError("resize_kv needs an idle one-rank engine")
+        self.runner.resize_kv(int(kv_bytes))
+        self._build_blocks()
+        self.usage.set_total_blocks(self.blocks.num_blocks)
 
     # ----------------------------------------------------------------- requests
 
     def add_request(self, req: EngineRequest, front: bool = False) -> list[str]:
         """Queue ``req`` (``front``: ahead of every waiting request, e.g. after ``preempt_request`` made
-        room for it); ValueError if its prompt is empty, too long, has bad ids (prompt or logit_bias), or the
-        id is taken.
+        room for it); ValueError if its prompt is empty, too long, has bad ids (prompt or logit_bias), the
+        id is taken, its adapter cannot be served, or it has a grammar and the runner serves none.
 
         A migrated sequence (``req.resumed_output_ids``, ``req.rng_state``) starts with those tokens generated:
         its KV is recomputed from prompt + them in its first step (as after a recompute preemption), its
-        generator continues from ``rng_state``, and its detokenizer, stop matcher and grammar matcher are
+        random state continues from ``rng_state``, and its detokenizer, stop matcher and grammar matcher are
         replayed through them. Returns the text each resumed token released (already sent; [] otherwise)."""
+        self._validate(req)
         n, done = len(req.prompt_token_ids), list(req.resumed_output_ids)
+        self.runner.check_adapter(req.adapter, req.adapter_path, self.book.adapters_in_use())
+        grammar = self._grammar(req)
+        r = RequestState(req, [*req.prompt_token_ids, *done], self.runner.new_rng(req.params.seed, req.rng_state),
+                         IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
+                         output_ids=done, grammar=grammar,
+                         prompt_served=n if done else 0)  # a resumed prompt was served (and counted) elsewhere
+        texts = replay(r.detok, r.stop, done)
+        for t in done if grammar is not None else ():
+            grammar.consume(t)
+        self.book.add(r)
+        self.scheduler.add(req.request_id, len(r.token_ids), r.token_ids, front=front, urgent=req.urgent,
+                           priority=req.priority, tenant=req.tenant, weight=req.tenant_weight,
+                           salt=adapter_salt(req.cache_salt, req.adapter), adapter=req.adapter or "")
+        return texts
+
+    def _validate(self, req: EngineRequest) -> None:
+        """ValueError for an empty or too long prompt, an id out of the vocabulary, or a taken request id."""
+        n, ids = len(req.prompt_token_ids), (*req.prompt_token_ids, *req.resumed_output_ids)
         if n == 0:
             raise ValueError("prompt_token_ids is empty")
-        if n + len(done) >= self.max_model_len:
-            raise ValueError(f"prompt of {n + len(done)} tokens does not fit max_model_len={self.max_model_len}")
-        ids = (*req.prompt_token_ids, *done)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len}")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError("prompt token id out of vocabulary range")
         if req.params.logit_bias and req.params.logit_bias[-1][0] >= self.vocab_size:  # sorted by id
             raise ValueError(f"logit_bias token id {req.params.logit_bias[-1][0]} is out of vocabulary range "
                              f"(vocabulary of {self.vocab_size})")
-        if req.request_id in self._requests:
+        if req.request_id in self.book:
             raise ValueError(f"duplicate request_id {req.request_id!r}")
-        self._check_adapter(req.adapter, req.adapter_path)
-        grammar = self.structured.new_state(req.params.grammar) if req.params.grammar is not None else None
-        generator = make_generator(req.params.seed)
-        if req.rng_state is not None:
-            set_generator_state(generator, req.rng_state)
-        r = _Request(req, list(ids), generator, IncrementalDetokenizer(self.token_bytes),
-                     StopStringMatcher(req.params.stop), output_ids=done, grammar=grammar,
-                     prompt_served=n if done else 0)  # a resumed prompt was served (and counted) elsewhere
-        texts = replay(r.detok, r.stop, done)
-        for t in done if grammar is not None else ():
-            grammar.consume(t)
-        self._requests[req.request_id] = r
-        self.scheduler.add(req.request_id, len(ids), r.token_ids, front=front, urgent=req.urgent,
-                           priority=req.priority, tenant=req.tenant, weight=req.tenant_weight,
-                           salt=adapter_salt(req.cache_salt, req.adapter), adapter=req.adapter or "")
-        return texts
 
-    def _check_adapter(self, name: str | None, path: str = "") -> None:
-        """Read a request's adapter into the CPU tier now (its first use); ValueError (lora.AdapterError)
-        when adapters are disabled, the name is not registered (and ``path`` does not name its directory),
-        or its files are corrupt or do not fit."""
-        if not name:
-            return
-        if self.adapters is None:
-            raise ValueError(f"adapter {name!r}: LoRA adapters are disabled on this worker (max_loras=0)")
-        if path and name not in self.adapters.paths:  # the request saw the registry record before this worker
-            self.adapters.register(name, path)
-        self.adapters.ensure_host(name, {r.req.adapter for r in self._requests.values() if r.req.adapter})
+    def _grammar(self, req: EngineRequest):
+        """The request's grammar matcher (structured.GrammarState), None without a grammar; ValueError when the
+        runner serves no structured outputs or the grammar is bad."""
+        if req.params.grammar is None:
+            return None
+        if self.runner.structured is None:
+            raise ValueError("structured outputs are not supported by this engine's runner")
+        return self.runner.structured.new_state(req.params.grammar)
 
     def register_adapter(self, name: str, path: str) -> None:
         """Make LoRA adapter ``name`` (a PEFT directory at ``path``) servable; it is read on first use.
         ValueError when adapters are disabled or the name is malformed (AdapterManager.register)."""
-        if self.adapters is None:
-            raise ValueError("LoRA adapters are disabled on this worker (max_loras=0)")
-        self.adapters.register(name, path)
+        self.runner.register_adapter(name, path)
 
     def unregister_adapter(self, name: str) -> bool:
         """Forget adapter ``name`` (retired); False, and nothing changes, while a live request names it."""
-        if self.adapters is None or any(r.req.adapter == name for r in self._requests.values()):
+        if name in self.book.adapters_in_use():
             return False
-        self.adapters.unregister(name)
+        self.runner.unregister_adapter(name)
         return True
 
     def detach_request(self, request_id: str) -> tuple[tuple[int, ...], bytes] | None:
         """Take a request out to migrate it (between steps): its blocks are freed (full ones stay in the
-        prefix cache) and no output is reported for it. Returns (tokens generated so far, generator state
-        bytes), None when unknown."""
-        r = self._requests.pop(request_id, None)
+        prefix cache) and no output is reported for it. Returns (tokens generated so far, random state
+        bytes of the runner), None when unknown."""
+        r = self.book.pop(request_id)
         if r is None:
             return None
         self.scheduler.remove(request_id)
-        return tuple(r.output_ids), generator_state(r.generator)
+        return tuple(r.output_ids), self.runner.rng_state(r.rng)
+
+    def preempt_request(self, request_id: str) -> bool:
+        """Recompute-preempt a running request between steps (vLLM's recompute preemption, Kwon et al.
+        2023): its KV blocks are freed (full blocks stay in the prefix cache) and it waits at the tail of
+        the queue; when readmitted it recomputes prompt + generated tokens and goes on generating as if
+        uninterrupted. False when the request is not running (unknown, finished or already waiting)."""
+        return self.scheduler.preempt(request_id)
+
+    def is_running(self, request_id: str) -> bool:
+        """True when ``request_id`` is in the running batch (admitted, not waiting or preempted)."""
+        return self.scheduler.is_running(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """True while ``request_id`` waits or runs in the engine (an abort not yet reported counts as gone)."""
+        return request_id in self.book
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its blocks; next ``step()`` reports it finished ("abort")."""
+        if self.book.abort(request_id):
+            self.scheduler.remove(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits, runs, or has an abort still to report."""
+        return not self.book.is_idle()
 
     # ----------------------------------------------------------------- step
 
     def step(self) -> list[StepOutput]:
         """Run one iteration; returns outputs (at most one per request)."""
         t0 = time.perf_counter()
-        outputs, self._aborted = self._aborted, []
+        outputs = self.book.take_aborted()
         plan = self.scheduler.schedule()
         if plan.is_empty():
             return outputs
-        lowered = self._set_threads(plan)
-        masks = self._start_masks(plan)  # overlaps the forward (depends only on tokens already sampled)
-        logits = self._forward(plan)
-        if lowered:  # threads are process-wide: give them back
-            torch.set_num_threads(self._threads)
+        batch = self._runner_input(plan)
+        out = self.runner.execute(batch)
         self.scheduler.commit(plan)
-        sampling = [s for s in plan.seqs if s.samples]
-        reqs = [self._requests[s.seq_id] for s in sampling]
-        self.structured.finish_masks(masks, logits)  # in place: disallowed tokens of constrained rows -> -inf
-        tokens = sample_batch(logits, [r.req.params for r in reqs], [r.generator for r in reqs],
-                              [r.output_ids for r in reqs], [r.token_ids for r in reqs])
-        self._update_stats(plan, len(tokens))
-        lps = [None if r.req.params.logprobs is None else top_logprobs(logits[i], t, r.req.params.logprobs)
-               for i, (r, t) in enumerate(zip(reqs, tokens))]
-        outputs += [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
+        self.usage.record_step(plan, [self.book.get(s.seq_id) for s in plan.seqs], len(out.sampled_ids),
+                               self.scheduler, self.block_manager)
+        reqs = [self.book.get(row.seq_id) for row in batch.sampling_rows]
+        outputs += [self._on_token(r, t, lp) for r, t, lp in zip(reqs, out.sampled_ids, out.logprobs)]
         decodes = sum(1 for i in plan.seqs if i.num_new_tokens == 1)
-        self.rates.observe(decodes, plan.num_batched_tokens - decodes, time.perf_counter() - t0)
+        self.usage.rates.observe(decodes, plan.num_batched_tokens - decodes, time.perf_counter() - t0)
         return outputs
 
-    def _start_masks(self, plan: StepPlan):
-        """Start the grammar masks of the constrained rows that sample in ``plan`` (row = index among the
-        sampling seqs, as in the logits [S, V]); None when no row is constrained."""
-        sampling = [self._requests[s.seq_id] for s in plan.seqs if s.samples]
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
-        return self.structured.start_masks(rows, [sampling[i].grammar for i in rows])
-
-    def _set_threads(self, plan: StepPlan) -> bool:
-        """One thread for tiny steps (memory-bound GEMVs: a second thread gains little and, on a
-        shared CPU, makes every op wait for a descheduled sibling), all threads otherwise."""
-        if self.config.device != "cpu" or self._threads <= 1 or plan.num_batched_tokens > self.config.small_step_tokens:
-            return False
-        torch.set_num_threads(1)
-        return True
-
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """Build the packed batch for ``plan`` and run the model; logits [num sampling seqs, V]."""
-        ids, positions, slots, tables, logits_idx = [], [], [], [], []
+    def _runner_input(self, plan: StepPlan) -> RunnerInput:
+        """The runner's view of ``plan``: per scheduled sequence its new tokens, block table and sampling."""
+        rows = []
         for item in plan.seqs:
-            r, table = self._requests[item.seq_id], self.block_manager.block_table(item.seq_id)
-            end = item.start + item.num_new_tokens
-            ids += r.token_ids[item.start : end]
-            positions += range(item.start, end)
-            slots += self._slots(table, item.start, end)
-            tables.append(table)
-            if item.samples:
-                logits_idx.append(len(ids) - 1)
-        meta = self._metadata(plan.seqs, positions, slots, tables, logits_idx)
-        if self.adapters is not None:
-            adapters = [self._requests[i.seq_id].req.adapter for i in plan.seqs]
-            meta.lora = self.adapters.batch(adapters, meta.query_lens)
-        return self.model.forward(self._tensor(ids), meta, self.kv.tensor)
+            r = self.book.get(item.seq_id)
+            sampling = RowSampling(r.req.params, r.rng, r.output_ids, r.token_ids, r.grammar) \
+                if item.samples else None
+            rows.append(RunnerRow(item.seq_id, r.token_ids[item.start:item.start + item.num_new_tokens], item.start,
+                                  self.block_manager.block_table(item.seq_id), item.samples, r.req.adapter,
+                                  sampling))
+        return RunnerInput(rows, self.config.block_size)
 
-    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
-        """Flat KV slots of positions ``start .. end-1`` given a block table."""
-        bs = self.config.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.config.device)
-
-    def _metadata(self, items: list[ScheduledSeq], positions, slots, tables, logits_idx) -> BatchMetadata:
-        return BatchMetadata(
-            positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
-            context_slots=None,
-            query_lens=[s.num_new_tokens for s in items],
-            context_lens=[s.start + s.num_new_tokens for s in items],
-            logits_indices=self._tensor(logits_idx),
-            block_tables=tables,
-        )
-
-    # ----------------------------------------------------------------- stopping
-
-    def _on_token(self, r: _Request, token: int, logprob: tuple | None = None) -> StepOutput:
-        """Record ``token`` for ``r``, apply stop rules, return its StepOutput (finishing it if done)."""
-        r.output_ids.append(token)
-        r.token_ids.append(token)
-        self.scheduler.append_token(r.req.request_id)
-        reason = self._stop_token_reason(r, token)
-        text = "" if reason else r.stop.feed(r.detok.add_tokens([token]))
-        reason = reason or ("stop" if r.stop.stopped else self._grammar_reason(r, token) or self._length_reason(r))
-        if reason and not r.stop.stopped:
-            text += r.stop.feed(r.detok.flush())
-            text += r.stop.flush()
-            reason = "stop" if r.stop.stopped else reason
-        cached = self.scheduler.cached_prompt_tokens(r.req.request_id) if reason else 0
+    def _on_token(self, r: RequestState, token: int, logprob: tuple | None = None) -> StepOutput:
+        """Record ``token`` for ``r``, apply the stop rules, return its StepOutput (finishing it if done)."""
+        rid = r.req.request_id
+        text, reason = self.stop_rules.feed(r, token)
+        self.scheduler.append_token(rid)
+        cached = self.scheduler.cached_prompt_tokens(rid) if reason else 0
         if reason:
-            self._finish(r)
-        return StepOutput(
-            r.req.request_id, (token,), text, reason is not None, reason, r.num_prompt, len(r.output_ids),
-            None if logprob is None else (logprob,), cached,
-        )
-
-    def _stop_token_reason(self, r: _Request, token: int) -> str | None:
-        """"stop" for EOS (unless ignore_eos) or a stop_token_id, else None."""
-        p = r.req.params
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            return "stop"
-        return None
-
-    def _grammar_reason(self, r: _Request, token: int) -> str | None:
-        """Feed ``token`` to the request's matcher; "stop" once the grammar admits no continuation (the
-        token's text is still emitted).  EOS is masked out until the grammar accepts, so an EOS that
-        reaches the stop rules always ends a complete output."""
-        if r.grammar is None:
-            return None
-        r.grammar.consume(token)
-        return "stop" if r.grammar.is_stopped() else None
-
-    def _length_reason(self, r: _Request) -> str | None:
-        """"length" when max_tokens or max_model_len is reached, else None."""
-        if len(r.output_ids) >= r.req.params.max_tokens or len(r.token_ids) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, r: _Request) -> None:
-        self.scheduler.remove(r.req.request_id)
-        del self._requests[r.req.request_id]
+            self.scheduler.remove(rid)
+            self.book.pop(rid)
+        return StepOutput(rid, (token,), text, reason is not None, reason, r.num_prompt, len(r.output_ids),
+                          None if logprob is None else (logprob,), cached)
 
     # ----------------------------------------------------------------- reporting
 
-    def _update_stats(self, plan: StepPlan, num_sampled: int) -> None:
-        s = self._stats
-        s.num_steps += 1
-        s.num_generated_tokens += num_sampled
-        s.num_prompt_tokens += sum(
-            max(0, min(i.start + i.num_new_tokens, self._prompt_len(i.seq_id)) - i.start) for i in plan.seqs
-        )
-        s.max_batch_size_seen = max(s.max_batch_size_seen, len(plan.seqs))
-        self._count_served(plan)
-        s.extra["num_preemptions"] = self.scheduler.num_preemptions
-        s.extra["prefix_cache_hit_tokens"] = self.block_manager.prefix_hit_tokens
-        s.extra["prefix_cache_query_tokens"] = self.block_manager.prefix_query_tokens
-        s.extra["prefix_hits_by_tenant"] = dict(self.scheduler.prefix_hits_by_tenant)
-        s.extra["num_kv_reclaims"] = self.scheduler.num_kv_reclaims
+    def stats(self) -> EngineStats:
+        """Snapshot of counters (a copy)."""
+        return self.usage.snapshot(self.scheduler, self.block_manager, self.runner.extra_stats())
 
-    def _count_served(self, plan: StepPlan) -> None:
-        """Add the step's service to ``stats.served[tenant]``: prompt positions computed for the first time
-        (a preempted request's recomputation is not counted again) and one generated token per sampled row."""
-        with self._served_lock:
-            for item in plan.seqs:
-                r = self._requests[item.seq_id]
-                end = min(item.start + item.num_new_tokens, r.num_prompt)
-                counts = self._stats.served.setdefault(r.req.tenant, [0, 0])
-                counts[0] += max(0, end - max(item.start, r.prompt_served))
-                counts[1] += int(item.samples)
-                r.prompt_served = max(r.prompt_served, end)
+    @property
+    def rates(self):
+        """The measured step rates (step_rates.StepRates)."""
+        return self.usage.rates
 
-    def _prompt_len(self, seq_id: str) -> int:
-        r = self._requests.get(seq_id)
-        return r.num_prompt if r else 0
+    def reset_counters(self) -> None:
+        """Forget the counters, step-rate measurements and prefix-cache hit counts (after a warm-up pass)."""
+        self.block_manager.prefix_query_tokens = self.block_manager.prefix_hit_tokens = 0
+        self.scheduler.prefix_hits_by_tenant.clear()
+        self.usage.reset(self.blocks.num_blocks)
 
-    def _extra_stats(self) -> dict:
-        """num_constrained_steps, grammar_*, mask_ms_total (structured outputs) and lora_* (adapters) for
-        ``stats().extra``."""
-        return {**self.structured.stats(), **(self.adapters.stats() if self.adapters is not None else {})}
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached prefixes (cold start for the next request); returns blocks dropped."""
+        return self.block_manager.reset_prefix_cache()
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequence slots (sequences in one step), from the config."""
+        return self.config.max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block, from the config."""
+        return self.config.block_size
+
+    def credits(self) -> tuple[int, int]:
+        """(free KV blocks, free sequence slots = max_num_seqs - running - waiting, >= 0)."""
+        used = self.scheduler.num_running + self.scheduler.num_waiting
+        return self.block_manager.num_free_blocks, max(0, self.config.max_num_seqs - used)
 
 
 def adapter_salt(salt: bytes, adapter: str | None) -> bytes:

@@ -38,7 +38,8 @@ _LAYER_NAMES = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama hyper-parameters read from GGUF metadata (``llama.*`` and ``tokenizer.ggml.*``)."""
+    """The architecture of a model, read from GGUF metadata (``llama.*`` and ``tokenizer.ggml.*``); the torch
+    runner builds its model from it (model_families.py picks the class by ``architecture``)."""
 
     num_layers: int  # transformer blocks
     hidden_size: int  # d_model
@@ -53,6 +54,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     eot_token_id: int | None = None  # end-of-turn id when the file has one
+    architecture: str = "llama"  # model family (GGUF general.architecture; a key of model_families.FAMILIES)
+    tie_word_embeddings: bool = False  # True: the LM head is the token embedding (no output.weight)
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -84,6 +87,8 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
+        architecture=arch,
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
 
 

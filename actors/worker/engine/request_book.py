@@ -1,77 +1,82 @@
-"""Request book-keeping shared by the engines that the worker service drives (``LLMEngine`` and the
-zero-compute engine, actors/worker/zero_compute.py): lookups, recompute preemption and aborts over
-``self._requests`` (request id -> an object with ``num_prompt`` and ``output_ids``), ``self.scheduler``
-(``IterationScheduler``) and ``self._aborted`` (StepOutputs the next step reports); the counters and
-capacity over ``self._stats`` (EngineStats), ``self.block_manager``, ``self.rates`` (StepRates),
-``self._served_lock`` and ``self.config`` (``max_num_seqs``, ``block_size``)."""
+"""The engine's request book: the state of every live request and the aborts still to report (one part of
+``LLMEngine``, engine.py). Pure module (no torch): a request's random state is the runner's opaque object."""
 
 from __future__ import annotations
 
-from .types import EngineStats, StepOutput
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .types import EngineRequest, StepOutput
+
+
+@dataclass
+class RequestState:
+    """Engine-side state of one request."""
+
+    req: EngineRequest  # the request as added
+    token_ids: list[int]  # [prompt + generated] every token (the scheduler's prefix cache reads this list)
+    rng: Any  # the runner's random state of the request (ModelRunner.new_rng)
+    detok: IncrementalDetokenizer  # generated ids -> text deltas
+    stop: StopStringMatcher  # stop strings over the text
+    output_ids: list[int] = field(default_factory=list)  # [generated] tokens generated so far
+    grammar: Any = None  # structured.GrammarState when params.grammar is set, else None
+    prompt_served: int = 0  # prompt positions computed at least once (recomputation is not service; tokens)
+
+    @property
+    def num_prompt(self) -> int:
+        """Prompt length (tokens)."""
+        return len(self.req.prompt_token_ids)
 
 
 class RequestBook:
-    """Mixin: the request-level calls of the engine interface that only touch the book-keeping."""
+    """Live requests by id, and the ``StepOutput``s of aborts the next step reports."""
 
-    def preempt_request(self, request_id: str) -> bool:
-        """Recompute-preempt a running request between steps (vLLM's recompute preemption, Kwon et al.
-        2023): its KV blocks are freed (full blocks stay in the prefix cache) and it waits at the tail of
-        the queue; when readmitted it recomputes prompt + generated tokens and goes on generating as if
-        uninterrupted. False when the request is not running (unknown, finished or already waiting)."""
-        return self.scheduler.preempt(request_id)
+    def __init__(self) -> None:
+        self._requests: dict[str, RequestState] = {}
+        self._aborted: list[StepOutput] = []
 
-    def is_running(self, request_id: str) -> bool:
-        """True when ``request_id`` is in the running batch (admitted, not waiting or preempted)."""
-        return self.scheduler.is_running(request_id)
-
-    def has_request(self, request_id: str) -> bool:
-        """True while ``request_id`` waits or runs in the engine (an abort not yet reported counts as gone)."""
+    def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its blocks; next ``step()`` reports it finished ("abort")."""
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(list(self._requests.values()))
+
+    def get(self, request_id: str) -> RequestState:
+        """The live request ``request_id``; KeyError when unknown."""
+        return self._requests[request_id]
+
+    def add(self, state: RequestState) -> None:
+        """Book ``state``; ValueError when its id is taken."""
+        rid = state.req.request_id
+        if rid in self._requests:
+            raise ValueError(f"duplicate request_id {rid!r}")
+        self._requests[rid] = state
+
+    def pop(self, request_id: str) -> RequestState | None:
+        """Take ``request_id`` out of the book (finished, detached); None when unknown."""
+        return self._requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Take ``request_id`` out and queue its "abort" output; False when unknown."""
         r = self._requests.pop(request_id, None)
         if r is None:
-            return
-        self.scheduler.remove(request_id)
+            return False
         self._aborted.append(StepOutput(request_id, (), "", True, "abort", r.num_prompt, len(r.output_ids)))
+        return True
 
-    def has_unfinished(self) -> bool:
-        """True while a request waits, runs, or has an abort still to report."""
-        return bool(self._requests) or bool(self._aborted)
+    def take_aborted(self) -> list[StepOutput]:
+        """The abort outputs queued since the last call (and forget them)."""
+        out, self._aborted = self._aborted, []
+        return out
 
-    def _extra_stats(self) -> dict:
-        """Engine-specific counters merged into ``stats().extra`` (none here)."""
-        return {}
+    def is_idle(self) -> bool:
+        """True when no request is live and no abort waits to be reported."""
+        return not self._requests and not self._aborted
 
-    def stats(self) -> EngineStats:
-        """Snapshot of counters (a copy)."""
-        s = self._stats
-        s.num_running, s.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
-        s.num_free_blocks = self.block_manager.num_free_blocks
-        s.extra.update(self._extra_stats())
-        s.step_ms = self.rates.step_ms(max(1, s.num_running))
-        s.prefill_tokens_per_s = self.rates.prefill_tokens_per_s
-        with self._served_lock:
-            served = {t: list(c) for t, c in s.served.items()}
-        return EngineStats(**{**s.__dict__, "extra": dict(s.extra), "served": served,
-                              "paused": self.scheduler.paused_ids()})
-
-    def reset_prefix_cache(self) -> int:
-        """Forget all cached prefixes (cold start for the next request); returns blocks dropped."""
-        return self.block_manager.reset_prefix_cache()
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Sequence slots (sequences in one step), from the config."""
-        return self.config.max_num_seqs
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV cache block, from the config."""
-        return self.config.block_size
-
-    def credits(self) -> tuple[int, int]:
-        """(free KV blocks, free sequence slots = max_num_seqs - running - waiting, >= 0)."""
-        used = self.scheduler.num_running + self.scheduler.num_waiting
-        return self.block_manager.num_free_blocks, max(0, self.config.max_num_seqs - used)
+    def adapters_in_use(self) -> set[str]:
+        """Adapter names of the live requests."""
+        return {r.req.adapter for r in self._requests.values() if r.req.adapter}

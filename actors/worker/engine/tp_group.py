@@ -1,7 +1,7 @@
 """A tensor-parallel group of one worker: rank 0 is the worker's engine, ranks 1..N-1 are follower processes.
 
 Rank 0 starts the followers (``python -m actors.worker.tp_rank``, children that die with it:
-control/ops/lifeline.py), and every rank joins one ``torch.distributed`` process group (gloo on CPU, NCCL on
+actors/lifeline.py), and every rank joins one ``torch.distributed`` process group (gloo on CPU, NCCL on
 CUDA) over a TCP rendezvous on 127.0.0.1. Each rank builds its shard of the model (tensor_parallel.py) and its
 part of the KV cache: the same number of blocks on every rank (the least any rank can hold), its own KV heads.
 Rank 0 alone schedules, samples and talks to NATS: before each forward pass it broadcasts the step's packed

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import time
 
-from .step_rates import StepRates
-from .types import EngineRequest, EngineStats, SamplingParams
+from .types import EngineRequest, SamplingParams
 
 PREFILL_LENS = (16, 64, 8, 8)  # prompt tokens per warm-up request: two prefill shapes, then a batch of 4
 DECODE_TOKENS = 4  # tokens generated per warm-up request (decode steps at 4 rows, then fewer)
@@ -49,7 +48,4 @@ def warm_up(engine, prefill_lens: tuple[int, ...] = PREFILL_LENS, decode_tokens:
 def _forget(engine) -> None:
     """Drop the warm-up's prefix-cache blocks, counters and step-rate measurements."""
     engine.reset_prefix_cache()
-    engine.block_manager.prefix_query_tokens = engine.block_manager.prefix_hit_tokens = 0
-    engine.scheduler.prefix_hits_by_tenant.clear()
-    engine._stats = EngineStats(num_total_blocks=engine.kv.num_blocks)
-    engine.rates = StepRates(engine.rates.alpha)
+    engine.reset_counters()

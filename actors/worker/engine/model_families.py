@@ -1,0 +1,25 @@
+"""Model families behind the torch runner: the model class of a ``ModelConfig.architecture``. A new family is a
+class with ``LlamaModel``'s constructor and ``forward`` (model.py) added to ``FAMILIES``; the engine and the
+runner do not change."""
+
+from __future__ import annotations
+
+import torch
+
+from .gguf_loader import ModelConfig
+from .model import LlamaModel
+
+FAMILIES = {"llama": LlamaModel}  # ModelConfig.architecture -> model class
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, make_linear=None,
+                native_kernels: bool = True):
+    """The model of ``config``'s family over ``weights`` (model.py names; consumed) with RoPE tables for
+    ``max_positions`` positions; ``make_linear(weight, name)`` builds the projections (quant.py),
+    ``native_kernels``: the C++ CPU kernels where they apply. ValueError for an unknown architecture."""
+    family = FAMILIES.get(config.architecture)
+    if family is None:
+        raise ValueError(f"no model family for architecture {config.architecture!r} (known: {sorted(FAMILIES)})")
+    if config.tie_word_embeddings:
+        weights.setdefault("lm_head", weights["embed"])
+    return family(config, weights, max_positions, make_linear, native_kernels)
