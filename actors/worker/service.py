@@ -71,6 +71,7 @@ class WorkerService:
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake, self._tasks, self._subs = asyncio.Event(), [], []
         self.draining = False
+        self.sleeping = False  # asleep (actors/worker/sleep.py): no work, credits say so, KV cache freed
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
         # every chunk, record and event goes out through the outbox, flushed once per step (outputs.py)
@@ -179,7 +180,7 @@ class WorkerService:
         """True when a slot and enough KV blocks for the prompt are free (credits check)."""
         free_blocks, free_slots = self.engine.credits()
         pending = len(self._adds)
-        return not self.draining and free_slots - pending > 0 and free_blocks > 0
+        return not self.draining and not self.sleeping and free_slots - pending > 0 and free_blocks > 0
 
     def can_preempt(self, victim: str, priority: str = "interactive") -> bool:
         """True when a dispatch of class ``priority`` may displace ``victim`` (fair-share preemption): it
@@ -460,9 +461,9 @@ class WorkerService:
         free_blocks, free_slots = self.engine.credits()
         return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, st.num_total_blocks,
                        max(0, free_slots - len(self._adds)), self.engine.max_num_seqs,
-                       self.engine.block_size, st.num_running, st.num_waiting, self.draining,
+                       self.engine.block_size, st.num_running, st.num_waiting, self.draining or self.sleeping,
                        time.time(), round(step_ms, 3), round(st.prefill_tokens_per_s, 1), self._served_since(st.served),
-                       st.paused)
+                       st.paused, self.sleeping)
 
     def _served_since(self, served: dict[str, list[int]]) -> dict[str, list[int]]:
         """{tenant: [prompt, completion] tokens} served since the previous heartbeat (``served_delta``)."""
