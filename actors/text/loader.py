@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 from .hf_tokenizer import HFTokenizer
 from .tokenizer import GGUFTokenizer, TokenizerError
 
-__all__ = ["TextTokenizer", "load_tokenizer"]
+__all__ = ["TextTokenizer", "TokenizerError", "load_tokenizer"]
 
 
 @runtime_checkable
@@ -57,5 +57,3 @@ def load_tokenizer(artifact: str | os.PathLike[str]) -> GGUFTokenizer | HFTokeni
         raise FileNotFoundError(f"model artifact {path!r} does not exist")
     return GGUFTokenizer.from_gguf(path)
 
-
-__all__ += ["TokenizerError"]

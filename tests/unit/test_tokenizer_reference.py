@@ -14,7 +14,7 @@ import pytest
 
 from actors.text.gguf_meta import read_gguf_metadata
 from actors.text.hf_tokenizer import HFTokenizer
-from actors.text.loader import load_tokenizer
+from actors.text.loader import TextTokenizer, load_tokenizer
 from actors.text.tokenizer import GGUFTokenizer, TokenizerError
 from actors.worker.engine.detokenizer import IncrementalDetokenizer, load_token_bytes, token_bytes_table
 from tests.tokenizer_fixtures import FAMILIES, build, reference_corpus
@@ -170,6 +170,7 @@ def test_load_tokenizer_picks_by_path(fixtures, tmp_path):
     fx = fixtures["qwen2"]
     assert isinstance(load_tokenizer(fx.gguf_path), GGUFTokenizer)
     assert isinstance(load_tokenizer(fx.hf_dir), HFTokenizer)
+    assert isinstance(load_tokenizer(fx.gguf_path), TextTokenizer) and isinstance(load_tokenizer(fx.hf_dir), TextTokenizer)
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "missing.gguf")
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
@@ -177,3 +178,33 @@ def test_load_tokenizer_picks_by_path(fixtures, tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"not a gguf")
     with pytest.raises(ValueError, match="not a GGUF"):
         load_tokenizer(tmp_path / "x.gguf")
+
+
+def test_gguf_eog_rule_of_llama_cpp():
+    from actors.text.eog import gguf_eog_ids
+
+    toks = ["a", "<|end|>", "<|return|>", "<|call|>", "<|file_sep|>", "<|fim_pad|>", "b", "<|end_of_text|>"]
+    meta = {"tokenizer.ggml.eos_token_id": 6, "tokenizer.ggml.eot_token_id": 99}  # 99: outside, ignored
+    # harmony (gpt-oss): with <|return|> and <|call|>, <|end|> ends a message, not the generation
+    assert gguf_eog_ids(toks, meta) == {2, 3, 4, 5, 6, 7}
+    assert gguf_eog_ids(toks[:2], {}) == {1}
+    assert gguf_eog_ids(["x", "y"], {"tokenizer.ggml.eom_token_id": 1}) == {1}
+
+
+def test_hf_dir_refusals(fixtures, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(fixtures["llama3"].hf_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(TokenizerError, match="eos_token_id"):
+        HFTokenizer.from_dir(d)
+    (d / "generation_config.json").unlink()
+    assert HFTokenizer.from_dir(d).eog_token_ids == {fixtures["llama3"].reference.token_to_id("<|end_of_text|>")}
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"},
+                                                        "content": " "}, {"type": "ByteFallback"}]}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(TokenizerError, match="Replace\\+ByteFallback"):
+        HFTokenizer.from_dir(d)
