@@ -72,6 +72,7 @@ class WorkerService:
         self._wake, self._tasks, self._subs = asyncio.Event(), [], []
         self.draining = False
         self.sleeping = False  # asleep (actors/worker/sleep.py): no work, credits say so, KV cache freed
+        self.awake_blocks = 0  # while asleep: the KV blocks it holds awake (credits report them, not the one block)
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
         # every chunk, record and event goes out through the outbox, flushed once per step (outputs.py)
@@ -459,7 +460,8 @@ class WorkerService:
         st = self.engine.stats()
         step_ms = st.step_ms + self._host_ms if st.step_ms else 0.0  # engine decode step at this batch + loop
         free_blocks, free_slots = self.engine.credits()
-        return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, st.num_total_blocks,
+        total_blocks = self.awake_blocks if self.sleeping and self.awake_blocks else st.num_total_blocks
+        return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, total_blocks,
                        max(0, free_slots - len(self._adds)), self.engine.max_num_seqs,
                        self.engine.block_size, st.num_running, st.num_waiting, self.draining or self.sleeping,
                        time.time(), round(step_ms, 3), round(st.prefill_tokens_per_s, 1), self._served_since(st.served),

@@ -40,6 +40,7 @@ class SleepHost(Protocol):
 
     engine: Any  # LLMEngine: resize_kv(bytes), has_unfinished(); its runner's kv (block_bytes, num_blocks) if any
     sleeping: bool  # set here: the service refuses work and its credits say so
+    awake_blocks: int  # set here before a sleep: the KV blocks its credits report while asleep (what it will hold)
     draining: bool  # set by drain(); cleared after a sleep's hand-on (a sleep is not a stop)
     live: dict  # requests held (request id -> Live)
 
@@ -124,6 +125,8 @@ class SleepControl:
 
     async def _sleep(self) -> None:
         t0, host, before = time.monotonic(), self.host, rss_bytes()
+        block = self._block_bytes()
+        host.awake_blocks = self._kv_bytes() // block if block else 0  # what it holds once awake: the prompt bound
         host.sleeping = True
         await host.publish_credits()  # the scheduler stops dispatching here at once
         t_end = t0 + self.drain_s
@@ -133,8 +136,7 @@ class SleepControl:
             await host.drain(timeout=2.0)  # hand on (or end, retryably) what is still running
             host.draining = False  # a sleep, not a stop: the service takes work again once awake
         self.state.kv_bytes = self._kv_bytes() or self.state.kv_bytes
-        block = self._block_bytes()  # (no reference to the old cache is kept here: it must be freed)
-        if block:
+        if block:  # (no reference to the old cache is kept here: it must be freed)
             await host.run_on_engine_thread(host.engine.resize_kv, block)
         await asyncio.to_thread(_trim_heap)
         self.state.freed_bytes = max(0, before - rss_bytes())

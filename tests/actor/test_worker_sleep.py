@@ -56,7 +56,8 @@ async def test_sleep_frees_the_kv_cache_and_wake_serves_again(tiny_path):
         assert svc.sleeping and changes[-1]["state"] == "sleeping" and svc.engine.kv.num_blocks == 1
         assert rss - rss_bytes() >= 0.9 * kv, (rss, rss_bytes(), kv)  # the resident memory fell by the cache
         assert ctl.state.freed_bytes >= 0.9 * kv
-        await _until(lambda: credits[-1].sleeping and credits[-1].draining)
+        blocks = kv // svc.engine.kv.block_bytes  # what it holds awake: the prompt bound schedulers check
+        await _until(lambda: credits[-1].sleeping and credits[-1].draining and credits[-1].total_blocks == blocks)
         assert not await dispatch(bus, gen("refused"))  # asleep: no work
         await ctl.apply("sleep")  # a second sleep does nothing
         assert len(changes) == 1
