@@ -10,7 +10,7 @@ writes its output and error files). Layout, beside the job records of actors/job
 
 A file lives ``FILE_TTL_S`` (the stores' TTL): ``expires_at`` says when. Limits (environment, read by the gateway):
 ``ACTORSERVE_FILE_MAX_BYTES`` per file (default 64 MiB; OpenAI allows 200 MB for batch input, our object store
-holds 384 MiB in all) and ``ACTORSERVE_FILE_QUOTA_BYTES`` per tenant (default 128 MiB).
+holds 192 MiB in all, job data included) and ``ACTORSERVE_FILE_QUOTA_BYTES`` per tenant (default 128 MiB).
 """
 
 from __future__ import annotations

@@ -180,7 +180,9 @@ QUOTAS = BucketConfig(QUOTA_BUCKET, max_bytes=16 * MiB)
 IDEMPOTENCY = BucketConfig(IDEM_BUCKET, ttl_s=DAY_S, max_bytes=128 * MiB)
 USAGE = BucketConfig(USAGE_BUCKET, max_bytes=16 * MiB)
 JOBS = BucketConfig(JOBS_BUCKET, ttl_s=JOBS_TTL_S, max_bytes=128 * MiB)
-JOB_DATA = ObjectStoreConfig(JOBS_OBJECTS, ttl_s=JOBS_TTL_S, max_bytes=384 * MiB)  # job data and OpenAI files
+# job data and OpenAI files; the sum of every stream's max_bytes must fit the embedded nats-server's 1 GB
+# max_file_store, or a stream created later is refused ("insufficient storage resources": 384 MiB here did that)
+JOB_DATA = ObjectStoreConfig(JOBS_OBJECTS, ttl_s=JOBS_TTL_S, max_bytes=192 * MiB)
 RESPONSES_TTL_S = 30 * DAY_S  # stored responses (POST /v1/responses, store=true) live 30 days after their last write
 RESPONSES = BucketConfig(RESPONSES_BUCKET, ttl_s=RESPONSES_TTL_S, max_bytes=128 * MiB)
 DONE = StreamConfig(USAGE_STREAM, (subjects.done_tree(),), max_bytes=64 * MiB, max_age_s=7 * DAY_S)
