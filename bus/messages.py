@@ -363,6 +363,81 @@ class DispatchAck(Message):
 
 
 @dataclass(frozen=True)
+class HopAck(Message):
+    """A hop's answer to a hand-off: the validator's to a gateway's ``ApiRequest`` (``as.int.validate``), the
+    scheduler's to a validator's submit and to a worker's hand-over of a migrated sequence.
+
+    ``accepted``: the receiver took the request (it answers for it from now on). ``error``: when refused,
+    why, as the wire error dict (``bus.errors.ServeError.to_wire()``: status, message, type, param, code,
+    retryable, retry_after, and a scheduler's refusal hints); None when accepted or when the receiver gave no
+    reason. Wire: ``{"accepted": bool, "error": {...} | null}``; the older ``{"accepted":true}`` decodes too.
+    (The worker's answer to a ``Dispatch`` is :class:`DispatchAck`.)"""
+
+    accepted: bool
+    error: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.error is not None and not isinstance(self.error, dict):
+            raise ValueError("HopAck.error must be an object or null")
+
+    @property
+    def code(self) -> str | None:
+        """The refusal's ``code`` (None when accepted or refused without one)."""
+        return (self.error or {}).get("code")
+
+
+@dataclass(frozen=True)
+class ValidatorPing(Message):
+    """Gateway -> ``as.int.validate``: is any validator there? (the readiness check, gateway/http.py).
+
+    Wire: ``{"ping": true}``, answered by :class:`ValidatorPong`. Told from an ``ApiRequest`` by
+    :meth:`matches` on the decoded object (it has ``ping`` and no ``request_id``)."""
+
+    ping: bool = True
+
+    @staticmethod
+    def matches(obj: Any) -> bool:
+        """Whether a decoded JSON object is a ping (not an ApiRequest)."""
+        return isinstance(obj, dict) and obj.get("ping") is True and "request_id" not in obj
+
+
+@dataclass(frozen=True)
+class ValidatorPong(Message):
+    """A validator's answer to :class:`ValidatorPing`. Wire: ``{"pong": true}``."""
+
+    pong: bool = True
+
+
+@dataclass(frozen=True)
+class ReceiverProbe(Message):
+    """Worker -> a request's reply subject (request-reply): does its receiver still wait for it?
+
+    ``probe``: the request id asked about (the field keeps the name of the older untyped probe,
+    ``{"probe": "<id>"}``, so gateways of either version answer). Told from a ``Chunk`` by :meth:`matches`
+    on the decoded object. Answered by :class:`ProbeAnswer`."""
+
+    probe: str
+
+    @property
+    def request_id(self) -> str:
+        """The request asked about."""
+        return self.probe
+
+    @staticmethod
+    def matches(obj: Any) -> bool:
+        """Whether a decoded JSON object is a probe (not a Chunk)."""
+        return isinstance(obj, dict) and isinstance(obj.get("probe"), str) and "seq" not in obj
+
+
+@dataclass(frozen=True)
+class ProbeAnswer(Message):
+    """The receiver's answer to :class:`ReceiverProbe`: ``alive`` True while it waits for the request's chunks.
+    Wire: ``{"alive": bool}``; an answer without the field reads as alive (a busy or older receiver)."""
+
+    alive: bool = True
+
+
+@dataclass(frozen=True)
 class Credits(Message):
     """Worker heartbeat (~4 Hz) on ``as.int.credits.<name>.<version>.<worker_id>``."""
 

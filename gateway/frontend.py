@@ -19,7 +19,8 @@ import orjson
 
 from bus import subjects
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import ApiRequest, Cancel, Chunk, PRIORITIES, error_dict
+from bus.messages import (ApiRequest, Cancel, Chunk, HopAck, PRIORITIES, ProbeAnswer, ReceiverProbe,
+                          error_dict)
 from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
 from gateway.shed import Shape, ShedHints
@@ -110,11 +111,12 @@ class Frontend:
             await self._sub.unsubscribe()
 
     async def _on_chunk(self, msg: Msg) -> None:
-        if msg.reply and msg.data.startswith(b'{"probe"'):  # a worker asks whether we still listen
-            rid = msg.subject.rsplit(".", 1)[-1]
-            return await msg.respond(b'{"alive":true}' if self.table.get(rid) else b'{"alive":false}')
         try:
-            chunk = Chunk.decode(msg.data)
+            obj = orjson.loads(msg.data)
+            if msg.reply and ReceiverProbe.matches(obj):  # a worker asks whether we still listen
+                rid = msg.subject.rsplit(".", 1)[-1]  # the reply subject's request token (the one it was sent)
+                return await msg.respond(ProbeAnswer(self.table.get(rid) is not None).encode())
+            chunk = Chunk.from_dict(obj) if isinstance(obj, dict) else Chunk.decode(msg.data)
             if self.observer is not None:
                 self.observer.on_chunk(chunk)
             if chunk.error is not None:
@@ -197,7 +199,7 @@ class Frontend:
         for attempt in range(2):
             try:
                 reply = await self.bus.request(subjects.VALIDATE, data, self.cfg.validator_ack_s)
-                return bool(orjson.loads(reply.data).get("accepted"))
+                return HopAck.decode(reply.data).accepted
             except BusTimeout:
                 if attempt or (deadline and time.time() + self.cfg.validator_ack_s > deadline):
                     return False

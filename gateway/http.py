@@ -24,6 +24,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.base import BusError
+from bus.messages import ValidatorPing
 from bus.nats_auth import OPERATOR_TOKEN_ENV
 from gateway import pipeline, sse
 from gateway import tracing as gw_tracing
@@ -149,7 +150,7 @@ class HttpFront:
         """Readiness: bus connected, a validator answers, every active model version has a live worker."""
         checks = {"bus": self.fe.bus.is_connected, "models": self.fe.resolver.snapshot.all_versions_served()}
         try:
-            await self.fe.bus.request(subjects.VALIDATE, b'{"ping":true}', 1.0)
+            await self.fe.bus.request(subjects.VALIDATE, ValidatorPing().encode(), 1.0)
             checks["validator"] = True
         except BusError:
             checks["validator"] = False

@@ -31,7 +31,7 @@ from actors.scheduler import resume
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
 from bus.journal import Journal, MemoryJournal
-from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
+from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, HopAck,
                           error_dict)
 
 log = logging.getLogger(__name__)
@@ -313,9 +313,9 @@ class SchedulerService:
                           retryable=True, retry_after=self.cfg.retry_after_s)
 
     async def ack(self, msg: Msg, ok: bool, error: dict | None = None) -> None:
-        """Answer a submit (or a hand-over) on ``msg``: ``{"accepted": ok, "error": error}``."""
+        """Answer a submit (or a hand-over) on ``msg`` with a :class:`HopAck` (``error``: the wire error dict)."""
         if msg.reply:
-            await msg.respond(orjson.dumps({"accepted": ok, "error": error}))
+            await msg.respond(HopAck(ok, error).encode())
 
     async def _on_credits(self, msg: Msg) -> None:
         try:

@@ -26,7 +26,8 @@ from actors import content_log
 from actors.load_report import LoadReporter, new_actor_id
 from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, SamplingParams, error_dict, sampling_defaults
+from bus.messages import (ApiRequest, Cancel, Chunk, GenerateRequest, HopAck, SamplingParams, ValidatorPing, ValidatorPong,
+                          error_dict, sampling_defaults)
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,6 @@ def prepare_inline(body: dict) -> bool:
             return False
         total += len(content)
     return total <= INLINE_CHARS
-
-
-def _refusal_code(ack: dict) -> str | None:
-    """The ``error.code`` of a scheduler's refusal ack (None if there is none)."""
-    err = ack.get("error")
-    return err.get("code") if isinstance(err, dict) else None
 
 
 @dataclass
@@ -171,15 +166,16 @@ class ValidatorService:
         await self.load.stop()
 
     async def _on_msg(self, msg: Msg) -> None:
-        if msg.data == b'{"ping":true}':
-            return await msg.respond(b'{"pong":true}') if msg.reply else None
         try:
-            req = ApiRequest.decode(msg.data)
-        except ValueError as exc:
+            obj = orjson.loads(msg.data)
+            if ValidatorPing.matches(obj):
+                return await msg.respond(ValidatorPong().encode()) if msg.reply else None
+            req = ApiRequest.from_dict(obj) if isinstance(obj, dict) else ApiRequest.decode(msg.data)
+        except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
             log.warning("undecodable ApiRequest: %s", exc)
-            return await msg.respond(orjson.dumps({"accepted": False})) if msg.reply else None
+            return await msg.respond(HopAck(False).encode()) if msg.reply else None
         if msg.reply:
-            await msg.respond(b'{"accepted":true}')
+            await msg.respond(HopAck(True).encode())
         attempt = f"{req.request_id}|{req.marks.get('gateway_out')}"  # the same hand-off, not the same id
         if self._seen.get(attempt) is not None:  # a gateway asking again after a late ack: handled once here
             return
@@ -332,20 +328,20 @@ class ValidatorService:
                 try:
                     reply = await self.bus.request(subjects.sched_submit(gen.name, gen.version), gen.encode(),
                                                    self.cfg.scheduler_ack_s)
-                    ack = orjson.loads(reply.data)
+                    ack = HopAck.decode(reply.data)
                 except (NoResponders, BusTimeout):
                     ack = None
                     if time.time() + 0.2 >= give_up:
                         raise
-                if ack is not None and (ack.get("accepted") or _refusal_code(ack) not in RETRIED_REFUSALS
+                if ack is not None and (ack.accepted or ack.code not in RETRIED_REFUSALS
                                         or time.time() + 0.2 >= give_up):
                     break
                 await asyncio.sleep(0.2)
         except (NoResponders, BusTimeout, BusDisconnected, BusError, ValueError) as exc:
             raise RequestError(503, f"no scheduler is available for {gen.model_ref}; retry later",
                                code="scheduler_unavailable", type="unavailable") from exc
-        if not ack.get("accepted"):
-            err = ack.get("error") or {}
+        if not ack.accepted:
+            err = ack.error or {}
             raise RequestError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
                                err.get("param"), err.get("code"), err.get("type") or "unavailable",
                                {k: err[k] for k in HINT_FIELDS if err.get(k) is not None})

@@ -31,14 +31,12 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Protocol
 
-import orjson
-
 from actors.worker.live import Live
 from actors.worker.migration_state import MAX_MIGRATIONS, ResumeState, resume_of
 from actors.worker.outputs import Outbox
 from bus import subjects
 from bus.base import Bus, BusError
-from bus.messages import GenerateRequest, error_dict
+from bus.messages import GenerateRequest, HopAck, error_dict
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +180,8 @@ class Migrator:
             try:
                 m = await self.host.bus.request(subjects.sched_migrate(req.name, req.version), req.encode(),
                                                self.cfg.handoff_timeout_s)
-                ans = orjson.loads(m.data)
-                ok, why = bool(ans.get("accepted")), (ans.get("error") or {}).get("code", "refused")
+                ans = HopAck.decode(m.data)
+                ok, why = ans.accepted, ans.code or "refused"
             except (BusError, ValueError, AttributeError) as exc:
                 ok, why = False, f"{type(exc).__name__}: {exc}"
             if ok:

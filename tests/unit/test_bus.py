@@ -78,3 +78,25 @@ async def test_memory_bus_queue_group_and_request():
     with pytest.raises(BusTimeout):
         await bus.request("quiet", b"", 0.05)
     await bus.close()
+
+
+def test_hop_acks_and_probes_round_trip_and_read_the_older_bytes():
+    from bus.messages import HopAck, ProbeAnswer, ReceiverProbe, ValidatorPing, ValidatorPong
+    import orjson
+    refused = HopAck(False, {"status": 503, "message": "full", "code": "queue_full"})
+    assert HopAck.decode(refused.encode()) == refused and refused.code == "queue_full"
+    assert HopAck.decode(HopAck(True).encode()) == HopAck(True) and HopAck(True).code is None
+    # the bytes older validators and schedulers sent, and what older readers look up in the new ones
+    assert HopAck.decode(b'{"accepted":true}').accepted and not HopAck.decode(b'{"accepted":false}').accepted
+    assert orjson.loads(refused.encode())["accepted"] is False and orjson.loads(refused.encode())["error"]["code"] == "queue_full"
+    with pytest.raises(ValueError):
+        HopAck(False, "no")  # type: ignore[arg-type]
+    assert ValidatorPing().encode() == b'{"ping":true}' and ValidatorPong().encode() == b'{"pong":true}'
+    assert ValidatorPing.matches(orjson.loads(ValidatorPing().encode()))
+    assert not ValidatorPing.matches({"ping": True, "request_id": "r"})  # an ApiRequest is never a ping
+    probe = ReceiverProbe("abc")
+    assert probe.encode() == b'{"probe":"abc"}' and ReceiverProbe.decode(probe.encode()).request_id == "abc"
+    assert ReceiverProbe.matches(orjson.loads(probe.encode()))
+    assert not ReceiverProbe.matches(orjson.loads(Chunk("abc", 0).encode()))
+    assert ProbeAnswer.decode(ProbeAnswer(False).encode()) == ProbeAnswer(False)
+    assert ProbeAnswer.decode(b'{"alive":false}').alive is False and ProbeAnswer.decode(b"{}").alive is True
