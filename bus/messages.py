@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import orjson
 
+from bus.errors import ServeError
 from control.policy.numbers import is_number
 
 T = TypeVar("T", bound="Message")
@@ -305,7 +306,7 @@ class Chunk(Message):
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" | "abort" on the final chunk
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
     timing: dict[str, float] | None = None  # timing breakdown in ms (keys: docs/architecture.md "Conventions")
-    error: dict[str, Any] | None = None  # {status, message, type, param, code, retryable, retry_after}
+    error: dict[str, Any] | None = None  # bus.errors.ServeError.to_wire(): {status, message, type, param, code, ...}
     model: str = ""  # name@version that served it
     worker_id: str = ""  # worker that produced it ("" for early errors)
     # per token of this chunk when logprobs were requested (OpenAI chat shape):
@@ -316,6 +317,11 @@ class Chunk(Message):
     # {"index", "id", "type": "function", "function": {"name", "arguments": ""}} opens call ``index``, then
     # {"index", "function": {"arguments": <piece>}}; the call's text is not in ``text``
     tool_calls: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def failure(self) -> ServeError | None:
+        """``error`` as a :class:`bus.errors.ServeError` (None: no error)."""
+        return ServeError.from_wire(self.error) if self.error is not None else None
 
 
 @dataclass(frozen=True)
@@ -384,6 +390,11 @@ class HopAck(Message):
     def code(self) -> str | None:
         """The refusal's ``code`` (None when accepted or refused without one)."""
         return (self.error or {}).get("code")
+
+    @property
+    def failure(self) -> ServeError | None:
+        """The refusal as a :class:`bus.errors.ServeError` (None when accepted or refused without a reason)."""
+        return ServeError.from_wire(self.error) if self.error is not None else None
 
 
 @dataclass(frozen=True)
@@ -566,10 +577,3 @@ def _tenant_shares(rows: Any) -> tuple:
         raise ValueError(f"ActorLoad.tenants must be at most {MAX_LOAD_TENANTS} [tenant, service share 0..1, "
                          f"weight share 0..1] entries, got {rows!r:.200}")
     return tuple((r[0], float(r[1]), float(r[2])) for r in rows)
-
-
-def error_dict(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None, retryable: bool = False, retry_after: float | None = None) -> dict:
-    """Build the ``Chunk.error`` payload: HTTP status plus OpenAI error fields and retry hints."""
-    return {"status": status, "message": message, "type": type_, "param": param, "code": code,
-            "retryable": retryable, "retry_after": retry_after}

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import orjson
 
+from bus.errors import ServeError
 from bus import subjects
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import (ApiRequest, Cancel, Chunk, HopAck, PRIORITIES, ProbeAnswer, ReceiverProbe,
-                          error_dict)
+from bus.messages import (ApiRequest, Cancel, Chunk, HopAck, PRIORITIES, ProbeAnswer, ReceiverProbe)
 from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
 from gateway.shed import Shape, ShedHints
@@ -101,8 +101,8 @@ class Frontend:
     async def start(self) -> None:
         """Subscribe to this gateway's reply subjects; fail streams fast on NATS disconnect."""
         self._sub = await self.bus.subscribe(subjects.gateway_replies(self.cfg.gateway_id), self._on_chunk)
-        self.bus.on_disconnect(lambda: self.table.fail_all(error_dict(
-            503, "lost connection to the message bus", type_="unavailable", code="bus_disconnected",
+        self.bus.on_disconnect(lambda: self.table.fail_all(ServeError(
+            503, "lost connection to the message bus", type="unavailable", code="bus_disconnected",
             retryable=True, retry_after=1.0)))
 
     async def stop(self) -> None:

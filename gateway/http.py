@@ -245,13 +245,13 @@ class HttpFront:
         return web.json_response(out.merger.body(), headers=headers, dumps=lambda o: orjson.dumps(o).decode())
 
 
-def inband_error(err: dict) -> dict:
+def inband_error(err: ApiError) -> dict:
     """The SSE error event for an error met after streaming began (no HTTP status can be sent any more):
-    the OpenAI error object plus the extension fields ``status`` (what the HTTP status would have been),
-    ``retryable`` and ``retry_after`` (s), so a client can tell e.g. ``worker_lost`` (retry) from a bad request."""
-    body = ApiError.from_chunk_error(err).body()
-    body["error"].update(status=int(err.get("status") or 500), retryable=bool(err.get("retryable")),
-                         retry_after=err.get("retry_after"))
+    the OpenAI error object plus the extension fields ``status`` (what the HTTP status would have been, as the
+    hop that found it said), ``retryable`` and ``retry_after`` (s), so a client can tell e.g. ``worker_lost``
+    (retry) from a bad request."""
+    body = err.body()
+    body["error"].update(status=err.status, retryable=err.retryable, retry_after=err.retry_after)
     return body
 
 
@@ -286,8 +286,8 @@ class SseWriter:
         if out.disconnected:
             return self.resp
         try:
-            if out.detail is not None:
-                await self.send(inband_error(out.detail))
+            if out.failure is not None:
+                await self.send(inband_error(out.failure))
             await self.resp.write(sse.DONE)
         except ConnectionResetError:
             pass  # the generation has ended already: nothing to cancel

@@ -17,18 +17,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from bus.messages import Chunk, error_dict
+from bus.errors import ServeError
+from bus.messages import Chunk
 
 WATCH_S = 0.1  # period of the client-disconnect checks of watched requests (s)
 GONE = object()  # queued by the watch for a request whose client went away
 
 
-class StreamError(Exception):
-    """A request ended without a normal final chunk. ``error`` is a Chunk.error-style dict."""
+class StreamError(ServeError):
+    """A request's stream ended without a normal final chunk (deadline, silence, gap, bus loss, overflow): a
+    :class:`bus.errors.ServeError` raised by the gateway's own hop. ``error``: its wire dict."""
 
-    def __init__(self, error: dict) -> None:
-        super().__init__(error.get("message", "stream error"))
-        self.error = error
+    @classmethod
+    def of(cls, err: ServeError) -> "StreamError":
+        """``err`` as a StreamError (itself when it is one)."""
+        return err if isinstance(err, StreamError) else cls.from_wire(err.to_wire())
+
+    @property
+    def error(self) -> dict:
+        """The wire dict (``ServeError.to_wire()``)."""
+        return self.to_wire()
 
 
 @dataclass
@@ -118,16 +126,16 @@ class InflightTable:
         try:
             entry.queue.put_nowait(chunk)
         except asyncio.QueueFull:  # consumer stuck: end it rather than grow without bound
-            self.fail(chunk.request_id, error_dict(503, "response stream overflowed", type_="unavailable",
+            self.fail(chunk.request_id, ServeError(503, "response stream overflowed", type="unavailable",
                                                    code="stream_overflow", retryable=True))
         return True
 
-    def fail(self, request_id: str, error: dict) -> None:
+    def fail(self, request_id: str, error: ServeError) -> None:
         """Push a terminal error to one request's consumer."""
         self._push_end(request_id, error)
 
-    def _push_end(self, request_id: str, item: dict | object) -> None:
-        """Queue a terminal item (an error dict or GONE) for one request's consumer."""
+    def _push_end(self, request_id: str, item: ServeError | object) -> None:
+        """Queue a terminal item (a ServeError or GONE) for one request's consumer."""
         entry = self._by_id.get(request_id)
         if entry is None:
             return
@@ -135,7 +143,7 @@ class InflightTable:
             entry.queue.get_nowait()
         entry.queue.put_nowait(item)
 
-    def fail_all(self, error: dict) -> None:
+    def fail_all(self, error: ServeError) -> None:
         """Fail every request in flight (NATS disconnect)."""
         for rid in list(self._by_id):
             self.fail(rid, error)
@@ -171,17 +179,17 @@ async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | No
     if item is GONE:
         raise ConnectionResetError("client disconnected")
     entry.last_activity = time.time()
-    if isinstance(item, dict):
-        raise StreamError(item)
+    if isinstance(item, ServeError):
+        raise StreamError.of(item)
     return _check_order(entry, item)
 
 
 def _timeout_error(entry: Inflight, now: float) -> StreamError:
     if now >= entry.deadline:
-        return StreamError(error_dict(503, "the request's deadline passed", type_="timeout",
-                                      code="deadline_exceeded", retryable=True, retry_after=1.0))
-    return StreamError(error_dict(503, f"no response from the model for {entry.inactivity_s:.0f} s",
-                                  type_="timeout", code="upstream_timeout", retryable=True))
+        return StreamError(503, "the request's deadline passed", type="timeout", code="deadline_exceeded",
+                           retryable=True, retry_after=1.0)
+    return StreamError(503, f"no response from the model for {entry.inactivity_s:.0f} s", type="timeout",
+                       code="upstream_timeout", retryable=True)
 
 
 def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
@@ -194,9 +202,9 @@ def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
     expected = entry.child_seq.get(rid, 0) if child else entry.next_seq
     worker = entry.child_worker.get(rid, "") if child else entry.worker_id
     if chunk.seq != expected or (rid, chunk.worker_id) in entry.handed_over:
-        raise StreamError(error_dict(502, f"response stream broken (expected chunk {expected}, got "
-                                          f"{chunk.seq})", type_="unavailable", code="stream_gap", retryable=True,
-                                     retry_after=1.0))  # before the first token a retry is safe: say so in the header
+        raise StreamError(502, f"response stream broken (expected chunk {expected}, got {chunk.seq})",
+                          type="unavailable", code="stream_gap", retryable=True,
+                          retry_after=1.0)  # a retry before the first token is safe: say so in the header
     if worker and chunk.worker_id != worker:  # taken over: the previous worker stopped at this seq
         entry.handed_over.add((rid, worker))
     if child:

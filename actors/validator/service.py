@@ -24,18 +24,19 @@ from actors.validator.validation import (MAX_CHOICES, MAX_N, ValidatedRequest, d
                                          prepare_prompt, validate_request)
 from actors import content_log
 from actors.load_report import LoadReporter, new_actor_id
+from bus.errors import ServeError
 from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
 from bus.messages import (ApiRequest, Cancel, Chunk, GenerateRequest, HopAck, SamplingParams, ValidatorPing, ValidatorPong,
-                          error_dict, sampling_defaults)
+                          sampling_defaults)
 
 log = logging.getLogger(__name__)
 
 
 RETRIED_REFUSALS = frozenset({"journal_unavailable"})  # scheduler refusals the validator retries (see _submit)
-# refusal fields passed on to the gateway: shedding hints (gateway/shed.py) and the scheduler's Retry-After
-# (a cold start's, actors/scheduler/load.py)
-HINT_FIELDS = ("queue_clear_at", "decode_step_s", "retry_after")
+# refusal fields passed on to the gateway besides the error's own (the scheduler's Retry-After, e.g. a cold
+# start's, actors/scheduler/load.py, travels as ServeError.retry_after): shedding hints (gateway/shed.py)
+HINT_FIELDS = ("queue_clear_at", "decode_step_s")
 # requests prepared on the event loop instead of a thread (decision 0029): prompt text of at most INLINE_CHARS
 # characters and none of the fields whose checks can take long (grammar compilation, tool prompts)
 INLINE_CHARS = 2000
@@ -241,18 +242,17 @@ class ValidatorService:
             try:
                 gens = await self._prepare(req)
                 if req.request_id in self._cancelled:  # the client left while we tokenized: never schedule it
-                    return await self._fail(req, error_dict(499, "request cancelled", type_="cancelled",
-                                                            code="cancelled"))
+                    return await self._fail(req, ServeError(499, "request cancelled", type="cancelled",
+                                                             code="cancelled").to_wire())
                 await self._submit_all(gens)
             except RequestError as err:
                 retry = err.status >= 500 or err.status == 429  # overload / quota: try again later
-                await self._fail(req, {**error_dict(err.status, err.message, type_=err.type, param=err.param,
-                                                    code=err.code, retryable=retry,
-                                                    retry_after=1.0 if retry else None), **err.extra})
+                after = err.retry_after if err.retry_after is not None else 1.0 if retry else None
+                await self._fail(req, replace(err, retryable=retry, retry_after=after).to_wire())
             except Exception as exc:  # a bug must answer (500), never leave the client waiting
                 log.exception("validation of %s failed", req.request_id)
-                await self._fail(req, error_dict(500, f"internal error while validating the request: {exc}",
-                                                 type_="server_error", code="internal_error"))
+                await self._fail(req, ServeError(500, f"internal error while validating the request: {exc}",
+                                                  type="server_error", code="internal_error").to_wire())
 
     async def _prepare(self, req: ApiRequest) -> list[GenerateRequest]:
         """Validate and tokenize (in a thread). Raises RequestError."""
@@ -342,9 +342,9 @@ class ValidatorService:
                                code="scheduler_unavailable", type="unavailable") from exc
         if not ack.accepted:
             err = ack.error or {}
-            raise RequestError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
-                               err.get("param"), err.get("code"), err.get("type") or "unavailable",
-                               {k: err[k] for k in HINT_FIELDS if err.get(k) is not None})
+            raise ServeError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
+                             err.get("param"), err.get("code"), err.get("type") or "unavailable", err.get("retry_after"),
+                             extra={k: err[k] for k in HINT_FIELDS if err.get(k) is not None})
 
     async def _fail(self, req: ApiRequest, err: dict) -> None:
         tracing.set_error(f"{err.get('code') or err.get('status')}: {err.get('message')}")

@@ -34,9 +34,10 @@ from typing import Any, Awaitable, Callable, Protocol
 from actors.worker.live import Live
 from actors.worker.migration_state import MAX_MIGRATIONS, ResumeState, resume_of
 from actors.worker.outputs import Outbox
+from bus.errors import ServeError
 from bus import subjects
 from bus.base import Bus, BusError
-from bus.messages import GenerateRequest, HopAck, error_dict
+from bus.messages import GenerateRequest, HopAck
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +209,9 @@ class Migrator:
                 detach(rid)
             lv.aborted = lv.aborted or "preempted"
             self.num_ended += 1
-            self.host.outbox.finish(lv, error_dict(
-                503, f"the worker was preempted ({self.reason}) before the request finished; retry",
-                type_="unavailable", code="worker_preempted", retryable=True, retry_after=1.0), aborted=True)
+            self.host.outbox.finish(lv, ServeError(
+                 503, f"the worker was preempted ({self.reason}) before the request finished; retry",
+                 type="unavailable", code="worker_preempted", retryable=True, retry_after=1.0).to_wire(), aborted=True)
 
     def on_resumed_chunk(self, lv) -> None:
         """First chunk of a sequence resumed here: record its hand-over gap (ms, previous worker's clock)."""

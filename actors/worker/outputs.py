@@ -129,7 +129,7 @@ class Outbox:
             self.num_finished += 1
 
     def finish(self, lv: Live, err: dict, status: str = "error", aborted: bool = False) -> None:
-        """End ``lv`` with the error ``err`` (an ``error_dict``): a final ``abort`` chunk and its completion
+        """End ``lv`` with the error ``err`` (a ``ServeError`` wire dict): a final ``abort`` chunk and its completion
         record of ``status``; ``aborted`` counts it in ``num_aborted``."""
         if aborted:
             self.num_aborted += 1

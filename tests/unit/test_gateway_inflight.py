@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from bus.messages import Chunk, error_dict
+from bus.errors import ServeError
+from bus.messages import Chunk
 from gateway.inflight import InflightTable, StreamError, next_chunk
 from gateway.openai_format import ApiError, full_timing, TIMING_KEYS
 
@@ -50,7 +51,7 @@ async def test_error_chunk_ends_stream_regardless_of_seq():
     t = InflightTable()
     e = t.open("r", time.time() + 5, 5)
     t.deliver(ck(0))
-    t.deliver(Chunk("r", 0, final=True, error=error_dict(503, "lost", retryable=True)))
+    t.deliver(Chunk("r", 0, final=True, error=ServeError(503, "lost", retryable=True).to_wire()))
     await next_chunk(e)
     c = await next_chunk(e)
     assert c.final and c.error["status"] == 503
@@ -77,7 +78,7 @@ async def test_fail_all_reaches_waiters():
     e = t.open("r", time.time() + 5, 5)
     waiter = asyncio.create_task(next_chunk(e))
     await asyncio.sleep(0.01)
-    t.fail_all(error_dict(503, "bus down", code="bus_disconnected", retryable=True))
+    t.fail_all(ServeError(503, "bus down", code="bus_disconnected", retryable=True))
     with pytest.raises(StreamError) as ei:
         await waiter
     assert ei.value.error["code"] == "bus_disconnected"
@@ -96,7 +97,7 @@ def test_api_error_shape():
     e = ApiError(503, "busy", code="queue_full", type="overloaded", retry_after=0.2)
     assert e.body() == {"error": {"message": "busy", "type": "overloaded", "param": None, "code": "queue_full"}}
     assert e.http_headers()["Retry-After"] == "1"
-    assert ApiError.from_chunk_error(error_dict(499, "gone")).status == 408
+    assert ApiError.from_chunk_error(ServeError(499, "gone").to_wire()).status == 408
 
 
 async def test_gateway_answers_worker_probes():
