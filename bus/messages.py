@@ -290,6 +290,13 @@ class GenerateRequest(Message):
         return f"{self.name}@{self.version}"
 
 
+def choice_request_id(request_id: str, index: int) -> str:
+    """The request id of choice ``index`` of a fanned-out API request ``request_id``: ``<request_id>-<index>``
+    (the validator names the choices so; the gateway registers and cancels them by it). One definition; no
+    consumer parses it back (chunks carry ``choice_index``)."""
+    return f"{request_id}-{index}"
+
+
 @dataclass(frozen=True)
 class Chunk(Message):
     """Any actor -> the request's reply subject: tokens of one engine step, or the final/error record.

@@ -20,14 +20,16 @@ import orjson
 from bus.errors import ServeError
 from bus import subjects
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import (ApiRequest, Cancel, Chunk, HopAck, PRIORITIES, ProbeAnswer, ReceiverProbe)
+from bus.messages import (ApiRequest, Cancel, Chunk, HopAck, PRIORITIES, ProbeAnswer, ReceiverProbe,
+                          choice_request_id)
 from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
 from gateway.shed import Shape, ShedHints
 from gateway.openai_format import ApiError
+from gateway.request_body import ApiBody
 from gateway.tracing import annotate as annotate_trace
 from actors import content_log
-from control.policy.limits import MAX_CHOICES, choice_count
+from control.policy.limits import MAX_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class Submitted:
     version: str
     marks: dict[str, float]
     num_choices: int = 1  # choices (engine requests) the request fans out into
+    body: ApiBody | None = None  # the body as submitted, read once (None: a Submitted built by hand, in tests)
 
     @property
     def model(self) -> str:
@@ -131,12 +134,9 @@ class Frontend:
         if entry is not None and chunk.model:
             self.shed.learn(chunk.model, entry.tenant, entry.priority, chunk.error, time.time())
 
-    def _shed(self, name: str, version: str, tenant: str, priority: str, deadline: float, body: dict) -> None:
+    def _shed(self, name: str, version: str, tenant: str, priority: str, deadline: float, body: ApiBody) -> None:
         """Raise the ApiError (429/503 + Retry-After) of a refusal hint that covers this request, if any."""
-        mt = body.get("max_tokens", body.get("max_completion_tokens"))
-        shape = Shape(f"{name}@{version}", tenant, priority, deadline,
-                      mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else 0,
-                      body.get("ignore_eos") is True)
+        shape = Shape(f"{name}@{version}", tenant, priority, deadline, body.max_tokens, body.ignore_eos)
         err = self.shed.check(shape, time.time())
         if err is not None:
             if self.observer is not None:
@@ -144,20 +144,22 @@ class Frontend:
                 count_shed(shape.model, str(err.get("code")))
             raise ApiError.from_chunk_error(err)
 
-    async def submit(self, *, tenant: str, endpoint: str, body: dict, request_id: str, deadline_ms: int,
+    async def submit(self, *, tenant: str, endpoint: str, body: ApiBody | dict, request_id: str, deadline_ms: int,
                      marks: dict[str, float]) -> Submitted:
-        """Resolve, register and hand the request to a validator. Raises ApiError (404, 400, 503; 429/503
-        from a refusal hint)."""
-        model = body.get("model")
+        """Resolve, register and hand the request to a validator. ``body``: the ApiBody (a dict is read into
+        one here). Raises ApiError (404, 400, 503; 429/503 from a refusal hint)."""
+        if not isinstance(body, ApiBody):
+            body = ApiBody.parse(endpoint, body)
+        model = body.model
         if not isinstance(model, str) or not model:
             raise ApiError(400, "you must provide a model parameter", param="model")
         name, version, adapter = self.resolver.snapshot.resolve_ref(model, tenant=tenant, request_key=request_id)
-        priority = body.get("priority", "interactive")
+        priority = body.priority
         if priority not in PRIORITIES:
             raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
         deadline = time.time() + deadline_ms / 1e3
         self._shed(name, version, tenant, priority, deadline, body)
-        k = choice_count(endpoint, body)
+        k = body.num_choices
         annotate_trace(request_id=request_id, tenant=tenant, name=name, version=version, endpoint=endpoint, marks=marks)
         entry = self.table.open(request_id, deadline, self.cfg.inactivity_s, children=k)
         entry.tenant = tenant  # checked by a public NATS cancel (gateway/nats_api.py)
@@ -167,16 +169,16 @@ class Frontend:
             self.load.waited(marks.get("gateway_in"), marks["gateway_out"])
         if self.observer is not None:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))
-        req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,
+        req = ApiRequest(request_id, tenant, model, name, version, endpoint, body.raw,
                          subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks,
                          adapter=adapter, adapter_path=self.resolver.snapshot.adapter_path(name, adapter))
-        content_log.log_content("request body", request_id, body)  # only with ACTORSERVE_LOG_PROMPTS=1
+        content_log.log_content("request body", request_id, body.raw)  # only with ACTORSERVE_LOG_PROMPTS=1
         try:
             await self._hand_to_validator(req)
         except ApiError:
             self.table.close(request_id)
             raise
-        return Submitted(entry, request_id, endpoint, name, version, marks, k)
+        return Submitted(entry, request_id, endpoint, name, version, marks, k, body)
 
     async def _hand_to_validator(self, req: ApiRequest) -> None:
         data = req.encode()
@@ -229,7 +231,7 @@ class Frontend:
         if num_choices is None:
             entry = self.table.get(request_id)
             num_choices = entry.children if entry is not None else MAX_CHOICES
-        ids = [request_id] + ([f"{request_id}-{i}" for i in range(num_choices)] if num_choices > 1 else [])
+        ids = [request_id] + ([choice_request_id(request_id, i) for i in range(num_choices)] if num_choices > 1 else [])
         for rid in ids:
             try:
                 await asyncio.wait_for(self.bus.publish(subjects.cancel(rid), Cancel(rid, reason, tenant).encode()),

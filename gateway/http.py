@@ -205,7 +205,7 @@ class HttpFront:
             if req.tenant is not None and idem_key is not None and self.tenancy.idempotency is not None:
                 return await self.tenancy.idempotency.handle(self, request, req, idem_key)
             async with pipeline.admitted(self.fe, req, self.tenancy) as sub:  # 404 not allowed, 429 quota, 503
-                return await self._respond(request, sub, req.body, echo)
+                return await self._respond(request, sub, echo)
         except ApiError as err:
             return error_response(err, echo)
 
@@ -230,10 +230,10 @@ class HttpFront:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    async def _respond(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, sub: Submitted, echo: dict) -> web.StreamResponse:
         """Run the submitted request to its end and answer it (JSON or SSE); 499 when the client left."""
-        writer = SseWriter(request, echo) if body.get("stream") is True else None
-        out = await pipeline.run(self.fe, sub, body, writer, gone=lambda: client_gone(request))
+        writer = SseWriter(request, echo) if sub.body.stream else None
+        out = await pipeline.run(self.fe, sub, sink=writer, gone=lambda: client_gone(request))
         if writer is not None:
             return await writer.finish(out)
         if out.disconnected:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from bus.errors import ServeError
-from bus.messages import Chunk
+from bus.messages import Chunk, choice_request_id
 
 WATCH_S = 0.1  # period of the client-disconnect checks of watched requests (s)
 GONE = object()  # queued by the watch for a request whose client went away
@@ -50,7 +50,7 @@ class Inflight:
     next_seq: int = 0  # next expected chunk seq
     worker_id: str = ""  # worker streaming it (set by the first token chunk)
     last_activity: float = field(default_factory=time.time)  # last chunk (or open) time, epoch s
-    children: int = 1  # choices fanned out as "<request_id>-<index>" (1 = no fan-out)
+    children: int = 1  # choices fanned out as bus.messages.choice_request_id(request_id, index) (1 = no fan-out)
     child_seq: dict = field(default_factory=dict)  # child id -> next expected seq
     child_worker: dict = field(default_factory=dict)  # child id -> worker streaming it
     tenant: str = ""  # tenant of the request (a public NATS cancel must come from it)
@@ -65,6 +65,7 @@ class InflightTable:
 
     def __init__(self) -> None:
         self._by_id: dict[str, Inflight] = {}
+        self._choices: dict[str, str] = {}  # choice request id of a fanned-out request -> its request id
         self._gone_checks: dict[str, Callable[[], bool]] = {}  # request id -> "has its client gone?"
         self._watch_task: asyncio.Task | None = None
 
@@ -74,17 +75,23 @@ class InflightTable:
     def open(self, request_id: str, deadline: float, inactivity_s: float, children: int = 1) -> Inflight:
         """Register a request before it is sent (so no chunk can arrive unrouted). ValueError if present.
 
-        ``children`` > 1: chunks of ``<request_id>-<index>`` are routed to this entry too.
+        ``children`` > 1: chunks of each choice (``choice_request_id(request_id, index)``, index < children)
+        are routed to this entry too.
         """
         if request_id in self._by_id:
             raise ValueError(f"request id {request_id} is already in flight")
         entry = Inflight(request_id, deadline, inactivity_s, children=children)
         self._by_id[request_id] = entry
+        if children > 1:
+            self._choices.update((choice_request_id(request_id, i), request_id) for i in range(children))
         return entry
 
     def close(self, request_id: str) -> None:
-        """Forget a request (idempotent), and its disconnect check."""
-        self._by_id.pop(request_id, None)
+        """Forget a request (idempotent), its choices' ids and its disconnect check."""
+        entry = self._by_id.pop(request_id, None)
+        if entry is not None and entry.children > 1:
+            for i in range(entry.children):
+                self._choices.pop(choice_request_id(request_id, i), None)
         self._gone_checks.pop(request_id, None)
 
     def watch(self, request_id: str, gone: Callable[[], bool]) -> None:
@@ -110,12 +117,11 @@ class InflightTable:
                     self._push_end(rid, GONE)
 
     def get(self, request_id: str) -> Inflight | None:
-        """The entry of a request (or of the parent of a fanned-out choice id)."""
+        """The entry of a request, or of the request a fanned-out choice's id belongs to (registered by
+        :meth:`open`; ids are never parsed)."""
         entry = self._by_id.get(request_id)
-        if entry is None and "-" in request_id:
-            parent = self._by_id.get(request_id.rsplit("-", 1)[0])
-            if parent is not None and parent.children > 1:
-                return parent
+        if entry is None and request_id in self._choices:
+            return self._by_id.get(self._choices[request_id])
         return entry
 
     def deliver(self, chunk: Chunk) -> bool:

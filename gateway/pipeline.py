@@ -37,6 +37,7 @@ from gateway.budget_store import reserve_request
 from gateway.frontend import Frontend, Submitted
 from gateway.inflight import StreamError
 from gateway.merge import ChoiceMerger
+from gateway.request_body import ApiBody
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ async def start(fe: Frontend, req: Request, tenancy: Admitter | None = None, bud
             adm = await tenancy.admit(req.tenant, req.body, req.request_id, req.headers)
         if gate is not None:
             hold = await reserve_request(gate, fe.resolver.snapshot, req)
-        sub = await fe.submit(tenant=req.tenant_id, endpoint=req.endpoint, body=req.body,
+        body = ApiBody.parse(req.endpoint, req.body)  # the one reading, after admission set the priority class
+        sub = await fe.submit(tenant=req.tenant_id, endpoint=req.endpoint, body=body,
                               request_id=req.request_id, deadline_ms=req.deadline_ms, marks=req.marks)
     except BaseException:
         await _release(tenancy, adm)
@@ -178,10 +180,12 @@ class Outcome:
         return self.error.status if self.failure is not None else 200
 
 
-async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None,
+async def run(fe: Frontend, sub: Submitted, body: ApiBody | dict | None = None, sink: Sink | None = None,
               gone: Callable[[], bool] | None = None) -> Outcome:
     """Consume ``sub``'s chunks until every choice's final one; see the module docstring.
 
+    ``body``: None (the fronts): the ApiBody the submit read (``sub.body``); given only for a Submitted built
+    by hand (tests), an ApiBody or the body dict.
     ``sink``: told of each chunk's streaming objects (None: a non-streaming request). ``gone``: checked every
     ``inflight.WATCH_S`` s by the table's disconnect watch (one task for all requests, not one wake-up per
     waiting request); True = the client disconnected. Cancel reasons: ``sibling_failed`` (an error chunk of
@@ -189,7 +193,9 @@ async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None
     the validator, a scheduler or a worker, which has ended it already: nothing is sent), ``stream_error``
     (deadline, silence, gap, bus loss; ``Frontend.next`` already sent
     ``gateway_gave_up``), ``disconnect``. Never raises but for task cancellation."""
-    merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
+    body = sub.body if body is None else body
+    merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body if body is not None else {}, sub.marks,
+                          sub.num_choices)
     out = Outcome(merger)
     if gone is not None:
         fe.table.watch(sub.request_id, gone)

@@ -27,8 +27,8 @@ from actors.load_report import LoadReporter, new_actor_id
 from bus.errors import ServeError
 from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import (ApiRequest, Cancel, Chunk, GenerateRequest, HopAck, SamplingParams, ValidatorPing, ValidatorPong,
-                          sampling_defaults)
+from bus.messages import (ApiRequest, Cancel, Chunk, GenerateRequest, HopAck, SamplingParams, ValidatorPing,
+                          ValidatorPong, choice_request_id, sampling_defaults)
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class ValidatorService:
         for pi, (ids, params, echo) in enumerate(prepared):
             for i in range(n):
                 index = pi * n + i
-                rid = req.request_id if n * len(prepared) == 1 else f"{req.request_id}-{index}"
+                rid = req.request_id if n * len(prepared) == 1 else choice_request_id(req.request_id, index)
                 out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids),
                                            params.seeded(i), req.priority, req.deadline, marks, echo_text=echo,
                                            choice_index=index, adapter=req.adapter,

@@ -151,3 +151,26 @@ async def test_disconnect_watch_ends_only_the_gone_request_and_stops_when_idle()
     await asyncio.wait_for(task, 1.0)  # nothing watched any more: the task ends
     t.watch("gone-already", lambda: True)  # not open: nothing to watch
     assert t._watch_task is task
+
+
+def test_choices_are_routed_by_the_ids_registered_at_open_never_parsed():
+    from bus.messages import choice_request_id
+    t = InflightTable()
+    parent = t.open("a-b", time.time() + 5, 5.0, children=2)
+    assert t.get(choice_request_id("a-b", 1)) is parent and t.get("a-b-7") is None  # only its own choices
+    single = t.open("c", time.time() + 5, 5.0)
+    assert t.get("c") is single and t.get(choice_request_id("c", 0)) is None  # an unsplit request has none
+    t.close("a-b")
+    assert t.get(choice_request_id("a-b", 0)) is None
+
+
+def test_api_body_reads_the_gateway_fields_once():
+    from gateway.request_body import ApiBody
+    b = ApiBody.parse("completions", {"model": "m", "prompt": ["x", "y"], "n": 2, "max_completion_tokens": 7,
+                                      "ignore_eos": True, "logprobs": 0, "stream": True,
+                                      "stream_options": {"include_usage": True}, "priority": "batch"})
+    assert (b.model, b.priority, b.max_tokens, b.ignore_eos, b.num_choices, b.n, b.logprobs, b.stream,
+            b.include_usage) == ("m", "batch", 7, True, 4, 2, True, True, True)
+    chat = ApiBody.parse("chat", {"model": "m", "logprobs": False, "max_tokens": True, "n": 0})
+    assert (chat.max_tokens, chat.n, chat.num_choices, chat.logprobs, chat.priority) == (0, 1, 1, False, "interactive")
+    assert ApiBody.parse("chat", ["not", "an", "object"]).raw == {}
