@@ -6,7 +6,12 @@ ignores unknown fields so a newer sender can talk to an older receiver (rolling 
 
 Flow (docs/architecture.md "Request flow"): gateway --ApiRequest--> validator --GenerateRequest-->
 scheduler --GenerateRequest--> worker --Chunk*--> the request's reply subject. Any actor that ends a
-request early (bad input, overload, lost worker) publishes a final error Chunk to the reply subject.
+request early (bad input, overload, lost worker) publishes a final error Chunk to the reply subject; its
+``error`` is a ``bus.errors.ServeError`` on the wire (``ServeError.to_wire()``, read back by ``Chunk.failure``).
+
+Every request-reply hop answers with a typed message: ``HopAck`` (validator and scheduler hand-offs, a
+worker's migration hand-over), ``DispatchAck`` (worker), ``ValidatorPong`` to a ``ValidatorPing`` and
+``ProbeAnswer`` to a worker's ``ReceiverProbe``; each decodes the older untyped bytes of the same meaning.
 
 ``SamplingParams`` (carried in ``GenerateRequest.sampling``) is the one definition of the sampling fields:
 the validator builds it, the scheduler reads ``max_tokens`` for its cost estimate, and the worker hands it to
