@@ -51,11 +51,11 @@ class Inflight:
     worker_id: str = ""  # worker streaming it (set by the first token chunk)
     last_activity: float = field(default_factory=time.time)  # last chunk (or open) time, epoch s
     children: int = 1  # choices fanned out as bus.messages.choice_request_id(request_id, index) (1 = no fan-out)
-    child_seq: dict = field(default_factory=dict)  # child id -> next expected seq
-    child_worker: dict = field(default_factory=dict)  # child id -> worker streaming it
+    child_seq: dict = field(default_factory=dict)  # a fanned-out choice's Chunk.choice_index -> next expected seq
+    child_worker: dict = field(default_factory=dict)  # a fanned-out choice's Chunk.choice_index -> its worker
     tenant: str = ""  # tenant of the request (a public NATS cancel must come from it)
     priority: str = "interactive"  # its priority class (what a refusal hint is learnt for, gateway/shed.py)
-    # (choice request id, worker id) of workers that handed the stream over to another (a migrated sequence,
+    # (choice index, worker id) of workers that handed the stream over to another (a migrated sequence,
     # actors/worker/migration.py): their chunks are no longer part of it
     handed_over: set = field(default_factory=set)
 
@@ -203,18 +203,18 @@ def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
     which the previous one's chunks are errors. Error chunks end the stream whatever their seq."""
     if chunk.error is not None:
         return chunk
-    rid = chunk.request_id
-    child = rid != entry.request_id  # a fanned-out choice: its own sequence and worker
-    expected = entry.child_seq.get(rid, 0) if child else entry.next_seq
-    worker = entry.child_worker.get(rid, "") if child else entry.worker_id
-    if chunk.seq != expected or (rid, chunk.worker_id) in entry.handed_over:
+    child = chunk.request_id != entry.request_id  # a fanned-out choice: its own sequence and worker
+    i = chunk.choice_index  # the choice's state is found by the choice field
+    expected = entry.child_seq.get(i, 0) if child else entry.next_seq
+    worker = entry.child_worker.get(i, "") if child else entry.worker_id
+    if chunk.seq != expected or (i, chunk.worker_id) in entry.handed_over:
         raise StreamError(502, f"response stream broken (expected chunk {expected}, got {chunk.seq})",
                           type="unavailable", code="stream_gap", retryable=True,
                           retry_after=1.0)  # a retry before the first token is safe: say so in the header
     if worker and chunk.worker_id != worker:  # taken over: the previous worker stopped at this seq
-        entry.handed_over.add((rid, worker))
+        entry.handed_over.add((i, worker))
     if child:
-        entry.child_seq[rid], entry.child_worker[rid] = expected + 1, chunk.worker_id or worker
+        entry.child_seq[i], entry.child_worker[i] = expected + 1, chunk.worker_id or worker
     else:
         entry.next_seq, entry.worker_id = expected + 1, chunk.worker_id or worker
     return chunk

@@ -174,3 +174,18 @@ def test_api_body_reads_the_gateway_fields_once():
     chat = ApiBody.parse("chat", {"model": "m", "logprobs": False, "max_tokens": True, "n": 0})
     assert (chat.max_tokens, chat.n, chat.num_choices, chat.logprobs, chat.priority) == (0, 1, 1, False, "interactive")
     assert ApiBody.parse("chat", ["not", "an", "object"]).raw == {}
+
+
+async def test_each_fanned_out_choice_has_its_own_sequence_and_worker_by_its_choice_index():
+    from bus.messages import choice_request_id
+    t = InflightTable()
+    e = t.open("r", time.time() + 5, 5, children=2)
+    c0, c1 = choice_request_id("r", 0), choice_request_id("r", 1)
+    for c in (Chunk(c1, 0, worker_id="a", choice_index=1), Chunk(c0, 0, worker_id="a"),
+              Chunk(c1, 1, worker_id="b", choice_index=1),  # choice 1 migrated to b at its next seq
+              Chunk(c0, 1, worker_id="a"), Chunk(c1, 2, worker_id="a", choice_index=1)):
+        assert t.deliver(c)
+    assert [(await next_chunk(e)).seq for _ in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(StreamError) as ei:  # a's chunk of choice 1 after it handed that choice over
+        await next_chunk(e)
+    assert ei.value.error["code"] == "stream_gap"
