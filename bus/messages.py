@@ -6,7 +6,12 @@ ignores unknown fields so a newer sender can talk to an older receiver (rolling 
 
 Flow (docs/architecture.md "Request flow"): gateway --ApiRequest--> validator --GenerateRequest-->
 scheduler --GenerateRequest--> worker --Chunk*--> the request's reply subject. Any actor that ends a
-request early (bad input, overload, lost worker) publishes a final error Chunk to the reply subject.
+request early (bad input, overload, lost worker) publishes a final error Chunk to the reply subject; its
+``error`` is a ``bus.errors.ServeError`` on the wire (``ServeError.to_wire()``, read back by ``Chunk.failure``).
+
+Every request-reply hop answers with a typed message: ``HopAck`` (validator and scheduler hand-offs, a
+worker's migration hand-over), ``DispatchAck`` (worker), ``ValidatorPong`` to a ``ValidatorPing`` and
+``ProbeAnswer`` to a worker's ``ReceiverProbe``; each decodes the older untyped bytes of the same meaning.
 
 ``SamplingParams`` (carried in ``GenerateRequest.sampling``) is the one definition of the sampling fields:
 the validator builds it, the scheduler reads ``max_tokens`` for its cost estimate, and the worker hands it to
@@ -22,6 +27,7 @@ from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import orjson
 
+from bus.errors import ServeError
 from control.policy.numbers import is_number
 
 T = TypeVar("T", bound="Message")
@@ -289,6 +295,13 @@ class GenerateRequest(Message):
         return f"{self.name}@{self.version}"
 
 
+def choice_request_id(request_id: str, index: int) -> str:
+    """The request id of choice ``index`` of a fanned-out API request ``request_id``: ``<request_id>-<index>``
+    (the validator names the choices so; the gateway registers and cancels them by it). One definition; no
+    consumer parses it back (chunks carry ``choice_index``)."""
+    return f"{request_id}-{index}"
+
+
 @dataclass(frozen=True)
 class Chunk(Message):
     """Any actor -> the request's reply subject: tokens of one engine step, or the final/error record.
@@ -305,7 +318,7 @@ class Chunk(Message):
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" | "abort" on the final chunk
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
     timing: dict[str, float] | None = None  # timing breakdown in ms (keys: docs/architecture.md "Conventions")
-    error: dict[str, Any] | None = None  # {status, message, type, param, code, retryable, retry_after}
+    error: dict[str, Any] | None = None  # bus.errors.ServeError.to_wire(): {status, message, type, param, code, ...}
     model: str = ""  # name@version that served it
     worker_id: str = ""  # worker that produced it ("" for early errors)
     # per token of this chunk when logprobs were requested (OpenAI chat shape):
@@ -316,6 +329,11 @@ class Chunk(Message):
     # {"index", "id", "type": "function", "function": {"name", "arguments": ""}} opens call ``index``, then
     # {"index", "function": {"arguments": <piece>}}; the call's text is not in ``text``
     tool_calls: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def failure(self) -> ServeError | None:
+        """``error`` as a :class:`bus.errors.ServeError` (None: no error)."""
+        return ServeError.from_wire(self.error) if self.error is not None else None
 
 
 @dataclass(frozen=True)
@@ -360,6 +378,86 @@ class DispatchAck(Message):
 
     accepted: bool
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class HopAck(Message):
+    """A hop's answer to a hand-off: the validator's to a gateway's ``ApiRequest`` (``as.int.validate``), the
+    scheduler's to a validator's submit and to a worker's hand-over of a migrated sequence.
+
+    ``accepted``: the receiver took the request (it answers for it from now on). ``error``: when refused,
+    why, as the wire error dict (``bus.errors.ServeError.to_wire()``: status, message, type, param, code,
+    retryable, retry_after, and a scheduler's refusal hints); None when accepted or when the receiver gave no
+    reason. Wire: ``{"accepted": bool, "error": {...} | null}``; the older ``{"accepted":true}`` decodes too.
+    (The worker's answer to a ``Dispatch`` is :class:`DispatchAck`.)"""
+
+    accepted: bool
+    error: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.error is not None and not isinstance(self.error, dict):
+            raise ValueError("HopAck.error must be an object or null")
+
+    @property
+    def code(self) -> str | None:
+        """The refusal's ``code`` (None when accepted or refused without one)."""
+        return (self.error or {}).get("code")
+
+    @property
+    def failure(self) -> ServeError | None:
+        """The refusal as a :class:`bus.errors.ServeError` (None when accepted or refused without a reason)."""
+        return ServeError.from_wire(self.error) if self.error is not None else None
+
+
+@dataclass(frozen=True)
+class ValidatorPing(Message):
+    """Gateway -> ``as.int.validate``: is any validator there? (the readiness check, gateway/http.py).
+
+    Wire: ``{"ping": true}``, answered by :class:`ValidatorPong`. Told from an ``ApiRequest`` by
+    :meth:`matches` on the decoded object (it has ``ping`` and no ``request_id``)."""
+
+    ping: bool = True
+
+    @staticmethod
+    def matches(obj: Any) -> bool:
+        """Whether a decoded JSON object is a ping (not an ApiRequest)."""
+        return isinstance(obj, dict) and obj.get("ping") is True and "request_id" not in obj
+
+
+@dataclass(frozen=True)
+class ValidatorPong(Message):
+    """A validator's answer to :class:`ValidatorPing`. Wire: ``{"pong": true}``."""
+
+    pong: bool = True
+
+
+@dataclass(frozen=True)
+class ReceiverProbe(Message):
+    """Worker -> a request's reply subject (request-reply): does its receiver still wait for it?
+
+    ``probe``: the request id asked about (the field keeps the name of the older untyped probe,
+    ``{"probe": "<id>"}``, so gateways of either version answer). Told from a ``Chunk`` by :meth:`matches`
+    on the decoded object. Answered by :class:`ProbeAnswer`."""
+
+    probe: str
+
+    @property
+    def request_id(self) -> str:
+        """The request asked about."""
+        return self.probe
+
+    @staticmethod
+    def matches(obj: Any) -> bool:
+        """Whether a decoded JSON object is a probe (not a Chunk)."""
+        return isinstance(obj, dict) and isinstance(obj.get("probe"), str) and "seq" not in obj
+
+
+@dataclass(frozen=True)
+class ProbeAnswer(Message):
+    """The receiver's answer to :class:`ReceiverProbe`: ``alive`` True while it waits for the request's chunks.
+    Wire: ``{"alive": bool}``; an answer without the field reads as alive (a busy or older receiver)."""
+
+    alive: bool = True
 
 
 @dataclass(frozen=True)
@@ -492,10 +590,3 @@ def _tenant_shares(rows: Any) -> tuple:
         raise ValueError(f"ActorLoad.tenants must be at most {MAX_LOAD_TENANTS} [tenant, service share 0..1, "
                          f"weight share 0..1] entries, got {rows!r:.200}")
     return tuple((r[0], float(r[1]), float(r[2])) for r in rows)
-
-
-def error_dict(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None, retryable: bool = False, retry_after: float | None = None) -> dict:
-    """Build the ``Chunk.error`` payload: HTTP status plus OpenAI error fields and retry hints."""
-    return {"status": status, "message": message, "type": type_, "param": param, "code": code,
-            "retryable": retryable, "retry_after": retry_after}

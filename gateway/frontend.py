@@ -17,16 +17,19 @@ from dataclasses import dataclass
 
 import orjson
 
+from bus.errors import ServeError
 from bus import subjects
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import ApiRequest, Cancel, Chunk, PRIORITIES, error_dict
+from bus.messages import (ApiRequest, Cancel, Chunk, HopAck, PRIORITIES, ProbeAnswer, ReceiverProbe,
+                          choice_request_id)
 from gateway.inflight import Inflight, InflightTable, StreamError, next_chunk
 from gateway.models import ModelResolver
 from gateway.shed import Shape, ShedHints
 from gateway.openai_format import ApiError
+from gateway.request_body import ApiBody
 from gateway.tracing import annotate as annotate_trace
 from actors import content_log
-from control.policy.limits import MAX_CHOICES, choice_count
+from control.policy.limits import MAX_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class Submitted:
     version: str
     marks: dict[str, float]
     num_choices: int = 1  # choices (engine requests) the request fans out into
+    body: ApiBody | None = None  # the body as submitted, read once (None: a Submitted built by hand, in tests)
 
     @property
     def model(self) -> str:
@@ -100,8 +104,8 @@ class Frontend:
     async def start(self) -> None:
         """Subscribe to this gateway's reply subjects; fail streams fast on NATS disconnect."""
         self._sub = await self.bus.subscribe(subjects.gateway_replies(self.cfg.gateway_id), self._on_chunk)
-        self.bus.on_disconnect(lambda: self.table.fail_all(error_dict(
-            503, "lost connection to the message bus", type_="unavailable", code="bus_disconnected",
+        self.bus.on_disconnect(lambda: self.table.fail_all(ServeError(
+            503, "lost connection to the message bus", type="unavailable", code="bus_disconnected",
             retryable=True, retry_after=1.0)))
 
     async def stop(self) -> None:
@@ -110,11 +114,12 @@ class Frontend:
             await self._sub.unsubscribe()
 
     async def _on_chunk(self, msg: Msg) -> None:
-        if msg.reply and msg.data.startswith(b'{"probe"'):  # a worker asks whether we still listen
-            rid = msg.subject.rsplit(".", 1)[-1]
-            return await msg.respond(b'{"alive":true}' if self.table.get(rid) else b'{"alive":false}')
         try:
-            chunk = Chunk.decode(msg.data)
+            obj = orjson.loads(msg.data)
+            if msg.reply and ReceiverProbe.matches(obj):  # a worker asks whether we still listen
+                rid = msg.subject.rsplit(".", 1)[-1]  # the reply subject's request token (the one it was sent)
+                return await msg.respond(ProbeAnswer(self.table.get(rid) is not None).encode())
+            chunk = Chunk.from_dict(obj) if isinstance(obj, dict) else Chunk.decode(msg.data)
             if self.observer is not None:
                 self.observer.on_chunk(chunk)
             if chunk.error is not None:
@@ -129,12 +134,9 @@ class Frontend:
         if entry is not None and chunk.model:
             self.shed.learn(chunk.model, entry.tenant, entry.priority, chunk.error, time.time())
 
-    def _shed(self, name: str, version: str, tenant: str, priority: str, deadline: float, body: dict) -> None:
+    def _shed(self, name: str, version: str, tenant: str, priority: str, deadline: float, body: ApiBody) -> None:
         """Raise the ApiError (429/503 + Retry-After) of a refusal hint that covers this request, if any."""
-        mt = body.get("max_tokens", body.get("max_completion_tokens"))
-        shape = Shape(f"{name}@{version}", tenant, priority, deadline,
-                      mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else 0,
-                      body.get("ignore_eos") is True)
+        shape = Shape(f"{name}@{version}", tenant, priority, deadline, body.max_tokens, body.ignore_eos)
         err = self.shed.check(shape, time.time())
         if err is not None:
             if self.observer is not None:
@@ -142,20 +144,22 @@ class Frontend:
                 count_shed(shape.model, str(err.get("code")))
             raise ApiError.from_chunk_error(err)
 
-    async def submit(self, *, tenant: str, endpoint: str, body: dict, request_id: str, deadline_ms: int,
+    async def submit(self, *, tenant: str, endpoint: str, body: ApiBody | dict, request_id: str, deadline_ms: int,
                      marks: dict[str, float]) -> Submitted:
-        """Resolve, register and hand the request to a validator. Raises ApiError (404, 400, 503; 429/503
-        from a refusal hint)."""
-        model = body.get("model")
+        """Resolve, register and hand the request to a validator. ``body``: the ApiBody (a dict is read into
+        one here). Raises ApiError (404, 400, 503; 429/503 from a refusal hint)."""
+        if not isinstance(body, ApiBody):
+            body = ApiBody.parse(endpoint, body)
+        model = body.model
         if not isinstance(model, str) or not model:
             raise ApiError(400, "you must provide a model parameter", param="model")
         name, version, adapter = self.resolver.snapshot.resolve_ref(model, tenant=tenant, request_key=request_id)
-        priority = body.get("priority", "interactive")
+        priority = body.priority
         if priority not in PRIORITIES:
             raise ApiError(400, f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
         deadline = time.time() + deadline_ms / 1e3
         self._shed(name, version, tenant, priority, deadline, body)
-        k = choice_count(endpoint, body)
+        k = body.num_choices
         annotate_trace(request_id=request_id, tenant=tenant, name=name, version=version, endpoint=endpoint, marks=marks)
         entry = self.table.open(request_id, deadline, self.cfg.inactivity_s, children=k)
         entry.tenant = tenant  # checked by a public NATS cancel (gateway/nats_api.py)
@@ -165,16 +169,16 @@ class Frontend:
             self.load.waited(marks.get("gateway_in"), marks["gateway_out"])
         if self.observer is not None:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))
-        req = ApiRequest(request_id, tenant, model, name, version, endpoint, body,
+        req = ApiRequest(request_id, tenant, model, name, version, endpoint, body.raw,
                          subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks,
                          adapter=adapter, adapter_path=self.resolver.snapshot.adapter_path(name, adapter))
-        content_log.log_content("request body", request_id, body)  # only with ACTORSERVE_LOG_PROMPTS=1
+        content_log.log_content("request body", request_id, body.raw)  # only with ACTORSERVE_LOG_PROMPTS=1
         try:
             await self._hand_to_validator(req)
         except ApiError:
             self.table.close(request_id)
             raise
-        return Submitted(entry, request_id, endpoint, name, version, marks, k)
+        return Submitted(entry, request_id, endpoint, name, version, marks, k, body)
 
     async def _hand_to_validator(self, req: ApiRequest) -> None:
         data = req.encode()
@@ -197,7 +201,7 @@ class Frontend:
         for attempt in range(2):
             try:
                 reply = await self.bus.request(subjects.VALIDATE, data, self.cfg.validator_ack_s)
-                return bool(orjson.loads(reply.data).get("accepted"))
+                return HopAck.decode(reply.data).accepted
             except BusTimeout:
                 if attempt or (deadline and time.time() + self.cfg.validator_ack_s > deadline):
                     return False
@@ -227,7 +231,7 @@ class Frontend:
         if num_choices is None:
             entry = self.table.get(request_id)
             num_choices = entry.children if entry is not None else MAX_CHOICES
-        ids = [request_id] + ([f"{request_id}-{i}" for i in range(num_choices)] if num_choices > 1 else [])
+        ids = [request_id] + ([choice_request_id(request_id, i) for i in range(num_choices)] if num_choices > 1 else [])
         for rid in ids:
             try:
                 await asyncio.wait_for(self.bus.publish(subjects.cancel(rid), Cancel(rid, reason, tenant).encode()),

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.base import BusError
+from bus.messages import ValidatorPing
 from bus.nats_auth import OPERATOR_TOKEN_ENV
 from gateway import pipeline, sse
 from gateway import tracing as gw_tracing
@@ -149,7 +150,7 @@ class HttpFront:
         """Readiness: bus connected, a validator answers, every active model version has a live worker."""
         checks = {"bus": self.fe.bus.is_connected, "models": self.fe.resolver.snapshot.all_versions_served()}
         try:
-            await self.fe.bus.request(subjects.VALIDATE, b'{"ping":true}', 1.0)
+            await self.fe.bus.request(subjects.VALIDATE, ValidatorPing().encode(), 1.0)
             checks["validator"] = True
         except BusError:
             checks["validator"] = False
@@ -204,7 +205,7 @@ class HttpFront:
             if req.tenant is not None and idem_key is not None and self.tenancy.idempotency is not None:
                 return await self.tenancy.idempotency.handle(self, request, req, idem_key)
             async with pipeline.admitted(self.fe, req, self.tenancy) as sub:  # 404 not allowed, 429 quota, 503
-                return await self._respond(request, sub, req.body, echo)
+                return await self._respond(request, sub, echo)
         except ApiError as err:
             return error_response(err, echo)
 
@@ -229,10 +230,10 @@ class HttpFront:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    async def _respond(self, request: web.Request, sub: Submitted, body: dict, echo: dict) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, sub: Submitted, echo: dict) -> web.StreamResponse:
         """Run the submitted request to its end and answer it (JSON or SSE); 499 when the client left."""
-        writer = SseWriter(request, echo) if body.get("stream") is True else None
-        out = await pipeline.run(self.fe, sub, body, writer, gone=lambda: client_gone(request))
+        writer = SseWriter(request, echo) if sub.body.stream else None
+        out = await pipeline.run(self.fe, sub, sink=writer, gone=lambda: client_gone(request))
         if writer is not None:
             return await writer.finish(out)
         if out.disconnected:
@@ -244,13 +245,13 @@ class HttpFront:
         return web.json_response(out.merger.body(), headers=headers, dumps=lambda o: orjson.dumps(o).decode())
 
 
-def inband_error(err: dict) -> dict:
+def inband_error(err: ApiError) -> dict:
     """The SSE error event for an error met after streaming began (no HTTP status can be sent any more):
-    the OpenAI error object plus the extension fields ``status`` (what the HTTP status would have been),
-    ``retryable`` and ``retry_after`` (s), so a client can tell e.g. ``worker_lost`` (retry) from a bad request."""
-    body = ApiError.from_chunk_error(err).body()
-    body["error"].update(status=int(err.get("status") or 500), retryable=bool(err.get("retryable")),
-                         retry_after=err.get("retry_after"))
+    the OpenAI error object plus the extension fields ``status`` (what the HTTP status would have been, as the
+    hop that found it said), ``retryable`` and ``retry_after`` (s), so a client can tell e.g. ``worker_lost``
+    (retry) from a bad request."""
+    body = err.body()
+    body["error"].update(status=err.status, retryable=err.retryable, retry_after=err.retry_after)
     return body
 
 
@@ -285,8 +286,8 @@ class SseWriter:
         if out.disconnected:
             return self.resp
         try:
-            if out.detail is not None:
-                await self.send(inband_error(out.detail))
+            if out.failure is not None:
+                await self.send(inband_error(out.failure))
             await self.resp.write(sse.DONE)
         except ConnectionResetError:
             pass  # the generation has ended already: nothing to cancel

@@ -229,18 +229,18 @@ class IdempotencyStore:
             raise
         live = LiveRun(stream)
         self._live[key] = live
-        task = asyncio.create_task(self._run(front, started, req.body, live, key, bh, rev))
+        task = asyncio.create_task(self._run(front, started, live, key, bh, rev))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await self._follow(request, live, req.headers, stream)
 
-    async def _run(self, front, started: pipeline.Started, body, live: LiveRun, key, bh, rev) -> None:
+    async def _run(self, front, started: pipeline.Started, live: LiveRun, key, bh, rev) -> None:
         """Consume the request to its end regardless of clients (the quota slot is held until then); store
         the result."""
         hb = asyncio.create_task(self._heartbeat(key, bh, rev))
         try:  # heartbeats go on until the result is stored: a store outage must not let a waiter re-run it
             try:
-                out = await pipeline.run(front.fe, started.sub, body, live if live.stream else None)
+                out = await pipeline.run(front.fe, started.sub, sink=live if live.stream else None)
             finally:
                 await started.release()
             headers, result_json = _result(out, live)

@@ -17,18 +17,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from bus.messages import Chunk, error_dict
+from bus.errors import ServeError
+from bus.messages import Chunk, choice_request_id
 
 WATCH_S = 0.1  # period of the client-disconnect checks of watched requests (s)
 GONE = object()  # queued by the watch for a request whose client went away
 
 
-class StreamError(Exception):
-    """A request ended without a normal final chunk. ``error`` is a Chunk.error-style dict."""
+class StreamError(ServeError):
+    """A request's stream ended without a normal final chunk (deadline, silence, gap, bus loss, overflow): a
+    :class:`bus.errors.ServeError` raised by the gateway's own hop. ``error``: its wire dict."""
 
-    def __init__(self, error: dict) -> None:
-        super().__init__(error.get("message", "stream error"))
-        self.error = error
+    @classmethod
+    def of(cls, err: ServeError) -> "StreamError":
+        """``err`` as a StreamError (itself when it is one)."""
+        return err if isinstance(err, StreamError) else cls.from_wire(err.to_wire())
+
+    @property
+    def error(self) -> dict:
+        """The wire dict (``ServeError.to_wire()``)."""
+        return self.to_wire()
 
 
 @dataclass
@@ -42,12 +50,12 @@ class Inflight:
     next_seq: int = 0  # next expected chunk seq
     worker_id: str = ""  # worker streaming it (set by the first token chunk)
     last_activity: float = field(default_factory=time.time)  # last chunk (or open) time, epoch s
-    children: int = 1  # choices fanned out as "<request_id>-<index>" (1 = no fan-out)
-    child_seq: dict = field(default_factory=dict)  # child id -> next expected seq
-    child_worker: dict = field(default_factory=dict)  # child id -> worker streaming it
+    children: int = 1  # choices fanned out as bus.messages.choice_request_id(request_id, index) (1 = no fan-out)
+    child_seq: dict = field(default_factory=dict)  # a fanned-out choice's Chunk.choice_index -> next expected seq
+    child_worker: dict = field(default_factory=dict)  # a fanned-out choice's Chunk.choice_index -> its worker
     tenant: str = ""  # tenant of the request (a public NATS cancel must come from it)
     priority: str = "interactive"  # its priority class (what a refusal hint is learnt for, gateway/shed.py)
-    # (choice request id, worker id) of workers that handed the stream over to another (a migrated sequence,
+    # (choice index, worker id) of workers that handed the stream over to another (a migrated sequence,
     # actors/worker/migration.py): their chunks are no longer part of it
     handed_over: set = field(default_factory=set)
 
@@ -57,6 +65,7 @@ class InflightTable:
 
     def __init__(self) -> None:
         self._by_id: dict[str, Inflight] = {}
+        self._choices: dict[str, str] = {}  # choice request id of a fanned-out request -> its request id
         self._gone_checks: dict[str, Callable[[], bool]] = {}  # request id -> "has its client gone?"
         self._watch_task: asyncio.Task | None = None
 
@@ -66,17 +75,23 @@ class InflightTable:
     def open(self, request_id: str, deadline: float, inactivity_s: float, children: int = 1) -> Inflight:
         """Register a request before it is sent (so no chunk can arrive unrouted). ValueError if present.
 
-        ``children`` > 1: chunks of ``<request_id>-<index>`` are routed to this entry too.
+        ``children`` > 1: chunks of each choice (``choice_request_id(request_id, index)``, index < children)
+        are routed to this entry too.
         """
         if request_id in self._by_id:
             raise ValueError(f"request id {request_id} is already in flight")
         entry = Inflight(request_id, deadline, inactivity_s, children=children)
         self._by_id[request_id] = entry
+        if children > 1:
+            self._choices.update((choice_request_id(request_id, i), request_id) for i in range(children))
         return entry
 
     def close(self, request_id: str) -> None:
-        """Forget a request (idempotent), and its disconnect check."""
-        self._by_id.pop(request_id, None)
+        """Forget a request (idempotent), its choices' ids and its disconnect check."""
+        entry = self._by_id.pop(request_id, None)
+        if entry is not None and entry.children > 1:
+            for i in range(entry.children):
+                self._choices.pop(choice_request_id(request_id, i), None)
         self._gone_checks.pop(request_id, None)
 
     def watch(self, request_id: str, gone: Callable[[], bool]) -> None:
@@ -102,12 +117,11 @@ class InflightTable:
                     self._push_end(rid, GONE)
 
     def get(self, request_id: str) -> Inflight | None:
-        """The entry of a request (or of the parent of a fanned-out choice id)."""
+        """The entry of a request, or of the request a fanned-out choice's id belongs to (registered by
+        :meth:`open`; ids are never parsed)."""
         entry = self._by_id.get(request_id)
-        if entry is None and "-" in request_id:
-            parent = self._by_id.get(request_id.rsplit("-", 1)[0])
-            if parent is not None and parent.children > 1:
-                return parent
+        if entry is None and request_id in self._choices:
+            return self._by_id.get(self._choices[request_id])
         return entry
 
     def deliver(self, chunk: Chunk) -> bool:
@@ -118,16 +132,16 @@ class InflightTable:
         try:
             entry.queue.put_nowait(chunk)
         except asyncio.QueueFull:  # consumer stuck: end it rather than grow without bound
-            self.fail(chunk.request_id, error_dict(503, "response stream overflowed", type_="unavailable",
+            self.fail(chunk.request_id, ServeError(503, "response stream overflowed", type="unavailable",
                                                    code="stream_overflow", retryable=True))
         return True
 
-    def fail(self, request_id: str, error: dict) -> None:
+    def fail(self, request_id: str, error: ServeError) -> None:
         """Push a terminal error to one request's consumer."""
         self._push_end(request_id, error)
 
-    def _push_end(self, request_id: str, item: dict | object) -> None:
-        """Queue a terminal item (an error dict or GONE) for one request's consumer."""
+    def _push_end(self, request_id: str, item: ServeError | object) -> None:
+        """Queue a terminal item (a ServeError or GONE) for one request's consumer."""
         entry = self._by_id.get(request_id)
         if entry is None:
             return
@@ -135,7 +149,7 @@ class InflightTable:
             entry.queue.get_nowait()
         entry.queue.put_nowait(item)
 
-    def fail_all(self, error: dict) -> None:
+    def fail_all(self, error: ServeError) -> None:
         """Fail every request in flight (NATS disconnect)."""
         for rid in list(self._by_id):
             self.fail(rid, error)
@@ -171,17 +185,17 @@ async def next_chunk(entry: Inflight, poll_s: float | None = None) -> Chunk | No
     if item is GONE:
         raise ConnectionResetError("client disconnected")
     entry.last_activity = time.time()
-    if isinstance(item, dict):
-        raise StreamError(item)
+    if isinstance(item, ServeError):
+        raise StreamError.of(item)
     return _check_order(entry, item)
 
 
 def _timeout_error(entry: Inflight, now: float) -> StreamError:
     if now >= entry.deadline:
-        return StreamError(error_dict(503, "the request's deadline passed", type_="timeout",
-                                      code="deadline_exceeded", retryable=True, retry_after=1.0))
-    return StreamError(error_dict(503, f"no response from the model for {entry.inactivity_s:.0f} s",
-                                  type_="timeout", code="upstream_timeout", retryable=True))
+        return StreamError(503, "the request's deadline passed", type="timeout", code="deadline_exceeded",
+                           retryable=True, retry_after=1.0)
+    return StreamError(503, f"no response from the model for {entry.inactivity_s:.0f} s", type="timeout",
+                       code="upstream_timeout", retryable=True)
 
 
 def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
@@ -189,18 +203,18 @@ def _check_order(entry: Inflight, chunk: Chunk) -> Chunk:
     which the previous one's chunks are errors. Error chunks end the stream whatever their seq."""
     if chunk.error is not None:
         return chunk
-    rid = chunk.request_id
-    child = rid != entry.request_id  # a fanned-out choice: its own sequence and worker
-    expected = entry.child_seq.get(rid, 0) if child else entry.next_seq
-    worker = entry.child_worker.get(rid, "") if child else entry.worker_id
-    if chunk.seq != expected or (rid, chunk.worker_id) in entry.handed_over:
-        raise StreamError(error_dict(502, f"response stream broken (expected chunk {expected}, got "
-                                          f"{chunk.seq})", type_="unavailable", code="stream_gap", retryable=True,
-                                     retry_after=1.0))  # before the first token a retry is safe: say so in the header
+    child = chunk.request_id != entry.request_id  # a fanned-out choice: its own sequence and worker
+    i = chunk.choice_index  # the choice's state is found by the choice field
+    expected = entry.child_seq.get(i, 0) if child else entry.next_seq
+    worker = entry.child_worker.get(i, "") if child else entry.worker_id
+    if chunk.seq != expected or (i, chunk.worker_id) in entry.handed_over:
+        raise StreamError(502, f"response stream broken (expected chunk {expected}, got {chunk.seq})",
+                          type="unavailable", code="stream_gap", retryable=True,
+                          retry_after=1.0)  # a retry before the first token is safe: say so in the header
     if worker and chunk.worker_id != worker:  # taken over: the previous worker stopped at this seq
-        entry.handed_over.add((rid, worker))
+        entry.handed_over.add((i, worker))
     if child:
-        entry.child_seq[rid], entry.child_worker[rid] = expected + 1, chunk.worker_id or worker
+        entry.child_seq[i], entry.child_worker[i] = expected + 1, chunk.worker_id or worker
     else:
         entry.next_seq, entry.worker_id = expected + 1, chunk.worker_id or worker
     return chunk

@@ -24,25 +24,25 @@ from typing import Any
 
 from bus.messages import Chunk
 from gateway.openai_format import full_timing, join_tool_calls, object_id
-
-
-def _n(body: dict) -> int:
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+from gateway.request_body import ApiBody
 
 
 class ChoiceMerger:
-    """Accumulates the choices of one request; see the module docstring."""
+    """Accumulates the choices of one request; see the module docstring.
 
-    def __init__(self, endpoint: str, request_id: str, model: str, body: dict, marks: dict, num_choices: int,
-                 created: int | None = None) -> None:
+    ``body``: the request's :class:`gateway.request_body.ApiBody` (``n``, ``logprobs``, ``include_usage``);
+    a dict is read into one here (callers that hold no ApiBody: tests, tools)."""
+
+    def __init__(self, endpoint: str, request_id: str, model: str, body: ApiBody | dict, marks: dict,
+                 num_choices: int, created: int | None = None) -> None:
+        if not isinstance(body, ApiBody):
+            body = ApiBody.parse(endpoint, body)
         self.endpoint, self.request_id, self.model, self.marks = endpoint, request_id, model, marks
-        self.k, self.n = num_choices, _n(body)
+        self.k, self.n = num_choices, body.n
         self.created = created or int(time.time())
         self.chat = endpoint == "chat"
-        self.logprobs = (body.get("logprobs") is True) if self.chat else (body.get("logprobs") is not None)
-        opts = body.get("stream_options")
-        self.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        self.logprobs = body.logprobs
+        self.include_usage = body.include_usage
         self.texts: dict[int, list[str]] = {}
         self.lps: dict[int, list[dict]] = {}
         self.calls: dict[int, list[dict]] = {}  # tool_calls deltas per choice (Chunk.tool_calls)

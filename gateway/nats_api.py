@@ -198,7 +198,7 @@ class NatsApi:
         try:
             req = self._request(endpoint, msg, new_request_id(), marks)
             async with pipeline.admitted(self.fe, req, self.tenancy) as sub:  # 404 not allowed, 429 quota, 503
-                await self._serve(msg, sub, req.body)
+                await self._serve(msg, sub)
         except orjson.JSONDecodeError as exc:
             await self._reply(msg, error_reply(invalid_json(exc)))
         except ApiError as err:
@@ -271,10 +271,10 @@ class NatsApi:
         except ApiError as err:
             await self._reply(msg, error_reply(err))
 
-    async def _serve(self, msg: Msg, sub: Submitted, body: dict) -> None:
+    async def _serve(self, msg: Msg, sub: Submitted) -> None:
         """Run the submitted request to its end: one reply, or one per streamed object (the last ``final``)."""
-        stream = body.get("stream") is True
-        out = await pipeline.run(self.fe, sub, body, _Replies(self, msg) if stream else None)
+        stream = sub.body.stream
+        out = await pipeline.run(self.fe, sub, sink=_Replies(self, msg) if stream else None)
         if out.error is not None:
             await self._reply(msg, error_reply(out.error))
         elif not stream:

@@ -1,4 +1,5 @@
-"""OpenAI wire shapes: errors, chat/completions responses and streaming chunks.
+"""OpenAI wire shapes: errors (``ApiError``, an alias of ``bus.errors.ServeError``), chat/completions responses
+and streaming chunks.
 
 Field names and object types follow the OpenAI API reference (chat.completion, chat.completion.chunk,
 text_completion); ``model`` is the concrete ``name@version`` that served the request.
@@ -7,44 +8,16 @@ text_completion); ``model`` is the concrete ``name@version`` that served the req
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
+
+from bus.errors import ServeError
 
 TIMING_KEYS = ("gateway_ms", "auth_ms", "validation_ms", "queue_ms", "prefill_ms", "decode_ms", "transport_ms")
 
 
-@dataclass
-class ApiError(Exception):
-    """An error answered to the client: HTTP status plus the OpenAI error object."""
-
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    type: str = "invalid_request_error"
-    retry_after: float | None = None  # seconds, sent as Retry-After on 429/503
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        Exception.__init__(self, self.message)
-
-    def body(self) -> dict[str, Any]:
-        """``{"error": {message, type, param, code}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def http_headers(self) -> dict[str, str]:
-        """Extra headers: Retry-After (whole seconds, >= 1) when set."""
-        h = dict(self.headers)
-        if self.retry_after is not None:
-            h["Retry-After"] = str(max(1, int(round(self.retry_after))))
-        return h
-
-    @classmethod
-    def from_chunk_error(cls, err: dict) -> "ApiError":
-        """Build from a ``Chunk.error`` dict (status 499 = cancelled maps to 408 for HTTP)."""
-        status = int(err.get("status") or 500)
-        return cls(408 if status == 499 else status, str(err.get("message", "error")), err.get("param"),
-                   err.get("code"), str(err.get("type") or "server_error"), err.get("retry_after"))
+#: the gateway's name for :class:`bus.errors.ServeError`, the one error of the request path (an alias:
+#: ``ApiError is ServeError``; ~200 raise sites across the fronts keep their name)
+ApiError = ServeError
 
 
 def object_id(endpoint: str, request_id: str) -> str:

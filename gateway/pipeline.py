@@ -30,13 +30,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from bus.messages import Chunk, error_dict
+from bus.errors import ServeError
+from bus.messages import Chunk
 from control.state.tenants import DEV_TENANT, Tenant
 from gateway.budget_store import reserve_request
 from gateway.frontend import Frontend, Submitted
 from gateway.inflight import StreamError
 from gateway.merge import ChoiceMerger
-from gateway.openai_format import ApiError
+from gateway.request_body import ApiBody
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ async def start(fe: Frontend, req: Request, tenancy: Admitter | None = None, bud
             adm = await tenancy.admit(req.tenant, req.body, req.request_id, req.headers)
         if gate is not None:
             hold = await reserve_request(gate, fe.resolver.snapshot, req)
-        sub = await fe.submit(tenant=req.tenant_id, endpoint=req.endpoint, body=req.body,
+        body = ApiBody.parse(req.endpoint, req.body)  # the one reading, after admission set the priority class
+        sub = await fe.submit(tenant=req.tenant_id, endpoint=req.endpoint, body=body,
                               request_id=req.request_id, deadline_ms=req.deadline_ms, marks=req.marks)
     except BaseException:
         await _release(tenancy, adm)
@@ -152,35 +154,38 @@ class Sink(Protocol):
 
 @dataclass
 class Outcome:
-    """How one request ended. ``detail``: the Chunk.error-style dict of a failure (None: success or
-    disconnect); ``merger`` holds everything merged so far (``merger.body()`` is the response on success)."""
+    """How one request ended. ``failure``: the ServeError a failure ended it with, as the hop that found it
+    said it (an error chunk's, the stream's; None: success or disconnect); ``merger`` holds everything merged
+    so far (``merger.body()`` is the response on success)."""
 
     merger: ChoiceMerger
-    detail: dict | None = None
+    failure: ServeError | None = None
     disconnected: bool = False  # the client went away (HTTP 499)
 
     @property
     def ok(self) -> bool:
         """Every choice finished normally."""
-        return self.detail is None and not self.disconnected
+        return self.failure is None and not self.disconnected
 
     @property
-    def error(self) -> ApiError | None:
+    def error(self) -> ServeError | None:
         """The client-facing error of a failure (a worker's 499 cancelled becomes 408), else None."""
-        return ApiError.from_chunk_error(self.detail) if self.detail is not None else None
+        return self.failure.for_client() if self.failure is not None else None
 
     @property
     def status(self) -> int:
         """200, the error's HTTP status, or 499 for a client disconnect."""
         if self.disconnected:
             return 499
-        return self.error.status if self.detail is not None else 200
+        return self.error.status if self.failure is not None else 200
 
 
-async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None,
+async def run(fe: Frontend, sub: Submitted, body: ApiBody | dict | None = None, sink: Sink | None = None,
               gone: Callable[[], bool] | None = None) -> Outcome:
     """Consume ``sub``'s chunks until every choice's final one; see the module docstring.
 
+    ``body``: None (the fronts): the ApiBody the submit read (``sub.body``); given only for a Submitted built
+    by hand (tests), an ApiBody or the body dict.
     ``sink``: told of each chunk's streaming objects (None: a non-streaming request). ``gone``: checked every
     ``inflight.WATCH_S`` s by the table's disconnect watch (one task for all requests, not one wake-up per
     waiting request); True = the client disconnected. Cancel reasons: ``sibling_failed`` (an error chunk of
@@ -188,27 +193,30 @@ async def run(fe: Frontend, sub: Submitted, body: dict, sink: Sink | None = None
     the validator, a scheduler or a worker, which has ended it already: nothing is sent), ``stream_error``
     (deadline, silence, gap, bus loss; ``Frontend.next`` already sent
     ``gateway_gave_up``), ``disconnect``. Never raises but for task cancellation."""
-    merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body, sub.marks, sub.num_choices)
+    body = sub.body if body is None else body
+    merger = ChoiceMerger(sub.endpoint, sub.request_id, sub.model, body if body is not None else {}, sub.marks,
+                          sub.num_choices)
     out = Outcome(merger)
     if gone is not None:
         fe.table.watch(sub.request_id, gone)
     try:
         while not merger.done:
             chunk = await _next(fe, sub, gone)
-            if chunk.error and sub.num_choices == 1:  # refused or ended by its holder: nothing to cancel
-                out.detail = chunk.error
+            failure = chunk.failure
+            if failure is not None and sub.num_choices == 1:  # refused or ended by its holder: nothing to cancel
+                out.failure = failure
                 return out
-            if chunk.error:
-                return await _fail(fe, sub, out, chunk.error, "sibling_failed")
+            if failure is not None:
+                return await _fail(fe, sub, out, failure, "sibling_failed")
             await _add(merger, chunk, sink)
     except StreamError as exc:
-        return await _fail(fe, sub, out, exc.error, "stream_error")
+        return await _fail(fe, sub, out, exc, "stream_error")
     except ConnectionResetError:
         out.disconnected = True
         await _cancel(fe, sub, "disconnect")
     except Exception as exc:  # a bug must still end the request, its generation and the client's wait
         log.exception("request %s failed in the gateway", sub.request_id)
-        return await _fail(fe, sub, out, error_dict(500, f"internal error: {exc}", type_="server_error"),
+        return await _fail(fe, sub, out, ServeError(500, f"internal error: {exc}", type="server_error"),
                            "stream_error")
     finally:
         fe.table.close(sub.request_id)
@@ -234,9 +242,9 @@ async def _add(merger: ChoiceMerger, chunk: Chunk, sink: Sink | None) -> None:
         await sink.emit(events, merger)
 
 
-async def _fail(fe: Frontend, sub: Submitted, out: Outcome, detail: dict, reason: str) -> Outcome:
+async def _fail(fe: Frontend, sub: Submitted, out: Outcome, failure: ServeError, reason: str) -> Outcome:
     """Record the failure and cancel the generation (every fanned-out choice) with ``reason``."""
-    out.detail = detail
+    out.failure = failure
     await _cancel(fe, sub, reason)
     return out
 

@@ -254,7 +254,7 @@ class ResponsesApi:
         sink = EventSink(send, rec) if send is not None else None
         try:
             async with pipeline.admitted(self.fe, preq, self.tenancy) as sub:
-                out = await pipeline.run(self.fe, sub, preq.body, sink, gone=gone)
+                out = await pipeline.run(self.fe, sub, sink=sink, gone=gone)
         except ApiError as err:
             raise _mapped(err) from None
         if out.error is not None and (sink is None or not sink.started):
@@ -308,7 +308,7 @@ class ResponsesApi:
                 cur = await self._update(rec, unless_ended({**rec, "status": "in_progress"}))
                 if cur is None or cur["status"] != "in_progress":  # cancelled (or deleted) before it started
                     await self.fe.cancel(preq.request_id, "client", tenant=preq.tenant_id)
-                out = await pipeline.run(self.fe, started.sub, preq.body, sink)
+                out = await pipeline.run(self.fe, started.sub, sink=sink)
             finally:
                 await started.release()
             end = finished(rec, out, sink.tr.output if sink is not None and sink.started else None)

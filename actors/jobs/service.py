@@ -200,7 +200,7 @@ class JobsService:
                                    {"gateway_in": now, "auth_done": now})
             try:
                 async with pipeline.admitted(self.fe, req, budgets=self.budgets) as sub:
-                    out = await self._attempt(sub, body, tenant, job_id)
+                    out = await self._attempt(sub, tenant, job_id)
             except ApiError as err:  # not submitted
                 if err.status in RETRY_STATUSES and err.code not in FINAL_CODES:
                     await _backoff(job_id, req.request_id, err)
@@ -215,12 +215,12 @@ class JobsService:
                 continue
             return out.status, out.error.body()
 
-    async def _attempt(self, sub, body: dict, tenant: str, job_id: str) -> pipeline.Outcome | None:
+    async def _attempt(self, sub, tenant: str, job_id: str) -> pipeline.Outcome | None:
         """Run one submitted request under the job's cancel watch; None: it failed because the job was
         cancelled meanwhile."""
         watcher = asyncio.create_task(self._watch_cancel(tenant, job_id, sub.request_id, sub.num_choices))
         try:
-            out = await pipeline.run(self.fe, sub, body)
+            out = await pipeline.run(self.fe, sub)
         finally:
             watcher.cancel()
         if not out.ok and watcher.done() and not watcher.cancelled() and watcher.result():

@@ -33,7 +33,8 @@ from typing import Any, Protocol
 from actors.aio import cancel_tasks
 from actors.load_report import LoadReporter, new_actor_id
 from actors.scheduler.policy import weight_share
-from bus.messages import MAX_LOAD_TENANTS, GenerateRequest, error_dict
+from bus.errors import ServeError
+from bus.messages import MAX_LOAD_TENANTS, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +176,10 @@ class SchedulerLoad:
         if not cold_start_refusal(req.deadline, wall, self.svc.own_service_s(req), left):
             return None
         self.refused += 1
-        return error_dict(503, f"model {req.model_ref} has no running worker and one cannot start before the "
-                          f"request's deadline (cold start about {self.cold_start_s():.0f} s); retry later",
-                          type_="unavailable", code="cold_start", retryable=True, retry_after=max(1.0, round(left, 1)))
+        return ServeError(503, f"model {req.model_ref} has no running worker and one cannot start before the "
+                           f"request's deadline (cold start about {self.cold_start_s():.0f} s); retry later",
+                           type="unavailable", code="cold_start", retryable=True,
+                           retry_after=max(1.0, round(left, 1))).to_wire()
 
     def tokens_of(self, req: GenerateRequest) -> int:
         """The completion tokens the scheduler expects ``req`` to generate."""

@@ -19,7 +19,8 @@ import logging
 import time
 from typing import Any, Protocol
 
-from bus.messages import GenerateRequest, error_dict
+from bus.errors import ServeError
+from bus.messages import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,9 @@ async def handle(svc: ResumeHost, msg, req: GenerateRequest) -> None:
             svc.requests[rid] = held
         log.warning("migration of %s from %s: no other worker took it within %.1f s", rid, giver_id,
                     time.monotonic() - t0)
-        return await svc.ack(msg, False, error_dict(503, "no other worker of this version can take the sequence",
-                                                    type_="unavailable", code="no_worker_for_migration",
-                                                    retryable=True, retry_after=svc.cfg.retry_after_s))
+        return await svc.ack(msg, False, ServeError(503, "no other worker of this version can take the sequence",
+                                                     type="unavailable", code="no_worker_for_migration",
+                                                     retryable=True, retry_after=svc.cfg.retry_after_s).to_wire())
     log.info("migrated %s from %s to %s (placed in %.0f ms)", rid, giver_id, target,
              (time.monotonic() - t0) * 1e3)
     await svc.ack(msg, True)

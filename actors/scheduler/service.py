@@ -28,11 +28,11 @@ from actors.scheduler.vtc import (OutputLengthModel, ServiceLedger, ServiceTimeC
 from actors.cache_salt import cache_salt, cache_scope
 from actors.scheduler.prefix_affinity import PrefixIndex, block_hashes
 from actors.scheduler import resume
+from bus.errors import ServeError
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
 from bus.journal import Journal, MemoryJournal
-from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest,
-                          error_dict)
+from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, DispatchAck, GenerateRequest, HopAck)
 
 log = logging.getLogger(__name__)
 
@@ -212,17 +212,17 @@ class SchedulerService:
             if req.resume is None:
                 raise ValueError("a migrated request must carry resume")
         except ValueError as exc:
-            return await self.ack(msg, False, error_dict(400, str(exc), param="resume"))
+            return await self.ack(msg, False, ServeError(400, str(exc), param="resume").to_wire())
         resume.start(self, msg, req)
 
     async def _on_submit(self, msg: Msg) -> None:
         try:
             req = GenerateRequest.decode(msg.data)
         except ValueError as exc:
-            return await self.ack(msg, False, error_dict(400, str(exc)))
+            return await self.ack(msg, False, ServeError(400, str(exc)).to_wire())
         if req.resume is not None:  # only workers hand over sequences, on their own subject
-            return await self.ack(msg, False, error_dict(400, "resume is accepted only on the migrate subject",
-                                                          param="resume"))
+            return await self.ack(msg, False, ServeError(400, "resume is accepted only on the migrate subject",
+                                                           param="resume").to_wire())
         if self._known(req):  # a validator's retry after an ack it did not hear: taken once
             return await self.ack(msg, True)
         if self._early_cancels.pop(req.request_id) is not None:  # cancelled on its way here: never queue it
@@ -246,9 +246,9 @@ class SchedulerService:
             await self.journal.append(req)
         except Exception as exc:  # no durable record: refuse rather than accept what a failover would lose
             log.warning("journal append failed: %s", exc)
-            return await self.ack(msg, False, error_dict(503, "the scheduler cannot persist requests right now",
-                                                          type_="unavailable", code="journal_unavailable",
-                                                          retryable=True, retry_after=self.cfg.retry_after_s))
+            refusal = ServeError(503, "the scheduler cannot persist requests right now", type="unavailable",
+                                 code="journal_unavailable", retryable=True, retry_after=self.cfg.retry_after_s)
+            return await self.ack(msg, False, refusal.to_wire())
         self._push(req)
         self._taken.add(req.request_id, req.marks.get("validate_out"))
         self._traces.put(req.request_id, tracing.current())  # the validator's span (bus hook); None when off
@@ -304,18 +304,19 @@ class SchedulerService:
     def _refusal(self, verdict: str) -> dict:
         """Error payload for an admission refusal (429 tenant queue full, 503 otherwise)."""
         if verdict == QUEUE_FULL_TENANT:
-            return error_dict(429, "too many queued requests for this tenant; retry later", type_="rate_limit",
-                              code="tenant_queue_full", retryable=True, retry_after=self.cfg.retry_after_s)
+            return ServeError(429, "too many queued requests for this tenant; retry later", type="rate_limit",
+                               code="tenant_queue_full", retryable=True, retry_after=self.cfg.retry_after_s).to_wire()
         if verdict == DEADLINE_UNMEETABLE:
-            return error_dict(503, "the request cannot finish before its deadline at the current load",
-                              type_="overloaded", code="deadline_unmeetable", retryable=True, retry_after=self.cfg.retry_after_s)
-        return error_dict(503, "the model's queue is full; retry later", type_="overloaded", code="queue_full",
-                          retryable=True, retry_after=self.cfg.retry_after_s)
+            return ServeError(503, "the request cannot finish before its deadline at the current load",
+                               type="overloaded", code="deadline_unmeetable", retryable=True,
+                               retry_after=self.cfg.retry_after_s).to_wire()
+        return ServeError(503, "the model's queue is full; retry later", type="overloaded", code="queue_full",
+                           retryable=True, retry_after=self.cfg.retry_after_s).to_wire()
 
     async def ack(self, msg: Msg, ok: bool, error: dict | None = None) -> None:
-        """Answer a submit (or a hand-over) on ``msg``: ``{"accepted": ok, "error": error}``."""
+        """Answer a submit (or a hand-over) on ``msg`` with a :class:`HopAck` (``error``: the wire error dict)."""
         if msg.reply:
-            await msg.respond(orjson.dumps({"accepted": ok, "error": error}))
+            await msg.respond(HopAck(ok, error).encode())
 
     async def _on_credits(self, msg: Msg) -> None:
         try:
@@ -500,8 +501,8 @@ class SchedulerService:
         """End ``req`` with a final error chunk and a completion record."""
         await self.journal.remove(req.request_id)
         kind = "unavailable" if status >= 500 else "cancelled" if status == 499 else "invalid_request_error"
-        err = error_dict(status, message, type_=kind, code=code,
-                         retryable=retryable, retry_after=self.cfg.retry_after_s if retryable else None)
+        err = ServeError(status, message, type=kind, code=code,
+                          retryable=retryable, retry_after=self.cfg.retry_after_s if retryable else None).to_wire()
         chunk = Chunk(req.request_id, 0, final=True, finish_reason="abort", error=err, model=req.model_ref,
                       choice_index=req.choice_index)
         rec = CompletionRecord(req.request_id, req.tenant, req.name, req.version,

@@ -24,17 +24,19 @@ from actors.validator.validation import (MAX_CHOICES, MAX_N, ValidatedRequest, d
                                          prepare_prompt, validate_request)
 from actors import content_log
 from actors.load_report import LoadReporter, new_actor_id
+from bus.errors import ServeError
 from bus import subjects, tracing
 from bus.base import Bus, BusDisconnected, BusError, BusTimeout, Msg, NoResponders
-from bus.messages import ApiRequest, Cancel, Chunk, GenerateRequest, SamplingParams, error_dict, sampling_defaults
+from bus.messages import (ApiRequest, Cancel, Chunk, GenerateRequest, HopAck, SamplingParams, ValidatorPing,
+                          ValidatorPong, choice_request_id, sampling_defaults)
 
 log = logging.getLogger(__name__)
 
 
 RETRIED_REFUSALS = frozenset({"journal_unavailable"})  # scheduler refusals the validator retries (see _submit)
-# refusal fields passed on to the gateway: shedding hints (gateway/shed.py) and the scheduler's Retry-After
-# (a cold start's, actors/scheduler/load.py)
-HINT_FIELDS = ("queue_clear_at", "decode_step_s", "retry_after")
+# refusal fields passed on to the gateway besides the error's own (the scheduler's Retry-After, e.g. a cold
+# start's, actors/scheduler/load.py, travels as ServeError.retry_after): shedding hints (gateway/shed.py)
+HINT_FIELDS = ("queue_clear_at", "decode_step_s")
 # requests prepared on the event loop instead of a thread (decision 0029): prompt text of at most INLINE_CHARS
 # characters and none of the fields whose checks can take long (grammar compilation, tool prompts)
 INLINE_CHARS = 2000
@@ -60,12 +62,6 @@ def prepare_inline(body: dict) -> bool:
             return False
         total += len(content)
     return total <= INLINE_CHARS
-
-
-def _refusal_code(ack: dict) -> str | None:
-    """The ``error.code`` of a scheduler's refusal ack (None if there is none)."""
-    err = ack.get("error")
-    return err.get("code") if isinstance(err, dict) else None
 
 
 @dataclass
@@ -171,15 +167,16 @@ class ValidatorService:
         await self.load.stop()
 
     async def _on_msg(self, msg: Msg) -> None:
-        if msg.data == b'{"ping":true}':
-            return await msg.respond(b'{"pong":true}') if msg.reply else None
         try:
-            req = ApiRequest.decode(msg.data)
-        except ValueError as exc:
+            obj = orjson.loads(msg.data)
+            if ValidatorPing.matches(obj):
+                return await msg.respond(ValidatorPong().encode()) if msg.reply else None
+            req = ApiRequest.from_dict(obj) if isinstance(obj, dict) else ApiRequest.decode(msg.data)
+        except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
             log.warning("undecodable ApiRequest: %s", exc)
-            return await msg.respond(orjson.dumps({"accepted": False})) if msg.reply else None
+            return await msg.respond(HopAck(False).encode()) if msg.reply else None
         if msg.reply:
-            await msg.respond(b'{"accepted":true}')
+            await msg.respond(HopAck(True).encode())
         attempt = f"{req.request_id}|{req.marks.get('gateway_out')}"  # the same hand-off, not the same id
         if self._seen.get(attempt) is not None:  # a gateway asking again after a late ack: handled once here
             return
@@ -245,18 +242,17 @@ class ValidatorService:
             try:
                 gens = await self._prepare(req)
                 if req.request_id in self._cancelled:  # the client left while we tokenized: never schedule it
-                    return await self._fail(req, error_dict(499, "request cancelled", type_="cancelled",
-                                                            code="cancelled"))
+                    return await self._fail(req, ServeError(499, "request cancelled", type="cancelled",
+                                                             code="cancelled").to_wire())
                 await self._submit_all(gens)
             except RequestError as err:
                 retry = err.status >= 500 or err.status == 429  # overload / quota: try again later
-                await self._fail(req, {**error_dict(err.status, err.message, type_=err.type, param=err.param,
-                                                    code=err.code, retryable=retry,
-                                                    retry_after=1.0 if retry else None), **err.extra})
+                after = err.retry_after if err.retry_after is not None else 1.0 if retry else None
+                await self._fail(req, replace(err, retryable=retry, retry_after=after).to_wire())
             except Exception as exc:  # a bug must answer (500), never leave the client waiting
                 log.exception("validation of %s failed", req.request_id)
-                await self._fail(req, error_dict(500, f"internal error while validating the request: {exc}",
-                                                 type_="server_error", code="internal_error"))
+                await self._fail(req, ServeError(500, f"internal error while validating the request: {exc}",
+                                                  type="server_error", code="internal_error").to_wire())
 
     async def _prepare(self, req: ApiRequest) -> list[GenerateRequest]:
         """Validate and tokenize (in a thread). Raises RequestError."""
@@ -285,7 +281,7 @@ class ValidatorService:
         for pi, (ids, params, echo) in enumerate(prepared):
             for i in range(n):
                 index = pi * n + i
-                rid = req.request_id if n * len(prepared) == 1 else f"{req.request_id}-{index}"
+                rid = req.request_id if n * len(prepared) == 1 else choice_request_id(req.request_id, index)
                 out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids),
                                            params.seeded(i), req.priority, req.deadline, marks, echo_text=echo,
                                            choice_index=index, adapter=req.adapter,
@@ -332,23 +328,23 @@ class ValidatorService:
                 try:
                     reply = await self.bus.request(subjects.sched_submit(gen.name, gen.version), gen.encode(),
                                                    self.cfg.scheduler_ack_s)
-                    ack = orjson.loads(reply.data)
+                    ack = HopAck.decode(reply.data)
                 except (NoResponders, BusTimeout):
                     ack = None
                     if time.time() + 0.2 >= give_up:
                         raise
-                if ack is not None and (ack.get("accepted") or _refusal_code(ack) not in RETRIED_REFUSALS
+                if ack is not None and (ack.accepted or ack.code not in RETRIED_REFUSALS
                                         or time.time() + 0.2 >= give_up):
                     break
                 await asyncio.sleep(0.2)
         except (NoResponders, BusTimeout, BusDisconnected, BusError, ValueError) as exc:
             raise RequestError(503, f"no scheduler is available for {gen.model_ref}; retry later",
                                code="scheduler_unavailable", type="unavailable") from exc
-        if not ack.get("accepted"):
-            err = ack.get("error") or {}
-            raise RequestError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
-                               err.get("param"), err.get("code"), err.get("type") or "unavailable",
-                               {k: err[k] for k in HINT_FIELDS if err.get(k) is not None})
+        if not ack.accepted:
+            err = ack.error or {}
+            raise ServeError(int(err.get("status", 503)), err.get("message", "refused by the scheduler"),
+                             err.get("param"), err.get("code"), err.get("type") or "unavailable", err.get("retry_after"),
+                             extra={k: err[k] for k in HINT_FIELDS if err.get(k) is not None})
 
     async def _fail(self, req: ApiRequest, err: dict) -> None:
         tracing.set_error(f"{err.get('code') or err.get('status')}: {err.get('message')}")

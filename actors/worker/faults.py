@@ -81,10 +81,10 @@ class FaultInjector:
 
     def error(self) -> dict[str, Any]:
         """The error payload of an injected failure (retryable 500)."""
-        from bus.messages import error_dict
+        from bus.errors import ServeError
 
-        return error_dict(500, f"injected fault ({ENV_TEST_FAULTS}=1, manifest {MANIFEST_KEY})", type_="server_error",
-                          code=FAULT_CODE, retryable=True, retry_after=1.0)
+        return ServeError(500, f"injected fault ({ENV_TEST_FAULTS}=1, manifest {MANIFEST_KEY})", type="server_error",
+                          code=FAULT_CODE, retryable=True, retry_after=1.0).to_wire()
 
 
 def faults_enabled(env: Mapping[str, str] | None = None) -> bool:

@@ -31,14 +31,13 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Protocol
 
-import orjson
-
 from actors.worker.live import Live
 from actors.worker.migration_state import MAX_MIGRATIONS, ResumeState, resume_of
 from actors.worker.outputs import Outbox
+from bus.errors import ServeError
 from bus import subjects
 from bus.base import Bus, BusError
-from bus.messages import GenerateRequest, error_dict
+from bus.messages import GenerateRequest, HopAck
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +181,8 @@ class Migrator:
             try:
                 m = await self.host.bus.request(subjects.sched_migrate(req.name, req.version), req.encode(),
                                                self.cfg.handoff_timeout_s)
-                ans = orjson.loads(m.data)
-                ok, why = bool(ans.get("accepted")), (ans.get("error") or {}).get("code", "refused")
+                ans = HopAck.decode(m.data)
+                ok, why = ans.accepted, ans.code or "refused"
             except (BusError, ValueError, AttributeError) as exc:
                 ok, why = False, f"{type(exc).__name__}: {exc}"
             if ok:
@@ -210,9 +209,9 @@ class Migrator:
                 detach(rid)
             lv.aborted = lv.aborted or "preempted"
             self.num_ended += 1
-            self.host.outbox.finish(lv, error_dict(
-                503, f"the worker was preempted ({self.reason}) before the request finished; retry",
-                type_="unavailable", code="worker_preempted", retryable=True, retry_after=1.0), aborted=True)
+            self.host.outbox.finish(lv, ServeError(
+                 503, f"the worker was preempted ({self.reason}) before the request finished; retry",
+                 type="unavailable", code="worker_preempted", retryable=True, retry_after=1.0).to_wire(), aborted=True)
 
     def on_resumed_chunk(self, lv) -> None:
         """First chunk of a sequence resumed here: record its hand-over gap (ms, previous worker's clock)."""

@@ -9,13 +9,12 @@ import logging
 import time
 from typing import Callable
 
-import orjson
 
 from actors import content_log
 from actors.worker.live import Live
 from bus import subjects, tracing
 from bus.base import Bus, BusError, NoResponders
-from bus.messages import Chunk, CompletionRecord, WorkerStats
+from bus.messages import Chunk, CompletionRecord, ProbeAnswer, ReceiverProbe, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +27,8 @@ async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float =
     responders or ``alive: false`` -> False. A timeout (busy receiver) counts as alive.
     """
     try:
-        m = await bus.request(reply, b'{"probe":"%s"}' % request_id.encode(), timeout)
-        return bool(orjson.loads(m.data).get("alive", True))
+        m = await bus.request(reply, ReceiverProbe(request_id).encode(), timeout)
+        return ProbeAnswer.decode(m.data).alive
     except NoResponders:
         return False
     except (BusError, ValueError, AttributeError):
@@ -130,7 +129,7 @@ class Outbox:
             self.num_finished += 1
 
     def finish(self, lv: Live, err: dict, status: str = "error", aborted: bool = False) -> None:
-        """End ``lv`` with the error ``err`` (an ``error_dict``): a final ``abort`` chunk and its completion
+        """End ``lv`` with the error ``err`` (a ``ServeError`` wire dict): a final ``abort`` chunk and its completion
         record of ``status``; ``aborted`` counts it in ``num_aborted``."""
         if aborted:
             self.num_aborted += 1

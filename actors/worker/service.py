@@ -25,9 +25,10 @@ from actors.worker.engine.types import StepOutput
 from actors.worker.live import Live, engine_request
 from actors.worker.migration import Migrator
 from actors.worker.outputs import Outbox, probe_receiver, step_logprobs, timing, usage, worker_stats
+from bus.errors import ServeError
 from bus import subjects, tracing
 from bus.base import Bus, BusError, Msg
-from bus.messages import Cancel, Chunk, Credits, Dispatch, DispatchAck, GenerateRequest, WorkerStats, error_dict
+from bus.messages import Cancel, Chunk, Credits, Dispatch, DispatchAck, GenerateRequest, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -317,8 +318,8 @@ class WorkerService:
             self._expire_deadlines()
             for lv, why in self._apply_pending():
                 adapter = why.startswith("adapter ")
-                self.outbox.finish(lv, error_dict(400, why, param="model" if adapter else "messages",
-                                                  code="adapter_unavailable" if adapter else None))
+                self.outbox.finish(lv, ServeError(400, why, param="model" if adapter else "messages",
+                                                   code="adapter_unavailable" if adapter else None).to_wire())
             self._flush_aborted()
             if (unpublished or len(self.outbox)) and (self.migration.wanted or self.migration.deadline):
                 unpublished = await self._publish_now(unpublished)  # a hand-over sends lv.seq: chunks first
@@ -371,8 +372,8 @@ class WorkerService:
             except Exception:  # keep ending the others
                 log.exception("abort of %s failed", rid)
             lv.aborted = lv.aborted or "engine_error"
-            self.outbox.finish(lv, error_dict(500, message, type_="server_error", code="engine_error",
-                                              retryable=True, retry_after=1.0))
+            self.outbox.finish(lv, ServeError(500, message, type="server_error", code="engine_error",
+                                               retryable=True, retry_after=1.0).to_wire())
         await self.outbox.flush()
         try:  # drain the abort notices the engine queued, so they do not reach the next batch
             await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.step)
@@ -443,13 +444,13 @@ class WorkerService:
         if lv.cancel_step >= 0:
             self.max_cancel_steps = max(self.max_cancel_steps, self.num_steps - lv.cancel_step)
         if lv.aborted == "deadline":
-            err = error_dict(503, "the request's deadline passed before it finished", type_="timeout",
-                             code="deadline_exceeded", retryable=True, retry_after=1.0)
+            err = ServeError(503, "the request's deadline passed before it finished", type="timeout",
+                              code="deadline_exceeded", retryable=True, retry_after=1.0).to_wire()
         elif lv.aborted == "drain":  # the worker is stopping and its drain timeout ran out: not the client's doing
-            err = error_dict(503, "the worker stopped (drain timeout) before the request finished; retry",
-                             type_="unavailable", code="worker_draining", retryable=True, retry_after=1.0)
+            err = ServeError(503, "the worker stopped (drain timeout) before the request finished; retry",
+                              type="unavailable", code="worker_draining", retryable=True, retry_after=1.0).to_wire()
         else:
-            err = error_dict(499, f"request cancelled ({lv.aborted})", type_="cancelled", code="cancelled")
+            err = ServeError(499, f"request cancelled ({lv.aborted})", type="cancelled", code="cancelled").to_wire()
         self.outbox.finish(lv, err, status="cancelled", aborted=True)
 
     # ---- heartbeats --------------------------------------------------------------------------

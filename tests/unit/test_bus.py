@@ -78,3 +78,52 @@ async def test_memory_bus_queue_group_and_request():
     with pytest.raises(BusTimeout):
         await bus.request("quiet", b"", 0.05)
     await bus.close()
+
+
+def test_hop_acks_and_probes_round_trip_and_read_the_older_bytes():
+    from bus.messages import HopAck, ProbeAnswer, ReceiverProbe, ValidatorPing, ValidatorPong
+    import orjson
+    refused = HopAck(False, {"status": 503, "message": "full", "code": "queue_full"})
+    assert HopAck.decode(refused.encode()) == refused and refused.code == "queue_full"
+    assert HopAck.decode(HopAck(True).encode()) == HopAck(True) and HopAck(True).code is None
+    # the bytes older validators and schedulers sent, and what older readers look up in the new ones
+    assert HopAck.decode(b'{"accepted":true}').accepted and not HopAck.decode(b'{"accepted":false}').accepted
+    assert orjson.loads(refused.encode())["accepted"] is False and orjson.loads(refused.encode())["error"]["code"] == "queue_full"
+    with pytest.raises(ValueError):
+        HopAck(False, "no")  # type: ignore[arg-type]
+    assert ValidatorPing().encode() == b'{"ping":true}' and ValidatorPong().encode() == b'{"pong":true}'
+    assert ValidatorPing.matches(orjson.loads(ValidatorPing().encode()))
+    assert not ValidatorPing.matches({"ping": True, "request_id": "r"})  # an ApiRequest is never a ping
+    probe = ReceiverProbe("abc")
+    assert probe.encode() == b'{"probe":"abc"}' and ReceiverProbe.decode(probe.encode()).request_id == "abc"
+    assert ReceiverProbe.matches(orjson.loads(probe.encode()))
+    assert not ReceiverProbe.matches(orjson.loads(Chunk("abc", 0).encode()))
+    assert ProbeAnswer.decode(ProbeAnswer(False).encode()) == ProbeAnswer(False)
+    assert ProbeAnswer.decode(b'{"alive":false}').alive is False and ProbeAnswer.decode(b"{}").alive is True
+
+
+def test_serve_error_is_the_one_error_from_hop_to_answer():
+    from actors.validator.errors import RequestError
+    from bus.errors import ServeError
+    from bus.messages import HopAck
+    from gateway.openai_format import ApiError
+    assert RequestError is ServeError and ApiError is ServeError
+    err = ServeError(503, "full", code="queue_full", type="overloaded", retryable=True, retry_after=2.0,
+                     extra={"queue_clear_at": 5.0})
+    wire = err.to_wire()
+    assert wire == {"status": 503, "message": "full", "type": "overloaded", "param": None, "code": "queue_full",
+                    "retryable": True, "retry_after": 2.0, "queue_clear_at": 5.0}
+    back = ServeError.from_wire(wire)
+    assert back.to_wire() == wire and back.extra == {"queue_clear_at": 5.0}
+    assert back.body() == {"error": {"message": "full", "type": "overloaded", "param": None, "code": "queue_full"}}
+    assert back.http_headers() == {"Retry-After": "2"}
+    cancelled = ServeError.from_wire({"status": 499, "message": "gone"})
+    assert cancelled.type == "server_error" and cancelled.for_client().status == 408 and cancelled.status == 499
+    assert ServeError.from_wire("junk").status == 500  # type: ignore[arg-type]
+    # it crosses the bus in a Chunk's error and in a refusing HopAck
+    chunk = Chunk.decode(Chunk("r", 0, final=True, error=wire).encode())
+    assert chunk.failure.to_wire() == wire and Chunk("r", 0).failure is None
+    assert HopAck.decode(HopAck(False, wire).encode()).failure.code == "queue_full" and HopAck(True).failure is None
+    with pytest.raises(ServeError) as ei:
+        raise back
+    assert ei.value is back and str(back) == "full" and hash(back) == hash(back)

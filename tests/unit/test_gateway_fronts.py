@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
+from bus.errors import ServeError
 from bus import subjects
 from bus.memory import MemoryBus
-from bus.messages import ApiRequest, Chunk, error_dict
+from bus.messages import ApiRequest, Chunk
 from gateway import pipeline
 from gateway.frontend import Frontend, FrontendConfig
 from gateway.http import HttpFront
@@ -24,14 +25,14 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 SCRIPTS = {  # prompt -> the chunks the "worker" sends
     "ok": lambda r: [Chunk(r, 0, "Hi", (1,), model="tiny@1", worker_id="w"),
                      Chunk(r, 1, "!", (2,), True, "stop", USAGE, model="tiny@1", worker_id="w")],
-    "err_first": lambda r: [Chunk(r, 0, final=True, error=error_dict(400, "too long", code="context_length_exceeded"))],
-    "full": lambda r: [Chunk(r, 0, final=True, model="tiny@1", error=error_dict(
-        503, "the model's queue is full; retry later", type_="overloaded", code="queue_full", retryable=True,
-        retry_after=1.0))],
+    "err_first": lambda r: [Chunk(r, 0, final=True, error=ServeError(400, "too long", code="context_length_exceeded").to_wire())],
+    "full": lambda r: [Chunk(r, 0, final=True, model="tiny@1", error=ServeError(
+         503, "the model's queue is full; retry later", type="overloaded", code="queue_full", retryable=True,
+         retry_after=1.0).to_wire())],
     "err_mid": lambda r: [Chunk(r, 0, "Hi", (1,), model="tiny@1", worker_id="w"),
-                          Chunk(r, 1, final=True, error=error_dict(503, "worker lost", type_="unavailable",
-                                                                   code="worker_lost", retryable=True,
-                                                                   retry_after=1.0))],
+                          Chunk(r, 1, final=True, error=ServeError(503, "worker lost", type="unavailable",
+                                                                    code="worker_lost", retryable=True,
+                                                                    retry_after=1.0).to_wire())],
 }
 
 
@@ -146,7 +147,8 @@ def outcome(stream: bool, detail: dict | None = None, streamed: int = 0) -> tupl
     live = LiveRun(stream)
     for i in range(streamed):
         live.push(b'{"n":%d}' % i)
-    return pipeline.Outcome(ChoiceMerger("completions", "r", "tiny@1", {}, {}, 1), detail), live
+    failure = ServeError.from_wire(detail) if detail is not None else None
+    return pipeline.Outcome(ChoiceMerger("completions", "r", "tiny@1", {}, {}, 1), failure), live
 
 
 async def test_nats_cancel_refuses_a_malformed_id_and_finds_no_unknown_one():
@@ -171,7 +173,7 @@ async def test_nats_cancel_refuses_a_malformed_id_and_finds_no_unknown_one():
 
 
 def test_idempotent_result_shapes():
-    err = error_dict(400, "too long", code="context_length_exceeded")
+    err = ServeError(400, "too long", code="context_length_exceeded").to_wire()
     out, live = outcome(True, err)  # a streamed request failing before any output: a plain JSON error
     headers, body = _result(out, live)
     assert body["error"]["code"] == "context_length_exceeded" and live.events == []

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from bus.messages import Chunk, error_dict
+from bus.errors import ServeError
+from bus.messages import Chunk
 from gateway.inflight import InflightTable, StreamError, next_chunk
 from gateway.openai_format import ApiError, full_timing, TIMING_KEYS
 
@@ -50,7 +51,7 @@ async def test_error_chunk_ends_stream_regardless_of_seq():
     t = InflightTable()
     e = t.open("r", time.time() + 5, 5)
     t.deliver(ck(0))
-    t.deliver(Chunk("r", 0, final=True, error=error_dict(503, "lost", retryable=True)))
+    t.deliver(Chunk("r", 0, final=True, error=ServeError(503, "lost", retryable=True).to_wire()))
     await next_chunk(e)
     c = await next_chunk(e)
     assert c.final and c.error["status"] == 503
@@ -77,7 +78,7 @@ async def test_fail_all_reaches_waiters():
     e = t.open("r", time.time() + 5, 5)
     waiter = asyncio.create_task(next_chunk(e))
     await asyncio.sleep(0.01)
-    t.fail_all(error_dict(503, "bus down", code="bus_disconnected", retryable=True))
+    t.fail_all(ServeError(503, "bus down", code="bus_disconnected", retryable=True))
     with pytest.raises(StreamError) as ei:
         await waiter
     assert ei.value.error["code"] == "bus_disconnected"
@@ -96,7 +97,7 @@ def test_api_error_shape():
     e = ApiError(503, "busy", code="queue_full", type="overloaded", retry_after=0.2)
     assert e.body() == {"error": {"message": "busy", "type": "overloaded", "param": None, "code": "queue_full"}}
     assert e.http_headers()["Retry-After"] == "1"
-    assert ApiError.from_chunk_error(error_dict(499, "gone")).status == 408
+    assert ApiError.from_chunk_error(ServeError(499, "gone").to_wire()).status == 408
 
 
 async def test_gateway_answers_worker_probes():
@@ -150,3 +151,41 @@ async def test_disconnect_watch_ends_only_the_gone_request_and_stops_when_idle()
     await asyncio.wait_for(task, 1.0)  # nothing watched any more: the task ends
     t.watch("gone-already", lambda: True)  # not open: nothing to watch
     assert t._watch_task is task
+
+
+def test_choices_are_routed_by_the_ids_registered_at_open_never_parsed():
+    from bus.messages import choice_request_id
+    t = InflightTable()
+    parent = t.open("a-b", time.time() + 5, 5.0, children=2)
+    assert t.get(choice_request_id("a-b", 1)) is parent and t.get("a-b-7") is None  # only its own choices
+    single = t.open("c", time.time() + 5, 5.0)
+    assert t.get("c") is single and t.get(choice_request_id("c", 0)) is None  # an unsplit request has none
+    t.close("a-b")
+    assert t.get(choice_request_id("a-b", 0)) is None
+
+
+def test_api_body_reads_the_gateway_fields_once():
+    from gateway.request_body import ApiBody
+    b = ApiBody.parse("completions", {"model": "m", "prompt": ["x", "y"], "n": 2, "max_completion_tokens": 7,
+                                      "ignore_eos": True, "logprobs": 0, "stream": True,
+                                      "stream_options": {"include_usage": True}, "priority": "batch"})
+    assert (b.model, b.priority, b.max_tokens, b.ignore_eos, b.num_choices, b.n, b.logprobs, b.stream,
+            b.include_usage) == ("m", "batch", 7, True, 4, 2, True, True, True)
+    chat = ApiBody.parse("chat", {"model": "m", "logprobs": False, "max_tokens": True, "n": 0})
+    assert (chat.max_tokens, chat.n, chat.num_choices, chat.logprobs, chat.priority) == (0, 1, 1, False, "interactive")
+    assert ApiBody.parse("chat", ["not", "an", "object"]).raw == {}
+
+
+async def test_each_fanned_out_choice_has_its_own_sequence_and_worker_by_its_choice_index():
+    from bus.messages import choice_request_id
+    t = InflightTable()
+    e = t.open("r", time.time() + 5, 5, children=2)
+    c0, c1 = choice_request_id("r", 0), choice_request_id("r", 1)
+    for c in (Chunk(c1, 0, worker_id="a", choice_index=1), Chunk(c0, 0, worker_id="a"),
+              Chunk(c1, 1, worker_id="b", choice_index=1),  # choice 1 migrated to b at its next seq
+              Chunk(c0, 1, worker_id="a"), Chunk(c1, 2, worker_id="a", choice_index=1)):
+        assert t.deliver(c)
+    assert [(await next_chunk(e)).seq for _ in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(StreamError) as ei:  # a's chunk of choice 1 after it handed that choice over
+        await next_chunk(e)
+    assert ei.value.error["code"] == "stream_gap"

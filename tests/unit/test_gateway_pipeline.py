@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
+from bus.errors import ServeError
 from bus import subjects
 from bus.memory import MemoryBus
-from bus.messages import Cancel, Chunk, error_dict
+from bus.messages import Cancel, Chunk
 from gateway import pipeline
 from gateway.frontend import Frontend, FrontendConfig, Submitted
 from gateway.openai_format import ApiError
@@ -90,12 +91,12 @@ async def test_success_stream_hands_every_chunk_to_the_sink():
 async def test_error_chunk_first_reaches_no_sink_and_sends_no_cancel():
     bus, fe = await frontend()
     sub = submitted(fe)
-    deliver(fe, Chunk("r", 0, final=True, error=error_dict(429, "queue full", type_="overloaded",
-                                                            code="queue_full", retryable=True, retry_after=2.0)))
+    deliver(fe, Chunk("r", 0, final=True, error=ServeError(429, "queue full", type="overloaded",
+                                                             code="queue_full", retryable=True, retry_after=2.0).to_wire()))
     sink = Recorder()
     out = await pipeline.run(fe, sub, {"model": "m", "stream": True}, sink)
     assert not out.ok and out.status == 429 and out.error.code == "queue_full" and out.error.retry_after == 2.0
-    assert out.detail["retryable"] is True and sink.calls == []
+    assert out.failure.retryable is True and sink.calls == []
     # a refusal (validator or scheduler) was never queued: no cancel crosses the bus for it
     assert cancels(bus) == [] and fe.table.get("r") is None
 
@@ -103,10 +104,10 @@ async def test_error_chunk_first_reaches_no_sink_and_sends_no_cancel():
 async def test_error_chunk_mid_stream_keeps_what_was_streamed():
     bus, fe = await frontend()
     sub = submitted(fe)
-    deliver(fe, ok_chunks()[0], Chunk("r", 1, final=True, error=error_dict(503, "worker lost", code="worker_lost")))
+    deliver(fe, ok_chunks()[0], Chunk("r", 1, final=True, error=ServeError(503, "worker lost", code="worker_lost").to_wire()))
     sink = Recorder()
     out = await pipeline.run(fe, sub, {"model": "m", "stream": True}, sink)
-    assert out.status == 503 and out.detail["code"] == "worker_lost" and len(sink.calls) == 1
+    assert out.status == 503 and out.failure.code == "worker_lost" and len(sink.calls) == 1
     assert out.merger.texts[0] == ["Hi"]
     assert cancels(bus) == [] and fe.table.get("r") is None  # its sender (the scheduler) ended it
 
@@ -114,9 +115,9 @@ async def test_error_chunk_mid_stream_keeps_what_was_streamed():
 async def test_cancelled_by_worker_is_a_408():
     bus, fe = await frontend()
     sub = submitted(fe)
-    deliver(fe, Chunk("r", 0, final=True, error=error_dict(499, "cancelled", code="cancelled")))
+    deliver(fe, Chunk("r", 0, final=True, error=ServeError(499, "cancelled", code="cancelled").to_wire()))
     out = await pipeline.run(fe, sub, {"model": "m"})
-    assert out.status == 408 and out.detail["status"] == 499
+    assert out.status == 408 and out.failure.status == 499
 
 
 async def test_deadline_is_a_stream_error_cancelled_once_by_the_pipeline():
@@ -143,7 +144,7 @@ async def test_fanned_out_request_cancels_every_choice_once():
     sub = submitted(fe, k=2)
     deliver(fe, Chunk("r-0", 0, "a", (1,), worker_id="w"),
             Chunk("r-1", 0, final=True, choice_index=1,
-                  error=error_dict(400, "context too long", code="context_length_exceeded")))
+                  error=ServeError(400, "context too long", code="context_length_exceeded").to_wire()))
     out = await pipeline.run(fe, sub, {"model": "m", "n": 2})
     assert out.status == 400
     assert sorted(cancels(bus)) == [("r", "sibling_failed"), ("r-0", "sibling_failed"), ("r-1", "sibling_failed")]

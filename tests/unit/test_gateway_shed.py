@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bus.messages import error_dict
+from bus.errors import ServeError
 from gateway.shed import HINT_TTL_S, Shape, ShedHints
 
 T0 = 1_000_000.0
 
 
 def refusal(code: str, status: int = 503, **extra) -> dict:
-    return {**error_dict(status, "refused", type_="overloaded", code=code, retryable=True, retry_after=1.0), **extra}
+    return ServeError(status, "refused", type="overloaded", code=code, retryable=True, retry_after=1.0,
+                      extra=extra).to_wire()
 
 
 def shape(tenant="a", deadline=T0 + 10, max_tokens=32, ignore_eos=True, model="m@1", priority="interactive"):
@@ -47,7 +48,7 @@ def test_deadline_hint_refuses_only_what_surely_finishes_late():
 
 
 @pytest.mark.parametrize("err", [refusal("deadline_unmeetable"), refusal("deadline_exceeded"),
-                                 error_dict(400, "bad", code="context_length_exceeded"), None])
+                                 ServeError(400, "bad", code="context_length_exceeded").to_wire(), None])
 def test_other_errors_and_hintless_refusals_teach_nothing(err):
     h = ShedHints()
     h.learn("m@1", "a", "interactive", err, T0)

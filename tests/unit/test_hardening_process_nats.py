@@ -57,7 +57,7 @@ async def test_a_cancel_lost_to_a_disconnect_is_sent_once_the_bus_is_back(monkey
     await asyncio.sleep(0.05)
     bus.disconnect()  # the gateway fails its streams (bus_disconnected); the cancel cannot be published
     out = await asyncio.wait_for(run, 2)
-    assert out.status == 503 and out.detail["code"] == "bus_disconnected"
+    assert out.status == 503 and out.failure.code == "bus_disconnected"
     sent = lambda: [Cancel.decode(d).request_id for s, d in bus.published if s == subjects.cancel("r")]  # noqa: E731
     assert sent() == []
     bus.connected = True  # reconnected

@@ -7,13 +7,15 @@ without the header carried it, so a client could not tell that it should retry.
 
 from __future__ import annotations
 
+from bus.errors import ServeError
 from gateway.idempotency import LiveRun, _result
 from gateway.merge import ChoiceMerger
 from gateway.pipeline import Outcome
 
 
 def _outcome(detail: dict | None) -> Outcome:
-    return Outcome(ChoiceMerger("chat", "r1", "tiny@1", {}, {}, 1), detail=detail)
+    return Outcome(ChoiceMerger("chat", "r1", "tiny@1", {}, {}, 1),
+                   failure=ServeError.from_wire(detail) if detail is not None else None)
 
 
 def test_error_before_output_keeps_retry_after():

@@ -245,11 +245,12 @@ def test_replay_events_rebuild_the_live_stream_with_the_stored_ids():
 def _outcome(chunks, detail=None, disconnected=False):
     from gateway.merge import ChoiceMerger
     from gateway.pipeline import Outcome
+    from bus.errors import ServeError
 
     merger = ChoiceMerger("chat", "r1", "m@1", {"model": "m"}, {}, 1)
     for ch in chunks:
         merger.add(ch)
-    return Outcome(merger, detail, disconnected)
+    return Outcome(merger, ServeError.from_wire(detail) if detail is not None else None, disconnected)
 
 
 def test_records_of_finished_runs():
