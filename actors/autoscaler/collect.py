@@ -197,6 +197,7 @@ class WorkerRecord:
     name: str
     version: str
     pool: str
+    sleeping: bool = False  # its record says it sleeps (actors/worker/sleep.py): not a running replica
 
 
 def worker_records(prefix: str, listing: Mapping[str, object], default_pool: str) -> list[WorkerRecord]:
@@ -208,7 +209,9 @@ def worker_records(prefix: str, listing: Mapping[str, object], default_pool: str
         if len(parts) != 3 or not all(parts):
             continue
         pool = value.get("pool") if isinstance(value, dict) else None
-        out.append(WorkerRecord(parts[2], parts[0], parts[1], pool if isinstance(pool, str) and pool else default_pool))
+        sleep = value.get("sleep") if isinstance(value, dict) else None
+        out.append(WorkerRecord(parts[2], parts[0], parts[1], pool if isinstance(pool, str) and pool else default_pool,
+                                isinstance(sleep, dict) and sleep.get("state") == "sleeping"))
     return sorted(out, key=lambda r: (r.name, r.version, r.pool, r.worker_id))
 
 
@@ -232,7 +235,11 @@ def pool_signals(now: float, wall: float, versions: Iterable[tuple[str, str]], d
     cfg = cfg or CollectConfig()
     desired, mixes = desired or {}, mixes or {}
     by_pool: dict[tuple[str, str], dict[str, list[WorkerRecord]]] = {}
+    asleep: dict[tuple[str, str, str], int] = {}  # sleeping workers per version pool: not replicas, a tier
     for w in workers:
+        if w.sleeping:
+            asleep[(w.name, w.version, w.pool)] = asleep.get((w.name, w.version, w.pool), 0) + 1
+            continue
         by_pool.setdefault((w.name, w.version), {}).setdefault(w.pool, []).append(w)
     out: dict[str, PoolSignals] = {}
     for name, version in sorted(set(versions)):
@@ -263,5 +270,6 @@ def pool_signals(now: float, wall: float, versions: Iterable[tuple[str, str]], d
                 kv_util=sum(kv) / len(kv) if kv else 0.0, ttft_ms_p90=ttft, itl_ms_p90=itl,
                 arrival_tokens_per_s=(sched.arrivals_tokens_per_s * share) if sched else 0.0,
                 served_tokens_per_s=sum(credits.served_per_s(now, w.worker_id) for w in ws),
-                cold_start_waiting=round(sched.cold_start_waiting * share) if sched else 0)
+                cold_start_waiting=round(sched.cold_start_waiting * share) if sched else 0,
+                sleeping=asleep.get((name, version, pool), 0))
     return out

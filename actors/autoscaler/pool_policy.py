@@ -15,7 +15,9 @@ Per ``name/version/pool`` each tick, in this order (the first that applies wins)
    drain at the served rate), at least one more than the active workers and ``ceil(active x arrivals /
    served)`` (the served rate of a saturated pool is its capacity), at most ``max_up_factor`` x active;
    without a curve, capacity is the largest per-worker served rate seen while the queue had a backlog
-   (0, so only the signal path acts, until one was seen);
+   (0, so only the signal path acts, until one was seen); while the pool has sleeping workers (a tier between
+   running and cold: not counted as replicas, woken before anything is spawned, decision 0042) the cool-down
+   does not apply: a wake serves in about a second, a cold start in tens;
 5. down by one, after every signal stayed low (queue drains within ``queue_drain_low_s``, KV below
    ``kv_low``, TTFT/ITL p90 below ``slo_low_fraction`` of the SLO, arrivals fit one replica fewer at the
    target utilisation) for ``down_window_s`` and ``cooldown_down_s`` since the last change. Zero traffic is
@@ -219,9 +221,12 @@ class PoolPolicy:
             if by_signal > want:
                 want, why = by_signal, "; ".join(over)
         new = min(want, lim.ceiling)
-        if new <= prev or now - st.last_up < self.cfg.cooldown_up_s:
+        # the cool-down waits out a cold start; a sleeping worker is serving about a second after its wake
+        # (decision 0042), so while the pool has sleepers a further step up does not wait for the last one
+        cooldown = self.cfg.cooldown_up_s if s.sleeping == 0 else 0.0
+        if new <= prev or now - st.last_up < cooldown:
             return None, ""
-        return new, why
+        return new, why + (f"; {s.sleeping} sleeping worker(s) to wake" if s.sleeping else "")
 
     def _low(self, s: PoolSignals, slo: Slo, cap: float, r: int) -> bool:
         drain = _drain_s(s, cap)
@@ -273,7 +278,7 @@ class PoolPolicy:
             reason = (f"{s.leaving} leaving worker(s) replaced" if desired > last else "leaving worker(s) gone")
         inputs = {f: getattr(s, f) for f in ("replicas", "starting", "leaving", "queue_tokens", "queue_len",
                                              "kv_util", "ttft_ms_p90", "itl_ms_p90", "arrival_tokens_per_s",
-                                             "served_tokens_per_s", "cold_start_waiting")}
+                                             "served_tokens_per_s", "cold_start_waiting", "sleeping")}
         inputs.update(extra, previous_active=prev, active_target=active, floor=lim.floor, ceiling=lim.ceiling,
                       scale_to_zero=lim.scale_to_zero)
         return Decision(now, "pool", s.target, s.replicas, desired, f"{s.target} {reason}", inputs)

@@ -69,7 +69,8 @@ class PoolSignals:
     ``queue_tokens`` / ``queue_len``: the version's scheduler queue (tokens, requests); ``kv_util``: mean KV
     block use of its workers (0..1); ``ttft_ms_p90`` / ``itl_ms_p90``: 0 when the window had none;
     ``arrival_tokens_per_s`` / ``served_tokens_per_s``: generated-token demand arriving and tokens served
-    (the unit of ThroughputCurve.capacity_tokens_per_s); ``cold_start_waiting``: requests held for a worker.
+    (the unit of ThroughputCurve.capacity_tokens_per_s); ``cold_start_waiting``: requests held for a worker;
+    ``sleeping``: sleeping workers of the pool, not counted in ``replicas`` (a scale-up wakes them first).
     """
 
     name: str
@@ -86,12 +87,13 @@ class PoolSignals:
     arrival_tokens_per_s: float = 0.0
     served_tokens_per_s: float = 0.0
     cold_start_waiting: int = 0
+    sleeping: int = 0  # sleeping workers of the version pool (not in replicas): woken in ~1 s (decision 0042)
 
     def __post_init__(self) -> None:
         for name in ("name", "version", "pool"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"PoolSignals.{name} must be a non-empty string")
-        _check_all(self, ("replicas", "starting", "leaving", "queue_len", "cold_start_waiting"),
+        _check_all(self, ("replicas", "starting", "leaving", "queue_len", "cold_start_waiting", "sleeping"),
                    ("queue_tokens", "kv_util", "ttft_ms_p90", "itl_ms_p90", "arrival_tokens_per_s",
                     "served_tokens_per_s"))
         if self.leaving > self.replicas:

@@ -402,3 +402,35 @@ def test_request_during_the_drain_of_a_scale_to_zero_asks_for_one_worker():
     [d] = p.decide(32.0, {KEY: pool(1, leaving=1, cold_start_waiting=1)}, lim, {}, {})
     assert d.desired == 1  # one new worker, not one more for the draining one
     assert p.decide(33.0, {KEY: pool(0, cold_start_waiting=1)}, lim, {}, {}) == []
+
+
+def test_sleeping_workers_are_a_tier_a_step_up_need_not_wait_for():
+    """Issue [28]: with sleeping workers in the pool a second step up does not wait out the cool-down (a wake
+    serves in about a second); without them it does. Sleepers are not replicas (collect.py leaves them out)."""
+    for sleeping, second_step_at in ((0, FAST_POOL.cooldown_up_s), (2, 1.0)):
+        p = PoolPolicy(FAST_POOL)
+        lim = {KEY: Limits(1, 8)}
+        [d] = p.decide(0.0, {KEY: pool(1, arrival_tokens_per_s=600, sleeping=sleeping)}, lim, {KEY: SLO},
+                       {KEY: CURVE})
+        assert d.desired == 2 and d.inputs["sleeping"] == sleeping
+        assert ("sleeping worker(s) to wake" in d.reason) == bool(sleeping)
+        t, got = 1.0, []
+        while not got:
+            got = p.decide(t, {KEY: pool(2, arrival_tokens_per_s=1200, sleeping=sleeping)}, lim, {KEY: SLO},
+                           {KEY: CURVE})
+            t += 1.0
+        assert got[0].desired == 4 and t - 1.0 == second_step_at, (sleeping, t)
+
+
+def test_collect_leaves_sleepers_out_of_the_replicas():
+    from actors.autoscaler.collect import CreditBook, LatencyBook, LoadBook, pool_signals, worker_records
+    from control.state.names import all_workers_prefix
+
+    prefix = all_workers_prefix()
+    listing = {f"{prefix}m/v1/w0": {"pool": "local"},
+               f"{prefix}m/v1/w1": {"pool": "local", "sleep": {"state": "sleeping"}},
+               f"{prefix}m/v1/w2": {"pool": "local", "sleep": {"state": "running", "wakes": 1}}}
+    recs = worker_records(prefix, listing, "local")
+    assert [(r.worker_id, r.sleeping) for r in recs] == [("w0", False), ("w1", True), ("w2", False)]
+    sig = pool_signals(0.0, 0.0, [("m", "v1")], "local", recs, set(), LoadBook(), CreditBook(), LatencyBook())
+    assert (sig[KEY].replicas, sig[KEY].sleeping) == (2, 1)
