@@ -13,9 +13,9 @@ gateway    R models/ (manifests, routing; watched), R tenants/ (watched), R work
            R notices/, R hosts/ (operator dashboard), RW metrics/gateway/
 validator  R models/, RW metrics/validator/
 scheduler  R tenants/, R workers/ (watched), RW schedulers/ (its election), R hosts/ (load asks),
-           RW metrics/scheduler/
+           RW sleep/ (wakes a sleeping worker), RW metrics/scheduler/
 worker     R models/, RW workers/ (its leased registration), RW hosts/ (a multi-version host's record),
-           R notices/preemption/, RW metrics/worker/
+           R notices/preemption/, R sleep/ (its sleep / wake commands), RW metrics/worker/
 jobs       R models/, R workers/ (its model resolver, like the gateway's), R tenants/ (spend budgets),
            RW metrics/jobs/
 control    RW models/ (routing tables of rollouts), R workers/, R tenants/, RW controllers/ (election),

@@ -117,7 +117,7 @@ def test_etcd_rbac_table_covers_every_role_with_prefixes_only():
         assert metrics == {f"{names.all_metrics_prefix()}{k}/" for k, r in KIND_ROLES.items() if r == role}
     writes = {role: {p for k, p in perms if k == READWRITE and "/metrics/" not in p} for role, perms in table.items()}
     assert writes["worker"] == {names.all_workers_prefix(), names.hosts_prefix()}  # hosts: multi-version hosts
-    assert writes["scheduler"] == {names.schedulers_prefix()}
+    assert writes["scheduler"] == {names.schedulers_prefix(), names.sleep_prefix()}  # sleep: wakes a sleeper (0042)
     assert writes["gateway"] == writes["validator"] == writes["jobs"] == set()
     assert names.tenants_prefix() not in {p for _, p in table["worker"]}  # a worker never reads API key hashes
     assert _range_end(b"/actorserve/models/") == b"/actorserve/models0"
