@@ -184,8 +184,9 @@ class TorchRunner:
         return self.tp.agree_min(blocks) * bytes_per_block(shard_cfg, bs, self.dtype)
 
     def _eos_ids(self) -> tuple[int, ...]:
-        """EOS (and end-of-turn, if distinct) token ids from GGUF metadata."""
-        ids = [self.model_config.eos_token_id, self.model_config.eot_token_id]
+        """EOS (and end-of-turn, if distinct) token ids from GGUF metadata or config / generation_config.json."""
+        ids = [self.model_config.eos_token_id, self.model_config.eot_token_id,
+               *getattr(self.model_config, "generation_eos_ids", ())]  # generation_config.json's other stops
         return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
     # ----------------------------------------------------------------- the ModelRunner interface
