@@ -47,13 +47,17 @@ VARIANTS = {
                                        "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, gguf=False),
     # Qwen2 / 2.5: Q/K/V biases, tied head.
     "qwen2": Variant("qwen2", {"tie_word_embeddings": True, "max_position_embeddings": 128}),
-    # Qwen3: per-head q/k norms, head_dim 32 with hidden 64 and 4 heads (not 16), untied head.
-    "qwen3": Variant("qwen3", {"tie_word_embeddings": False, "max_position_embeddings": 128, "head_dim": 32}),
+    # Qwen3: per-head q/k norms, head_dim 128 with hidden 64 and 4 heads (not 16; Qwen3-0.6B: 1024 / 16 heads
+    # and 128), untied head.
+    "qwen3": Variant("qwen3", {"tie_word_embeddings": False, "max_position_embeddings": 128, "head_dim": 128}),
+    # Plain Llama (no RoPE scaling): the one llama file transformers' GGUF reader can load faithfully (it drops
+    # rope.scaling.* and rope_freqs).
+    "llama-plain": Variant("llama", {"tie_word_embeddings": False, "max_position_embeddings": 128}),
 }
 
 # Scaled RoPE variants (feature: rope type) and the features each variant's negative control switches off.
 FEATURES = {"llama2": ("rope",), "llama3": ("rope", "tie"), "llama-dynamic": ("rope",),
-            "qwen2": ("qkv_bias", "tie"), "qwen3": ("qk_norm",)}
+            "qwen2": ("qkv_bias", "tie"), "qwen3": ("qk_norm", "tie"), "llama-plain": ("tie",)}
 
 
 def _hf_config(variant: Variant):

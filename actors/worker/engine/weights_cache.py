@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .arch_spec import ModelConfig
-from .gguf_loader import load_gguf
+from .gguf_loader import account_tensors, load_gguf, read_config
 
 log = logging.getLogger("actorserve.engine")
 
@@ -98,6 +98,7 @@ def _read_gguf(path: str, dtype: torch.dtype, device: str, progress: bool) -> Ar
 
     t0 = time.monotonic()
     reader = gguf.GGUFReader(path)
+    account_tensors(reader, read_config(reader), path)  # refuse an unsupported file before reading anything else
     types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(_PROJECTIONS)]
     token_bytes, special = load_token_bytes(path, reader=reader), special_token_names(path, reader)
     t1 = time.monotonic()
