@@ -404,3 +404,21 @@ def test_transformers_reads_our_gguf_as_the_hf_directory(models, variant):
         model.tie_weights()
     for p in PROMPTS[:2]:
         assert (hf_forward(model, p) - hf_forward(models[variant]["model"], p)).abs().max().item() <= LOGIT_ATOL
+
+
+# --------------------------------------------------------------------------------------- tensor parallel
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_two_ranks_equal_one(models, engines, variant):
+    """Q/K/V biases split with their rows, q/k norms whole on each rank (tensor_parallel.shard_weights)."""
+    one = engines(variant, "hf")
+    two = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32", kv_cache_bytes=8 * 2**20,
+                                 max_loras=0, tensor_parallel=2))
+    try:
+        assert (prefill_logits(two, PROMPTS[0]) - prefill_logits(one, PROMPTS[0])).abs().max().item() <= LOGIT_ATOL
+        two.add_request(EngineRequest("t", tuple(PROMPTS[1]), greedy(8)))
+        one.add_request(EngineRequest("t", tuple(PROMPTS[1]), greedy(8)))
+        assert run_all(two)["t"] == run_all(one)["t"]
+    finally:
+        two.close()
