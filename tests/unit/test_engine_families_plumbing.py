@@ -79,3 +79,14 @@ def test_worker_record_carries_the_reason():
     engine = argparse.Namespace(dtype_name="float32", quantization=None, native_off_reason="dynamic NTK RoPE ...")
     args = argparse.Namespace(device="cpu", dtype="auto", max_num_seqs=4)
     assert worker_info(engine, args, "w1")["native_off"] == "dynamic NTK RoPE ..."
+
+
+def test_manifest_records_a_hugging_face_directory():
+    from control.state.manifest import ModelManifest
+
+    m = ModelManifest.from_dict({"name": "q", "version": "1", "artifact": "/models/qwen3/"})
+    assert m.format == "hf" and m.to_dict()["format"] == "hf"
+    assert ModelManifest.from_dict({"name": "q", "version": "1", "artifact": "/m/x.gguf"}).format == "gguf"
+    assert ModelManifest.from_dict({"name": "q", "version": "1", "artifact": "/m/q", "format": "hf"}).format == "hf"
+    with pytest.raises(ValueError, match="format exl2 is not supported yet"):
+        ModelManifest.from_dict({"name": "q", "version": "1", "artifact": "/m/q", "format": "exl2"})
