@@ -385,6 +385,7 @@ class Credits(Message):
     # (VTC service counters, docs/decisions/0021-latency-isolation.md; lost heartbeats lose only these counts)
     served: dict = field(default_factory=dict)
     paused: list | None = None  # ids of requests held here that wait to resume after a preemption (None: not told)
+    sleeping: bool = False  # the worker sleeps (actors/worker/sleep.py): no work until woken; draining is set too
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.policy.limits import MAX_COMPLETION_LOGPROBS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
+from control.policy.limits import (MAX_COMPLETION_LOGPROBS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS,
+                                   RESERVED_TEMPLATE_VARIABLES)
 
 _NUM = {"type": "number"}
 _NULLABLE_STR = {"type": ["string", "null"]}
@@ -119,6 +120,9 @@ def _chat_request(models: list[str]) -> dict:
         "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
         "tools": {"type": ["array", "null"]}, "tool_choice": {}, "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "chat_template_kwargs": {"type": ["object", "null"], "propertyNames": {"minLength": 1, "not": {"enum": sorted(
+            RESERVED_TEMPLATE_VARIABLES)}}, "description": "extra chat-template variables (vLLM's), e.g. "
+            "{\"enable_thinking\": false}; a variable the template does not use changes nothing"},
         "functions": {"type": "null", "description": "deprecated (use tools): any value is refused"},
         "function_call": {"type": "null", "description": "deprecated (use tool_choice): any value is refused"},
         "modalities": {"oneOf": [{"type": "null"}, {"const": ["text"]}], "description": "text output only"},

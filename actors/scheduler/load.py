@@ -42,6 +42,8 @@ RATE_WINDOW_S = 5.0  # arrivals and served tokens are rates over this window (s)
 TERM_GRACE_S = 3.0  # a scheduler term younger than this never refuses for a cold start (its table is filling)
 CHECK_S = 0.25  # how often the zero-worker state is checked (cold start measurement resolution, s)
 MANIFEST_POLL_S = 5.0  # how often the version's manifest is re-read for ``autoscale.scale_to_zero`` (s)
+WAKE_S = 2.0  # expected wake of a sleeping worker, command -> serving (issue [28] target; actors/worker/sleep.py)
+WAKE_RETRY_S = 2.0  # a sleeping worker is asked to wake again after this long when it has not (s)
 _SAFE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
@@ -113,14 +115,23 @@ class SchedulerLoad:
                                      period_s=period_s, extras=self.extras)
         self._tasks: list[asyncio.Task] = []
         self._reported_queue_len = 0  # queue_len of the latest report (a queue that starts to grow kicks one)
+        self.registry = None  # control.state.registry.Registry of follow(): where sleeping workers are woken
+        self._woken: dict[str, float] = {}  # worker id -> monotonic s of its last wake command
 
     # ---- state -----------------------------------------------------------------------------------
     def live_workers(self) -> int:
         """Workers of the version that are leased and not draining."""
         return sum(1 for w in self.svc.table.workers.values() if w.leased and not w.draining)
 
+    def sleepers(self) -> list[str]:
+        """Ids of the version's leased workers that sleep (actors/worker/sleep.py), in id order."""
+        return sorted(w.worker_id for w in self.svc.table.workers.values() if w.leased and w.sleeping)
+
     def cold_start_s(self) -> float:
-        """The cold-start estimate: the latest measured one, else the default (s)."""
+        """The cold-start estimate: a wake's when a sleeping worker can be woken, else the latest measured cold
+        start, else the default (s)."""
+        if self.sleepers():
+            return WAKE_S
         return self.measured_cold_start_s if self.measured_cold_start_s is not None else self.default_cold_start_s
 
     def cold_start_left_s(self, now: float) -> float:
@@ -211,9 +222,33 @@ class SchedulerLoad:
         await self.reporter.start()
         self._tasks.append(asyncio.create_task(self._check_loop(), name="scheduler-cold-start"))
 
+    async def wake_if_needed(self, now: float | None = None) -> str | None:
+        """Requests wait and no awake worker is left but a sleeping one is: write its ``sleep_key`` = wake (one
+        worker, again at most every ``WAKE_RETRY_S`` s while it has not woken). Returns the woken id, or None.
+        Needs the registry of :meth:`follow`; an etcd error is logged and retried at the next check."""
+        now = time.monotonic() if now is None else now
+        if self.registry is None or not len(self.svc.queue) or self.live_workers() > 0:
+            return None
+        wid = next((w for w in self.sleepers() if now - self._woken.get(w, -1e9) >= WAKE_RETRY_S), None)
+        if wid is None:
+            return None
+        self._woken[wid] = now
+        from control.state.names import sleep_key
+        try:
+            async with asyncio.timeout(2.0):
+                await self.registry.put_json(sleep_key(wid), {"want": "wake", "by": "scheduler", "ts": time.time()})
+        except Exception as exc:  # noqa: BLE001 - etcd away: the next check tries again
+            log.warning("could not wake %s: %r", wid, exc)
+            return None
+        log.info("%s@%s: requests wait and only sleeping workers are left: waking %s", self.svc.cfg.name,
+                 self.svc.cfg.version, wid)
+        return wid
+
     def follow(self, registry, poll_s: float = MANIFEST_POLL_S) -> None:
         """Follow the version's manifest in ``registry`` for ``autoscale.scale_to_zero`` (re-read every
-        ``poll_s`` s; an unreadable registry keeps the last value). Stopped by :meth:`stop`."""
+        ``poll_s`` s; an unreadable registry keeps the last value), and wake sleeping workers through it
+        (:meth:`wake_if_needed`). Stopped by :meth:`stop`."""
+        self.registry = registry
         self._tasks.append(asyncio.create_task(self._follow(registry, poll_s), name="scheduler-manifest"))
 
     async def stop(self) -> None:
@@ -226,6 +261,7 @@ class SchedulerLoad:
         while True:
             await asyncio.sleep(CHECK_S)
             self.check()
+            await self.wake_if_needed()
             if len(self.svc.queue) and not self._reported_queue_len:
                 self.reporter.kick()  # the queue started to grow: the autoscaler hears it now, not up to 1 s later
 

@@ -26,6 +26,7 @@ class WorkerView:
     total_slots: int = 0  # sequence slots in all (max_num_seqs, from heartbeats)
     block_size: int = 16  # tokens per block
     draining: bool = False
+    sleeping: bool = False  # asleep (its credits say so; actors/worker/sleep.py): woken when only sleepers are left
     leased: bool = False  # etcd lease key present
     incarnation: str = ""  # which process holds the id (from its registration; a restart under the same id differs)
     last_credit_ts: float = 0.0  # when the last heartbeat arrived (s, scheduler clock)

@@ -326,6 +326,7 @@ class SchedulerService:
         self.table.on_credits(c.worker_id, c.free_blocks, c.free_slots, c.block_size, c.draining, now,
                               c.total_blocks, c.total_slots, c.step_ms, c.prefill_tokens_per_s, c.ts)
         if c.worker_id in self.table.workers:
+            self.table.workers[c.worker_id].sleeping = c.sleeping
             self.ledger.add_heartbeat(now, c.served)
         if c.worker_id in self.table.workers:  # victims that run again may be chosen again
             self.fair.running_again(self.table.workers[c.worker_id].inflight, c.num_waiting, c.paused)

@@ -94,6 +94,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
     **extra: Any,
 ) -> str:
     """Render `messages` (OpenAI-style `{"role": ..., "content": ...}` dicts) with `template`.
@@ -101,7 +102,10 @@ def render_chat(
     `add_generation_prompt` appends the assistant header so the model answers next. `bos_token` /
     `eos_token` are exposed to the template as variables when given (a template that writes
     `{{ bos_token }}` itself needs them); `extra` becomes further template variables (`tools`,
-    `documents`, ...; None values are dropped).
+    `documents`, ...; None values are dropped). `template_kwargs` are the request's own template options
+    (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`), passed as they are (None kept: a template may
+    test `is none`); they cannot override `messages`, `add_generation_prompt`, `bos_token`, `eos_token` or
+    `extra` (those are set after them), as in transformers, where apply_chat_template's own arguments win.
 
     Returns the prompt text. Raises ChatTemplateError (a ValueError) when the template does not
     compile, `messages` is not a list of dicts each with a string `role`, or rendering fails (for
@@ -115,7 +119,8 @@ def render_chat(
         if not isinstance(m.get("role"), str):
             raise ChatTemplateError(f"messages[{i}].role must be a string")
     compiled = compile_template(template)
-    variables: dict[str, Any] = {k: v for k, v in extra.items() if v is not None}
+    variables: dict[str, Any] = dict(template_kwargs or {})
+    variables.update((k, v) for k, v in extra.items() if v is not None)
     variables["messages"] = messages
     variables["add_generation_prompt"] = bool(add_generation_prompt)
     if bos_token is not None:

@@ -1,21 +1,21 @@
 """Byte-level BPE tokenizer built from the vocabulary stored in a GGUF file.
 
 A GGUF carries no `tokenizer.json`; it stores llama.cpp-named metadata (`tokenizer.ggml.tokens`,
-`.merges`, `.token_type`, special token ids, `tokenizer.chat_template`). We build a Hugging Face
-`tokenizers.Tokenizer` from those so that our ids equal the ids Hugging Face transformers produces
-when it loads the same GGUF (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), which is what the
-tests check. The construction rules (see docs/decisions/0003-tokenizer.md):
+`.merges`, `.token_type`, `.pre`, special token ids, `tokenizer.chat_template`). We build a Hugging Face
+`tokenizers.Tokenizer` from those so that our ids equal the ids of the model's own `tokenizer.json`
+(tests/unit/test_tokenizer_reference.py trains such vocabularies at test time and compares). The
+construction rules (see docs/decisions/0003-tokenizer.md and 0038-tokenizers-and-templates.md):
 
 * model: BPE over the file's vocabulary and merges; no dropout, no subword prefix/suffix, no unk
   fusing. Tokens that are not spelled in the GPT-2 byte-to-unicode alphabet are re-spelled from their
-  UTF-8 bytes (this only matters for mislabelled files).
-* pre-tokenizer: byte-level with the GPT-2 split regex and no prefix space. transformers only swaps
-  in a different split regex for pre-tokenizer names it knows (llama3, qwen2, ...); `smollm` is not
-  among them, so it keeps GPT-2's. llama.cpp's `smollm` additionally isolates every digit, which gives
-  identical ids for this vocabulary because it holds no multi-character token containing a digit.
+  UTF-8 bytes (this only matters for mislabelled files). Only `tokenizer.ggml.model == "gpt2"` is
+  supported; any other model is refused naming it.
+* normalizer and pre-tokenizer: the ones `tokenizer.ggml.pre` names (actors/text/pretokenizers.py:
+  gpt-2/default, smollm, llama-bpe/llama3, qwen2, ...); an unknown name is refused naming it.
 * decoder: byte-level.
 * added tokens: `token_type == 3` (control) as special tokens, `== 4` (user defined) as plain added
   tokens; both unnormalized, matched whole in the input.
+* end of generation: :attr:`GGUFTokenizer.eog_token_ids` (actors/text/eog.py, llama.cpp's rule).
 
 Only `tokenizers` is needed at run time (transformers is a test-only dependency).
 """
@@ -27,9 +27,11 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models
 
+from .eog import gguf_eog_ids
 from .gguf_meta import metadata_from_reader, read_gguf_metadata
+from .pretokenizers import SUPPORTED_PRE_TOKENIZERS, gguf_pre_tokenizer
 
 __all__ = ["GGUFTokenizer", "TokenizerError", "bytes_to_unicode"]
 
@@ -44,6 +46,8 @@ _KEYS = (
     "tokenizer.ggml.merges",
     "tokenizer.ggml.bos_token_id",
     "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
     "tokenizer.ggml.unknown_token_id",
     "tokenizer.ggml.padding_token_id",
     "tokenizer.ggml.add_bos_token",
@@ -101,12 +105,22 @@ class GGUFTokenizer:
         add_eos_token: bool = False,
         chat_template: str | None = None,
         pre_tokenizer: str | None = None,
+        eot_token_id: int | None = None,
+        eom_token_id: int | None = None,
     ) -> None:
         """Build from raw GGUF tokenizer fields (see :meth:`from_gguf` for the usual entry point).
 
-        Raises TokenizerError when a special token id lies outside the vocabulary.
+        `pre_tokenizer` is `tokenizer.ggml.pre` (None: GPT-2's). Raises TokenizerError when a special token
+        id lies outside the vocabulary or the pre-tokenizer name is not one this module knows.
         """
         n = len(tokens)
+        pre = gguf_pre_tokenizer(pre_tokenizer)
+        if pre is None:
+            raise TokenizerError(
+                f"unsupported GGUF pre-tokenizer {pre_tokenizer!r} (tokenizer.ggml.pre): its split rules are "
+                f"unknown here, and another one would give different ids; supported: "
+                f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+            )
         for name, tid in (("bos", bos_token_id), ("eos", eos_token_id), ("unk", unk_token_id), ("pad", pad_token_id)):
             if tid is not None and not 0 <= tid < n:
                 raise TokenizerError(f"GGUF {name}_token_id {tid} is outside the vocabulary of {n} tokens")
@@ -126,7 +140,9 @@ class GGUFTokenizer:
             fuse_unk=False,
         )
         tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        normalizer, tok.pre_tokenizer = pre
+        if normalizer is not None:
+            tok.normalizer = normalizer
         tok.decoder = decoders.ByteLevel()
 
         types = list(token_types) if token_types is not None else [1] * n
@@ -160,6 +176,9 @@ class GGUFTokenizer:
         self._special = {a.content: vocab[a.content] for a in control}
         self._special_ids = frozenset(self._special.values())
         self._added_ids = frozenset(vocab[a.content] for a in user_defined)
+        self._eog = gguf_eog_ids(self._tokens, {"tokenizer.ggml.eos_token_id": eos_token_id,
+                                                "tokenizer.ggml.eot_token_id": eot_token_id,
+                                                "tokenizer.ggml.eom_token_id": eom_token_id})
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -206,6 +225,8 @@ class GGUFTokenizer:
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=meta.get("tokenizer.chat_template"),
             pre_tokenizer=meta.get("tokenizer.ggml.pre"),
+            eot_token_id=meta.get("tokenizer.ggml.eot_token_id"),
+            eom_token_id=meta.get("tokenizer.ggml.eom_token_id"),
         )
 
     # ------------------------------------------------------------------ encode / decode
@@ -283,6 +304,12 @@ class GGUFTokenizer:
         return self._eos
 
     @property
+    def eog_token_ids(self) -> frozenset[int]:
+        """Ids that end a generation by default (llama.cpp's end-of-generation set: eos, eot, eom and the
+        end markers it recognises by text, e.g. "<|eot_id|>", "<|im_end|>"; actors/text/eog.py)."""
+        return self._eog
+
+    @property
     def unk_token_id(self) -> int | None:
         """Id of the unknown token, if the GGUF names one."""
         return self._unk
@@ -319,7 +346,7 @@ class GGUFTokenizer:
 
     @property
     def pre_tokenizer_name(self) -> str | None:
-        """`tokenizer.ggml.pre` as stored in the GGUF (informational)."""
+        """`tokenizer.ggml.pre` as stored in the GGUF (selects the pre-tokenizer: actors/text/pretokenizers.py)."""
         return self._pre
 
     @property

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from bus.messages import MANIFEST_DEFAULTABLE, SamplingParams, check_sampling_field
 
-from control.policy.limits import MAX_STOP_SEQUENCES
+from control.policy.limits import MAX_STOP_SEQUENCES, RESERVED_TEMPLATE_VARIABLES
 from control.policy.numbers import is_int, is_number
 
 from .errors import RequestError
@@ -72,6 +72,7 @@ class ValidatedRequest:
     logprobs: int | None = None  # None: off; k: sampled token's logprob plus the k most likely
     echo: bool = False  # completions: prepend the prompt to the output
     tools: Any = None  # chat: actors.validator.tools.ToolRequest (tools, tool_choice, parallel_tool_calls)
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables (vLLM's field)
     extras: dict[str, Any] = field(default_factory=dict)
     given: frozenset[str] = frozenset()  # sampling fields the client set (not null): manifest defaults fill the rest
 
@@ -124,6 +125,25 @@ def opt_max_tokens(body: dict, name: str) -> int | None:
     if v < 1:
         raise bad(f"'{name}' must be at least 1, got {v}", name)
     return v
+
+
+def chat_template_kwargs(body: dict) -> dict[str, Any] | None:
+    """``body["chat_template_kwargs"]``: a JSON object of extra chat-template variables (vLLM's field, e.g.
+    ``{"enable_thinking": false}`` for Qwen3); None when absent/null. 400 naming
+    ``chat_template_kwargs`` when it is not an object, ``chat_template_kwargs.<key>`` for a key that is not a
+    string or that would override a variable the server sets (RESERVED_TEMPLATE_VARIABLES)."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad(f"'chat_template_kwargs' must be an object, got {type(v).__name__}", "chat_template_kwargs")
+    for k in v:
+        if not isinstance(k, str) or not k:
+            raise bad("'chat_template_kwargs' keys must be non-empty strings", "chat_template_kwargs")
+        if k in RESERVED_TEMPLATE_VARIABLES:
+            raise bad(f"'chat_template_kwargs.{k}' is set by the server and cannot be overridden (reserved: "
+                      f"{', '.join(sorted(RESERVED_TEMPLATE_VARIABLES))})", f"chat_template_kwargs.{k}")
+    return dict(v)
 
 
 def check_unknown(body: dict, known: frozenset, passthrough: frozenset, endpoint: str) -> None:

@@ -98,7 +98,8 @@ def render_prompt(validated: ValidatedRequest, tokenizer: Tokenizer, chat_templa
     actors.text.tool_calls.render_messages: the offered tools (when ``tool_choice`` is not "none") go into
     the system turn, assistant ``tool_calls`` and ``tool`` results become text in that format (model chat
     templates such as SmolLM2's render only ``content``). Without one, messages go to the template as
-    they are. RequestError 400 (param "messages") when the template refuses the conversation.
+    they are. The request's ``chat_template_kwargs`` become further template variables (Qwen3's
+    ``enable_thinking``, ...). RequestError 400 (param "messages") when the template refuses the conversation.
     """
     template = chat_template if chat_template is not None else tokenizer.chat_template
     if not template:
@@ -109,7 +110,7 @@ def render_prompt(validated: ValidatedRequest, tokenizer: Tokenizer, chat_templa
         messages = render_messages(tool_format, messages, tools.tools if tools is not None and tools.active else None)
     try:
         return render_chat(template, messages, add_generation_prompt=True, bos_token=tokenizer.bos_token,
-                           eos_token=tokenizer.eos_token)
+                           eos_token=tokenizer.eos_token, template_kwargs=validated.chat_template_kwargs)
     except ChatTemplateError as exc:
         raise bad(str(exc), "messages") from exc
 
@@ -145,7 +146,9 @@ def default_stop_token_ids(tokenizer: Tokenizer, chat_template: str | None = Non
     sentinel and tokenizing what the template writes right after it: if that starts with a special
     (control) token, that token is the marker ("<|im_end|>" for ChatML). Control tokens whose text
     is a well-known end-of-generation marker (the list llama.cpp also treats as end of generation:
-    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", ...) are added too.
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", ...) are added too, then the
+    tokenizer's own end-of-generation ids (``eog_token_ids``: GGUF eos/eot/eom and llama.cpp's by-name set,
+    or an HF directory's generation_config.json ``eos_token_id`` list; actors/text/eog.py), in id order.
     Returns the ids in that order, without duplicates.
     """
     ids: list[int] = []
@@ -160,6 +163,7 @@ def default_stop_token_ids(tokenizer: Tokenizer, chat_template: str | None = Non
                  "<|end_of_text|>", "</s>", "<|return|>", "<|call|>"):
         if name in specials:
             ids.append(specials[name])
+    ids.extend(sorted(getattr(tokenizer, "eog_token_ids", ())))
     seen: set[int] = set()
     return tuple(i for i in ids if not (i in seen or seen.add(i)))
 

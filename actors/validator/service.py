@@ -72,10 +72,10 @@ def _refusal_code(ack: dict) -> str | None:
 class ModelAssets:
     """What validation needs of one model version (loaded once per version)."""
 
-    tokenizer: object  # actors.text.tokenizer.GGUFTokenizer
+    tokenizer: object  # actors.text.loader.TextTokenizer (GGUFTokenizer or HFTokenizer)
     chat_template: str | None
     max_model_len: int  # context length (tokens)
-    stop_token_ids: tuple[int, ...]  # EOS + end-of-turn
+    stop_token_ids: tuple[int, ...]  # EOS + end-of-turn + the tokenizer's end-of-generation ids
     defaults: dict = field(default_factory=dict)  # the manifest's sampling defaults (checked, normalized)
     tool_call_format: str | None = None  # the manifest's tool_call_format (docs/tools.md); None: no tools
 
@@ -85,11 +85,11 @@ def load_assets(manifest: dict) -> ModelAssets:
 
     ValueError if unsupported, including sampling ``defaults`` the engine cannot honour (a record written
     before registration refused them): such a version answers 503 rather than ignore its defaults."""
-    from actors.text.tokenizer import GGUFTokenizer
+    from actors.text.loader import load_tokenizer
     if manifest.get("format", "gguf") != "gguf":
         raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
     defaults = sampling_defaults(manifest.get("defaults") or {})
-    tok = GGUFTokenizer.from_gguf(manifest["artifact"])
+    tok = load_tokenizer(manifest["artifact"])  # a GGUF file, or an HF directory once formats allow it
     template = manifest.get("chat_template")
     template = tok.chat_template if template in (None, "gguf") else template
     ctx = int(manifest.get("context_length") or getattr(tok, "context_length", None) or 2048)

@@ -25,11 +25,12 @@ import json
 from typing import Any
 
 from control.policy.limits import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_COMPLETION_LOGPROBS,  # noqa: F401
-                                   MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS, choice_count)  # (re-exported)
+                                   MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS, RESERVED_TEMPLATE_VARIABLES,
+                                   choice_count)  # (re-exported)
 from control.policy.numbers import is_int
 
-from .fields import (MAX_N, PRIORITIES, ValidatedRequest, bad, check_unknown, common_fields,
-                     opt_bool, opt_max_tokens)
+from .fields import (MAX_N, PRIORITIES, ValidatedRequest, bad, chat_template_kwargs, check_unknown,
+                     common_fields, opt_bool, opt_max_tokens)
 from .prompts import default_stop_token_ids, prepare_prompt
 from .tools import tool_grammar, validate_tools
 
@@ -53,6 +54,7 @@ __all__ = [
     "REFUSED",
     "ADVISORY",
     "check_fields",
+    "RESERVED_TEMPLATE_VARIABLES",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -68,7 +70,8 @@ _ACTED_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "repetition_penalty", "logprobs", "ignore_eos", "logit_bias") + STRUCTURED
 # ACTED: the field changes what is generated or how it is delivered.
 ACTED: dict[str, frozenset[str]] = {
-    "chat": frozenset(_ACTED_COMMON + ("messages", "max_completion_tokens", "top_logprobs") + TOOL_CALLING),
+    "chat": frozenset(_ACTED_COMMON + ("messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs")
+                      + TOOL_CALLING),
     "completions": frozenset(_ACTED_COMMON + ("prompt", "echo")),
 }
 _NOT_STORED = ((None, False), "completions are not stored here")
@@ -242,7 +245,8 @@ def validate_chat(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES)
     if calls is not None:
         common = {**common, "grammar": calls}
     return ValidatedRequest(kind="chat", messages=messages, max_tokens=max_tokens, max_tokens_param=max_param,
-                            tools=tools, extras=extras, logprobs=logprobs, **common)
+                            tools=tools, extras=extras, logprobs=logprobs,
+                            chat_template_kwargs=chat_template_kwargs(body), **common)
 
 
 def validate_completion(body: Any, max_n: int = MAX_N, max_choices: int = MAX_CHOICES) -> ValidatedRequest:

@@ -169,6 +169,7 @@ async def run_worker(ctx: ActorContext, ref, worker_id: str) -> None:
     log.info("worker %s %s", worker_id, timeline.line())
     _record_load(svc, reg, holder, info, timeline)
     _watch_notices(ctx, reg, svc, ref, worker_id)
+    _follow_sleep(ctx, reg, svc, holder, info, worker_id, getattr(args, "drain_timeout", 10.0))
     drain_timeout = getattr(args, "drain_timeout", 10.0)
     ctx.on_stop(lambda: _drain(holder, svc, drain_timeout), timeout_s=drain_timeout + 5.0, what="drain")
     await keep_registered(reg, holder, ref, worker_id, info, args.lease_ttl)
@@ -271,6 +272,34 @@ def _watch_notices(ctx: ActorContext, reg, svc: WorkerService, ref, worker_id: s
             loop.remove_signal_handler(signal.SIGUSR1)
 
     ctx.on_stop(cancel, timeout_s=1.0, what="preemption notice watch")
+
+
+def _follow_sleep(ctx: ActorContext, reg, svc: WorkerService, holder: list, info: dict, worker_id: str,
+                  drain_s: float) -> None:
+    """Sleep and wake on this worker's ``sleep_key`` (actors/worker/sleep.py): the record's ``sleep`` entry and
+    ``actorserve_worker_sleeping`` / ``actorserve_worker_wake_seconds`` on /metrics follow each transition."""
+    from actors.metrics import observable_gauge
+    from actors.worker.sleep import SleepControl, watch_sleep
+
+    async def on_change(state) -> None:
+        info["sleep"] = state.record()
+        with contextlib.suppress(Exception):  # etcd slow: the next lease refresh rewrites nothing, so log it
+            async with asyncio.timeout(3.0):
+                await reg.put_json(holder[0].key, info, lease=holder[0].lease_id)
+                return
+        log.warning("sleep state %s not written to the worker record", state.state)
+
+    control = SleepControl(svc, on_change, drain_s=drain_s)
+    info["sleep"] = control.state.record()
+    observable_gauge("actorserve_worker_sleeping", "1 while this worker sleeps (KV cache freed, no work; "
+                     "docs/autoscaling.md).", "1", lambda: [(1 if control.state.state == "sleeping" else 0, {})])
+    observable_gauge("actorserve_worker_wake_seconds", "Seconds the last wake took, command -> serving.", "s",
+                     lambda: [(control.state.wake_s, {})])
+    task = asyncio.create_task(watch_sleep(reg, worker_id, control))
+
+    async def cancel() -> None:
+        task.cancel()
+    ctx.on_stop(cancel, timeout_s=1.0, what="sleep watch")
 
 
 def _track_gauges(ctx: ActorContext, svc: WorkerService) -> None:

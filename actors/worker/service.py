@@ -71,6 +71,8 @@ class WorkerService:
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake, self._tasks, self._subs = asyncio.Event(), [], []
         self.draining = False
+        self.sleeping = False  # asleep (actors/worker/sleep.py): no work, credits say so, KV cache freed
+        self.awake_blocks = 0  # while asleep: the KV blocks it holds awake (credits report them, not the one block)
         self.num_steps = 0  # engine steps run by this service
         self.max_cancel_steps = 0  # most steps between a cancel's arrival and the request's end
         # every chunk, record and event goes out through the outbox, flushed once per step (outputs.py)
@@ -179,7 +181,7 @@ class WorkerService:
         """True when a slot and enough KV blocks for the prompt are free (credits check)."""
         free_blocks, free_slots = self.engine.credits()
         pending = len(self._adds)
-        return not self.draining and free_slots - pending > 0 and free_blocks > 0
+        return not self.draining and not self.sleeping and free_slots - pending > 0 and free_blocks > 0
 
     def can_preempt(self, victim: str, priority: str = "interactive") -> bool:
         """True when a dispatch of class ``priority`` may displace ``victim`` (fair-share preemption): it
@@ -458,11 +460,12 @@ class WorkerService:
         st = self.engine.stats()
         step_ms = st.step_ms + self._host_ms if st.step_ms else 0.0  # engine decode step at this batch + loop
         free_blocks, free_slots = self.engine.credits()
-        return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, st.num_total_blocks,
+        total_blocks = self.awake_blocks if self.sleeping and self.awake_blocks else st.num_total_blocks
+        return Credits(self.cfg.worker_id, self.cfg.name, self.cfg.version, free_blocks, total_blocks,
                        max(0, free_slots - len(self._adds)), self.engine.max_num_seqs,
-                       self.engine.block_size, st.num_running, st.num_waiting, self.draining,
+                       self.engine.block_size, st.num_running, st.num_waiting, self.draining or self.sleeping,
                        time.time(), round(step_ms, 3), round(st.prefill_tokens_per_s, 1), self._served_since(st.served),
-                       st.paused)
+                       st.paused, self.sleeping)
 
     def _served_since(self, served: dict[str, list[int]]) -> dict[str, list[int]]:
         """{tenant: [prompt, completion] tokens} served since the previous heartbeat (``served_delta``)."""

@@ -222,6 +222,10 @@ def _add_up_command(sub: Any) -> None:
     for kind in ACTOR_MODULES:
         up.add_argument(f"--{kind}-args", metavar="ARGS", default=None,
                         help=f"extra options for every {kind} process, one shell-quoted string")
+    up.add_argument("--sleep-horizon-s", type=float, default=0.0, metavar="S",  # issue [28]: docs/autoscaling.md
+                    help="a worker the autoscaler scales down sleeps (KV cache freed, process and weights kept; "
+                         "wakes in about a second) instead of exiting, and exits after S seconds asleep (default 0: "
+                         "scale-down exits)")
     up.add_argument("--no-autoscaler", action="store_true",  # issue 19: docs/autoscaling.md
                     help="do not run the autoscaler (counts stay fixed unless /actorserve/desired/ records are "
                          "written by hand)")

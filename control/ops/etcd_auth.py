@@ -79,8 +79,10 @@ def role_permissions() -> dict[str, list[tuple[str, str]]]:
                     (READ, names.notices_prefix()), (READ, names.hosts_prefix())],  # dashboard (gateway/dashboard_feed.py)
         "validator": [(READ, models)],
         "scheduler": [(READ, tenants), (READ, workers), (READWRITE, names.schedulers_prefix()),
-                      (READ, names.hosts_prefix())],  # hosts: where to ask for a version resident nowhere
+                      (READ, names.hosts_prefix()),  # hosts: where to ask for a version resident nowhere
+                      (READWRITE, names.sleep_prefix())],  # wake a sleeping worker when only sleepers are left
         "worker": [(READ, models), (READWRITE, workers), (READ, names.notices_prefix()),  # + its preemption notice
+                   (READ, names.sleep_prefix()),  # its sleep / wake commands (actors/worker/sleep.py)
                    (READWRITE, names.hosts_prefix())],  # a multi-version host's record (actors/worker/host.py)
         "jobs": [(READ, models), (READ, workers), (READ, tenants)],  # tenants: budgets of job requests
         "control": [(READWRITE, models), (READ, workers), (READ, tenants),

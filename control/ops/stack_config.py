@@ -71,6 +71,9 @@ class StackConfig:
     cores: int | None = None
     max_workers: int | None = None
     multi_model: bool = False
+    # > 0: a worker scaled down sleeps instead of exiting while its pool's count was this high within the last
+    # sleep_horizon_s seconds, and a sleeper idle that long exits (actors/worker/sleep.py; 0: scale-down exits)
+    sleep_horizon_s: float = 0.0
 
     def __post_init__(self) -> None:
         from control.state.names import validate_name
@@ -87,6 +90,8 @@ class StackConfig:
         cores = int(self.cores) if self.cores is not None else usable_cores()
         if cores < 1 or (self.max_workers is not None and self.max_workers < 0):
             raise ValueError("cores must be >= 1 and max_workers >= 0")
+        if not 0 <= float(self.sleep_horizon_s) <= 7 * 86400:
+            raise ValueError(f"sleep_horizon_s must be in 0..604800 s, not {self.sleep_horizon_s}")
         if self.max_restarts < 0 or self.restart_window_s <= 0 or self.stop_timeout_s <= 0 or self.registry_poll_s <= 0:
             raise ValueError("max_restarts must be >= 0; restart_window_s, stop_timeout_s and registry_poll_s > 0")
         fix = {"state_dir": Path(self.state_dir).expanduser().resolve(), "port": int(self.port),
@@ -97,6 +102,7 @@ class StackConfig:
                "restart_window_s": float(self.restart_window_s), "stop_timeout_s": float(self.stop_timeout_s),
                "registry_poll_s": float(self.registry_poll_s), "watch_registry": bool(self.watch_registry),
                "tls": bool(self.tls), "multi_model": bool(self.multi_model),
+               "sleep_horizon_s": float(self.sleep_horizon_s),
                "autoscaler": bool(self.autoscaler) and not self.multi_model}
         for k, v in fix.items():
             object.__setattr__(self, k, v)

@@ -17,8 +17,20 @@ def worker_detail(info: Any) -> str:
     path = f"{dtype}{'+' + quant if quant else ''}" if dtype and info.get("engine") != "zero-compute" else ""
     if path and info.get("native_off"):  # the model's architecture runs the torch path (arch_spec.native_unsupported)
         path += f" (torch path: {info['native_off']})"
-    return ", ".join(p for p in (path, describe(info.get("load_phases") or {}, info.get("load_s")),
+    return ", ".join(p for p in (_sleep(info), path, describe(info.get("load_phases") or {}, info.get("load_s")),
                                  _residency(info.get("memory")), _ranks(info), _adapters(info)) if p)
+
+
+def _sleep(info: dict) -> str:
+    """``"ASLEEP (KV 256.0 MiB freed; last wake 0.19 s)"`` for a sleeping worker (actors/worker/sleep.py), else
+    ``"woke 3 times, last in 0.19 s"`` once it has woken; "" otherwise."""
+    rec = info.get("sleep")
+    if not isinstance(rec, dict):
+        return ""
+    if rec.get("state") == "sleeping":
+        return (f"ASLEEP ({(rec.get('freed_bytes') or 0) / 2**20:.1f} MiB freed"
+                + (f"; last wake {rec['wake_s']:.2f} s" if rec.get("wakes") else "") + ")")
+    return f"woke {rec['wakes']} times, last in {rec.get('wake_s', 0):.2f} s" if rec.get("wakes") else ""
 
 
 def _ranks(info: dict) -> str:

@@ -100,6 +100,7 @@ class ActorProcess:
     spawned_at: float | None = None  # epoch s of the current process's start
     ready_at: float | None = None  # epoch s it was first seen ready (control/ops/supervisor_scaling.py)
     term_sent_at: float | None = None  # epoch s of the SIGTERM of a scale-down (None: not leaving)
+    sleeping_since: float | None = None  # workers: epoch s a scale-down put it to sleep (None: awake)
 
     @property
     def pid(self) -> int | None:

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 from control.ops.stack_config import StackConfig
 from control.ops.supervisor_processes import ActorProcess, ProcessTable, signal_actor
+from control.ops.supervisor_sleep import SleepTier
 
 log = logging.getLogger("actorserve.supervisor")
 
@@ -253,6 +254,7 @@ class ScalingReconciler:
         self._log: list[dict[str, Any]] = []
         self._notes: dict[str, str] = {}  # desired key / target -> last warning logged about it
         self._killed: set[str] = set()  # scaled-down replicas SIGKILLed after stop_timeout_s
+        self.sleep = SleepTier(cfg.sleep_horizon_s)  # scale-down sleeps workers, scale-up wakes them first
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -294,6 +296,7 @@ class ScalingReconciler:
                 self._note_ready(ready_records, now)
             changed = self._reap_leaving(now)
             changed |= self._preempt_due(notices or {}, now)
+            changed |= self._retire_sleepers(now)
             if self.ready():
                 self._note_skipped(counts)
                 d = counts.kinds.get("validator")
@@ -420,13 +423,16 @@ class ScalingReconciler:
         return changed
 
     def _scale_pool(self, ref: str, pool: str, d: Desired, version_total: int, now: float) -> bool:
-        """Carry out one version pool's count; ``version_total`` is the version's desired total over pools."""
+        """Carry out one version pool's count; ``version_total`` is the version's desired total over pools.
+        Sleepers (supervisor_sleep.py) are woken before anything is spawned and are not counted as current."""
         target = f"worker/{ref.replace('@', '/')}/{pool}"
-        version = self._active(lambda a: a.kind == "worker" and a.model == ref)
+        version = self._active(lambda a: a.kind == "worker" and a.model == ref and a.sleeping_since is None)
         current = [a for a in version if (a.pool or self.cfg.pool) == pool]
         want = min(d.count, MAX_REPLICAS)
+        if want > len(current) and self._wake_sleepers(ref, pool, want - len(current), target, d):
+            return True
         if want > len(current):
-            room = self.cfg.max_workers - len(self._active(lambda a: a.kind == "worker"))
+            room = self.cfg.max_workers - len(self._active(lambda a: a.kind == "worker" and a.sleeping_since is None))
             n = min(want - len(current), max(0, room))
             self._note(target, "" if n == want - len(current) else
                        f"{target}: {want - len(current) - n} worker(s) not started: {self.cfg.max_workers} workers "
@@ -446,7 +452,10 @@ class ScalingReconciler:
                        f"{target}: keeping {len(current) - want - len(victims)} worker(s) over the desired "
                        f"{want}: the last ready worker of {ref} is stopped only for a desired total of 0")
             for name in victims:
-                self._stop_replica(self.procs.actor(name), target, len(current), want, d, now)
+                if self.sleep.prefers_sleep():
+                    self._sleep_replica(self.procs.actor(name), target, len(current), want, d, now)
+                else:
+                    self._stop_replica(self.procs.actor(name), target, len(current), want, d, now)
             return bool(victims)
         self._note(target, "")
         return False
@@ -477,6 +486,45 @@ class ScalingReconciler:
         self._record("start", a, target, d.reason, f"scale {target} {current} -> {want}: started {a.name} "
                      f"(pid {a.pid}; reason: {d.why()})", by=d.by, pool=a.pool, decided_at=d.ts)
 
+    def _wake_sleepers(self, ref: str, pool: str, n: int, target: str, d: Desired) -> int:
+        """Wake up to ``n`` sleeping workers of ``ref`` on ``pool`` (the most recently slept first); how many."""
+        sleepers = sorted((a for a in self._active(lambda a: a.kind == "worker" and a.model == ref
+                                                   and a.sleeping_since is not None and a.running)
+                           if (a.pool or self.cfg.pool) == pool), key=lambda a: -(a.sleeping_since or 0.0))
+        for a in sleepers[:n]:
+            self.sleep.wake(a)
+            self._record("wake", a, target, d.reason, f"scale {target}: waking {a.name} (reason: {d.why()})",
+                         by=d.by, decided_at=d.ts)
+        return len(sleepers[:n])
+
+    def _sleep_replica(self, a: ActorProcess, target: str, current: int, want: int, d: Desired, now: float) -> None:
+        """Put ``a`` to sleep (its KV cache freed, process and weights kept; supervisor_sleep.py)."""
+        self.sleep.sleep(a, now)
+        self._record("sleep", a, target, d.reason, f"scale {target} {current} -> {want}: {a.name} sleeps "
+                     f"(reason: {d.why()}; it exits after {self.sleep.horizon_s:.0f} s asleep)", by=d.by,
+                     decided_at=d.ts)
+
+    def _retire_sleepers(self, now: float) -> bool:
+        """Stop the sleepers asleep for the horizon (SIGTERM, as a scale-down). True when one was stopped."""
+        expired = self.sleep.expired(self._active(lambda a: a.kind == "worker"), now)
+        for a in expired:
+            a.sleeping_since = None
+            d = Desired(0, reason=f"asleep {self.sleep.horizon_s:.0f} s", by="supervisor")
+            self._stop_replica(a, self._target_of(a), 0, 0, d, now)
+        return bool(expired)
+
+    def observe_sleep(self, records: Mapping[str, Any]) -> None:
+        """Sleep records read from etcd: sleepers a scheduler woke count as awake again."""
+        with self.procs.lock:
+            for a in self.sleep.observe(records, self.procs.actors):
+                self._record("wake", a, self._target_of(a), "woken by its scheduler", f"{a.name} was woken by its "
+                             "scheduler (requests waited and only sleeping workers were left)")
+
+    def take_commands(self) -> list[tuple[str, dict]]:
+        """The sleep / wake commands to write to etcd (the registry watch writes them after each round)."""
+        with self.procs.lock:
+            return self.sleep.take_commands()
+
     def _stop_replica(self, a: ActorProcess, target: str, current: int, want: int, d: Desired, now: float) -> None:
         """SIGTERM ``a``'s group (it drains), marked stopped by the autoscaler first so nothing restarts it."""
         a.stopped_by = "autoscaler"
@@ -488,14 +536,16 @@ class ScalingReconciler:
 
 
 async def clear_desired(etcd_url: str) -> int:
-    """Delete every record under ``desired_prefix()`` and ``notices_prefix()`` (a new ``up`` run starts from
-    today's counts, and a notice of an earlier run's worker must not hit this run's worker of that name);
+    """Delete every record under ``desired_prefix()``, ``notices_prefix()`` and ``sleep_prefix()`` (a new ``up``
+    run starts from today's counts, and a notice or sleep command of an earlier run's worker must not hit this
+    run's worker of that name);
     returns how many there were."""
-    from control.state.names import desired_prefix, notices_prefix
+    from control.state.names import desired_prefix, notices_prefix, sleep_prefix
     from control.state.registry import Registry
 
     async with Registry.connect(etcd_url) as reg:
-        return await reg.delete_prefix(desired_prefix()) + await reg.delete_prefix(notices_prefix())
+        return (await reg.delete_prefix(desired_prefix()) + await reg.delete_prefix(notices_prefix())
+                + await reg.delete_prefix(sleep_prefix()))
 
 
 async def seed_desired(etcd_url: str, counts: Mapping[str, int]) -> None:

@@ -75,6 +75,12 @@ class ScalingRound(Protocol):
               now: float | None = None, notices: Mapping[str, Any] | None = None) -> bool:
         """Carry out one round of desired counts; True when anything changed."""
 
+    def take_commands(self) -> list[tuple[str, dict]]:
+        """The sleep / wake commands of the rounds since the last call ((etcd key, value), oldest first)."""
+
+    def observe_sleep(self, records: Mapping[str, Any]) -> None:
+        """The sleep records read from etcd after a round (a scheduler may have woken a sleeper)."""
+
 
 class VersionReconciler:
     """The registry watch (:meth:`watch`) and :meth:`reconcile` of one supervisor: ``running`` maps each
@@ -134,6 +140,7 @@ class VersionReconciler:
                 # Spawning is quick; draining may wait up to stop_timeout_s: keep it off the loop.
                 await asyncio.to_thread(self.reconcile, models)
                 await asyncio.to_thread(scaling.round, desired, ready, None, notices)
+                await self._carry_sleep(reg, scaling)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), self.cfg.registry_poll_s)
                 wake.clear()
@@ -141,6 +148,19 @@ class VersionReconciler:
             await _cancelled(waker)
             if reg is not None:
                 await reg.close()
+
+    async def _carry_sleep(self, reg: Any, scaling: ScalingRound) -> None:
+        """Write the round's sleep / wake commands (control/ops/supervisor_sleep.py) and hand the sleep records
+        back (a scheduler may have woken a sleeper). An etcd error is logged; the commands of a failed write are
+        lost and the next round decides again."""
+        from control.state.names import sleep_prefix
+
+        try:
+            for key, value in scaling.take_commands():
+                await reg.put_json(key, value)
+            scaling.observe_sleep(await reg.get_prefix_json(sleep_prefix()))
+        except Exception as e:  # noqa: BLE001 - the watch goes on; the worker keeps its state until the next command
+            log.warning("registry watch: sleep commands not written (%r)", e)
 
     async def _wake_on_desired(self, reg: Any, wake: asyncio.Event) -> None:
         """Set ``wake`` on every change under ``desired_prefix()`` (until cancelled; the poll goes on if the

@@ -78,6 +78,7 @@ def main_up(args: argparse.Namespace) -> int:
         tls=bool(getattr(args, "tls", False)),
         autoscaler=not getattr(args, "no_autoscaler", False),
         multi_model=bool(getattr(args, "multi_model", False)),
+        sleep_horizon_s=float(getattr(args, "sleep_horizon_s", 0.0) or 0.0),
     ))
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -46,3 +46,12 @@ def default_max_tokens(endpoint: str, defaults: Mapping[str, Any]) -> int | None
     (16 for "completions"; None for chat: the room left in the context, capped by the operator)."""
     server = COMPLETIONS_DEFAULT_MAX_TOKENS if endpoint in ("completion", "completions") else None
     return defaults["max_tokens"] if "max_tokens" in defaults else server
+
+
+# Template variables the server sets itself (actors/validator/prompts.py render_prompt) or that name
+# transformers' apply_chat_template arguments: a request's ``chat_template_kwargs`` may not set them (the
+# validator refuses such a key, 400 naming ``chat_template_kwargs.<key>``; docs/api.md).
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+    "unk_token", "pad_token", "raise_exception", "strftime_now", "chat_template", "tokenize",
+})

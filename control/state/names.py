@@ -257,6 +257,18 @@ def preemption_notice_key(worker_id: str) -> str:
     return f"{notices_prefix()}{validate_name('worker id', worker_id)}"
 
 
+def sleep_prefix() -> str:
+    """Prefix of the sleep / wake commands of workers: ``/actorserve/sleep/``."""
+    return f"{ROOT}/sleep/"
+
+
+def sleep_key(worker_id: str) -> str:
+    """Key of one worker's sleep command: ``/actorserve/sleep/{worker_id}`` (value ``{"want": "sleep" | "wake",
+    "by": str, "ts": epoch s}``; actors/worker/sleep.py): written by the supervisor and by schedulers, watched
+    by the worker."""
+    return f"{sleep_prefix()}{validate_name('worker id', worker_id)}"
+
+
 def all_metrics_prefix() -> str:
     """Prefix of every actor's metrics endpoint key: ``/actorserve/metrics/``."""
     return f"{ROOT}/metrics/"

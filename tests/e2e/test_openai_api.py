@@ -181,6 +181,21 @@ def test_chat_errors_name_param(stack, kw, param):
     assert ei.value.status_code == 400 and ei.value.body["param"] == param
 
 
+def test_chat_template_kwargs_through_the_stack(stack):
+    """vLLM's chat_template_kwargs reaches the validator: SmolLM2's template has no such variable, so the
+    output is unchanged; a reserved key is a 400 naming it."""
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(stack.http_url + "/v1/chat/completions", json=body, timeout=120, headers=auth(stack))
+    with_kw = httpx.post(stack.http_url + "/v1/chat/completions", timeout=120, headers=auth(stack),
+                         json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.status_code == with_kw.status_code == 200, with_kw.text
+    assert with_kw.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    assert with_kw.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=120, headers=auth(stack),
+                   json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
+
+
 def test_other_error_statuses(stack):
     c = client(stack)
     with pytest.raises(openai.NotFoundError):

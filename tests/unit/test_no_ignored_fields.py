@@ -146,6 +146,7 @@ _ACTS = {
     "top_logprobs": ({"logprobs": True}, 3), "prompt": ({}, "other"), "echo": ({}, True),
     "tools": ({}, _TOOLS), "tool_choice": ({"tools": _TOOLS}, "required"),
     "parallel_tool_calls": ({"tools": _TOOLS}, False),
+    "chat_template_kwargs": ({}, {"enable_thinking": False}),
 }
 _LOGPROBS = {"chat": True, "completions": 2}
 

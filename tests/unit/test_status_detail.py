@@ -33,3 +33,12 @@ def test_host_lines_show_budget_residents_and_evictions():
     assert lines[0] == "h1 (pid 7): budget 64.0 MiB, free 1.0 MiB, 3 load(s), 2 eviction(s), asked for b@1"
     assert lines[1] == "  a@1 as h1-v1: weights 1.0 MiB + KV 2.0 MiB, float32, serving"
     assert lines[2] == "  a@2 as h1-v2: weights 1.0 MiB (shared) + KV 1.0 MiB, float32, draining"
+
+
+def test_a_sleeping_worker_says_so_first():
+    asleep = {"dtype": "bfloat16", "quantization": "int4",
+              "sleep": {"state": "sleeping", "freed_bytes": 256 * 2**20, "wake_s": 0.19, "wakes": 2}}
+    assert worker_detail(asleep).startswith("ASLEEP (256.0 MiB freed; last wake 0.19 s), bfloat16+int4")
+    awake = {"dtype": "bfloat16", "sleep": {"state": "running", "wake_s": 0.2, "wakes": 3}}
+    assert worker_detail(awake).startswith("woke 3 times, last in 0.20 s")
+    assert worker_detail({"dtype": "bfloat16", "sleep": {"state": "running", "wakes": 0}}) == "bfloat16"

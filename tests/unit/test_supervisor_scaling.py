@@ -327,3 +327,60 @@ def test_up_banner_says_whether_the_autoscaler_runs(tmp_path):
     assert "off (its actor kind is not installed)" in _autoscaler_line(s)
     s.procs.actors = [processes.ActorProcess("autoscaler-0", "autoscaler", [], tmp_path / "a.log")]
     assert _autoscaler_line(s).startswith("autoscaler: on (validators 1..2, workers 1..2 per version, gateways 1)")
+
+
+# -- the sleeping tier (issue [28], control/ops/supervisor_sleep.py) ------------------------------------------
+
+
+@pytest.fixture
+def sleepy(sup):
+    """``sup`` with the sleeping tier on (horizon 300 s) and worker-1 started and ready."""
+    sup.scaling = scaling.ScalingReconciler(dataclasses.replace(sup.cfg, sleep_horizon_s=300.0), sup.procs,
+                                            sup.factory, sup.versions.running, lambda: True)
+    key = desired_key("worker", "m", "1", "local")
+    sup.scaling.round({key: rec(2)}, None, now=2000.0)
+    sup.actor("worker-1").ready_at = 2001.0
+    sup.scaling.take_commands()
+    return sup, key
+
+
+def test_scale_down_sleeps_and_scale_up_wakes_before_spawning(sleepy):
+    from control.state.names import sleep_key
+
+    sup, key = sleepy
+    sup.scaling.round({key: rec(1, "idle")}, None, now=2010.0)
+    w1 = sup.actor("worker-1")
+    assert sup.signals == [] and w1.running and w1.sleeping_since == 2010.0 and w1.stopped_by is None
+    [(k, v)] = sup.scaling.take_commands()
+    assert k == sleep_key("worker-1") and v["want"] == "sleep" and v["by"] == "supervisor"
+    sup.scaling.round({key: rec(1)}, None, now=2011.0)
+    assert sup.scaling.take_commands() == []  # the sleeper does not count as current: nothing more to do
+    pids = {a.name: a.pid for a in sup.actors}
+    sup.scaling.round({key: rec(2, "queue")}, None, now=2020.0)
+    assert [v["want"] for _, v in sup.scaling.take_commands()] == ["wake"] and w1.sleeping_since is None
+    assert {a.name: a.pid for a in sup.actors} == pids  # woken, nothing spawned
+    assert [e["action"] for e in sup.scaling_log][-2:] == ["sleep", "wake"]
+
+
+def test_a_sleeper_past_the_horizon_exits_and_one_woken_by_its_scheduler_is_awake(sleepy):
+    from control.state.names import sleep_key
+
+    sup, key = sleepy
+    sup.scaling.round({key: rec(1)}, None, now=2010.0)
+    w1 = sup.actor("worker-1")
+    sup.scaling.observe_sleep({sleep_key("worker-1"): {"want": "wake", "by": "scheduler", "ts": 1.0}})
+    assert w1.sleeping_since is None  # a scheduler woke it: awake again
+    sup.scaling.round({key: rec(1)}, None, now=2011.0)  # 2 awake for a count of 1: it sleeps again
+    assert w1.sleeping_since == 2011.0
+    sup.scaling.round({key: rec(1)}, None, now=2011.0 + 299.0)
+    assert sup.signals == []
+    sup.scaling.round({key: rec(1)}, None, now=2011.0 + 300.0)
+    assert sup.signals == [("worker-1", signal.SIGTERM)] and w1.stopped_by == "autoscaler"
+
+
+def test_the_tier_off_stops_as_before(sup):
+    key = desired_key("worker", "m", "1", "local")
+    sup.scaling_round({key: rec(2)}, None, now=2000.0)
+    sup.actor("worker-1").ready_at = 2001.0
+    sup.scaling_round({key: rec(1)}, None, now=2010.0)
+    assert sup.signals == [("worker-1", signal.SIGTERM)] and sup.scaling.take_commands() == []

@@ -416,6 +416,11 @@ class LlamaModel:
         out = self._paged_attention(q, k, v, meta.plan, cache)
         return _adapted(lw.o, out.reshape(T, H * hd), meta.lora, layer, "o")
 
+    def release_kv(self) -> None:
+        """Drop the per-layer views of the KV cache kept between steps, so that a cache being replaced (a resize,
+        a sleep: actors/worker/sleep.py) is freed at once; the next forward makes them again."""
+        self._caches, self._caches_of = [], None
+
     def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) views [num_blocks, bs, Hkv, hd] of every layer of ``kv_cache``, made once per cache tensor."""
         if getattr(self, "_caches_of", None) is not kv_cache:

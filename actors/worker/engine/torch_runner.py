@@ -219,6 +219,10 @@ class TorchRunner:
         parallelism; ValueError below one block (kv_cache.py)."""
         if self.tp is not None:
             raise RuntimeError("resize_kv needs an idle one-rank engine")
+        release = getattr(self.model, "release_kv", None)  # the model's views of the old cache
+        if release is not None:
+            release()
+        self.kv = None  # the old cache is freed before the new one is allocated (no peak of both)
         self.kv = KVCache(self.model_config, int(kv_bytes), self.config.block_size, self.dtype, self.config.device)
         self.num_blocks = self.kv.num_blocks
         log.info("KV cache resized: %s", self.kv.describe())
