@@ -114,11 +114,28 @@ def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
     hf_dir = folder / f"{name}-hf"
     model.save_pretrained(hf_dir, safe_serialization=True)
     model.generation_config.save_pretrained(hf_dir)
+    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
     gguf_path = None
     if VARIANTS[name].gguf:
         gguf_path = str(folder / f"{name}.gguf")
         write_gguf(model, gguf_path)
     return {"model": model, "hf": str(hf_dir), "gguf": gguf_path}
+
+
+def write_tokenizer_json(path: str) -> str:
+    """bench/tiny_model.py's byte-level BPE vocabulary (the GGUF's) as a ``tokenizer.json`` (tokenizers)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from bench.tiny_model import MERGES, SPECIAL_TOKENS, tiny_vocab
+
+    tokens = tiny_vocab()[0]
+    merges = [tuple(m.split(" ")) for m in MERGES]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    tok.save(path)
+    return path
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -90,3 +90,11 @@ def test_manifest_records_a_hugging_face_directory():
     assert ModelManifest.from_dict({"name": "q", "version": "1", "artifact": "/m/q", "format": "hf"}).format == "hf"
     with pytest.raises(ValueError, match="format exl2 is not supported yet"):
         ModelManifest.from_dict({"name": "q", "version": "1", "artifact": "/m/q", "format": "exl2"})
+
+
+def test_a_directorys_token_bytes_equal_the_gguf_of_the_same_vocabulary(qwen3):
+    from actors.worker.engine.weights_cache import read_artifact
+
+    hf, gg = read_artifact(qwen3["hf"], torch.float32), read_artifact(qwen3["gguf"], torch.float32)
+    assert hf.token_bytes == gg.token_bytes and hf.token_bytes[3 + ord("a")] == b"a"
+    assert sorted(hf.special_names) == sorted(gg.special_names) == [0, 1, 2]

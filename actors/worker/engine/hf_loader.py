@@ -8,8 +8,8 @@ converted: an unknown name, a missing weight, a misshapen one, an ``lm_head.weig
 ``tie_word_embeddings: true`` (or none without it) refuses the directory (``arch_spec.UnsupportedModel``
 naming it). ``rotary_emb.inv_freq`` buffers some older checkpoints carry are derived data: skipped, by name.
 
-The detokenizer's bytes table comes from ``tokenizer.json`` (vocabulary and added tokens; byte-level BPE or
-SentencePiece-style ``▁`` / ``<0xNN>`` pieces); without one, every id decodes to no bytes (a warning).
+The detokenizer's bytes table comes from ``tokenizer.json`` through actors/text/hf_tokenizer.py (byte-level
+decoders); without one, every id decodes to no bytes (a warning).
 """
 
 from __future__ import annotations
@@ -152,37 +152,19 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
 
 
 def token_tables(path: str, vocab_size: int) -> tuple[list[bytes], dict[int, str]]:
-    """(bytes of every id, {id: name} of the special tokens) from ``tokenizer.json`` (module docstring)."""
-    from .detokenizer import token_to_bytes
+    """(bytes of every id, {id: name} of the special tokens) from ``tokenizer.json`` through the project's
+    tokenizer (actors/text/hf_tokenizer.py: byte-level decoders only; its TokenizerError, a ValueError, names
+    anything else). Special tokens decode to no bytes, as a GGUF's control tokens (detokenizer.py)."""
+    from actors.text.hf_tokenizer import HFTokenizer
 
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
+    if not (Path(path) / "tokenizer.json").is_file():
         log.warning("%s: no tokenizer.json: generated tokens decode to no text", path)
         return [b""] * vocab_size, {}
-    tok = json.loads(file.read_text())
-    model = tok.get("model") or {}
-    vocab = model.get("vocab") or {}
-    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
-        vocab = {piece: i for i, (piece, _score) in enumerate(vocab)}
-    tokens: dict[int, str] = {int(i): t for t, i in vocab.items()}
-    special: dict[int, str] = {}
-    for added in tok.get("added_tokens") or []:
-        tokens[int(added["id"])] = added["content"]
-        if added.get("special"):
-            special[int(added["id"])] = added["content"]
-    byte_level = "ByteLevel" in json.dumps(tok.get("decoder")) or "ByteLevel" in json.dumps(tok.get("pre_tokenizer"))
-    table = []
-    for i in range(vocab_size):
-        t = tokens.get(i)
-        if t is None or i in special:
-            table.append(b"")
-        elif byte_level:
-            table.append(token_to_bytes(t, 1))
-        elif t.startswith("<0x") and t.endswith(">") and len(t) == 6:
-            table.append(bytes([int(t[3:5], 16)]))
-        else:
-            table.append(t.replace("\u2581", " ").encode("utf-8"))
-    return table, special
+    tok = HFTokenizer.from_dir(path)
+    n = min(vocab_size, len(tok))
+    special = {i: tok.id_to_token(i) or "" for i in range(n) if tok.is_special(i)}
+    table = [b"" if i in special else tok.token_bytes(i) for i in range(n)]
+    return table + [b""] * (vocab_size - n), special
 
 
 def artifact_files(path: str) -> list[Path]:
