@@ -246,7 +246,7 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         ffn_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]), context_length=max_pos,
         rope_theta=theta, rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         bos_token_id=None if bos is None else int(bos), eos_token_id=eos_list[0] if eos_list else None,
-        architecture=arch, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch != "llama")),
+        architecture=arch, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),  # the three classes' default
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")), qk_norm=arch == "qwen3",
         generation_eos_ids=tuple(eos_list[1:]), **scaling)
 
