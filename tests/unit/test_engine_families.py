@@ -264,14 +264,15 @@ def _switch_off(feature: str):
     return change
 
 
-@pytest.mark.parametrize("variant,feature", [(v, f) for v, fs in FEATURES.items() for f in fs])
-def test_negative_control_switching_a_feature_off_moves_the_logits(models, variant, feature):
-    path, prompt = models[variant]["hf"], PROMPTS[0]
+@pytest.mark.parametrize("variant,feature,fmt", [(v, f, fmt) for v, fs in FEATURES.items() for f in fs
+                                                for fmt in ("hf", "gguf") if fmt == "hf" or VARIANTS[v].gguf])
+def test_negative_control_switching_a_feature_off_moves_the_logits(models, variant, feature, fmt):
+    path, prompt = models[variant][fmt], PROMPTS[0]
     on = _our_logits(path, prompt)
     assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
     off = _our_logits(path, prompt, _switch_off(feature))
     moved = (off - on).abs().max().item()
-    print(f"{variant} without {feature}: max|dlogit| {moved:.2f}")
+    print(f"{variant}/{fmt} without {feature}: max|dlogit| {moved:.2f}")
     assert moved > 100 * LOGIT_ATOL
 
 
@@ -440,3 +441,29 @@ def test_two_ranks_equal_one(models, engines, variant):
         assert run_all(two)["t"] == run_all(one)["t"]
     finally:
         two.close()
+
+
+@pytest.mark.parametrize("variant", ["llama2", "qwen2", "qwen3"])
+def test_negative_control_qk_permutation_belongs_to_llama_files_only(models, variant):
+    """Un-permuting Q/K of a qwen file, or leaving a llama file's permuted, moves the logits (the loader does
+    neither)."""
+    import numpy as np
+
+    from actors.worker.engine.gguf_loader import unpermute_qk
+
+    path, prompt = models[variant]["gguf"], PROMPTS[0]
+
+    def flip(cfg, weights):
+        for i in range(cfg.num_layers):
+            for name, heads in (("wq", cfg.num_heads), ("wk", cfg.num_kv_heads)):
+                w = weights[f"layers.{i}.{name}"].numpy()
+                if cfg.architecture == "llama":  # re-permute: what the loader would serve without un-permuting
+                    out = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+                else:
+                    out = unpermute_qk(w, heads)
+                weights[f"layers.{i}.{name}"] = torch.from_numpy(np.ascontiguousarray(out))
+        return cfg
+
+    on = _our_logits(path, prompt)
+    assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
+    assert (_our_logits(path, prompt, flip) - on).abs().max().item() > 100 * LOGIT_ATOL
