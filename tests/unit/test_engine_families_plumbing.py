@@ -98,3 +98,20 @@ def test_a_directorys_token_bytes_equal_the_gguf_of_the_same_vocabulary(qwen3):
     hf, gg = read_artifact(qwen3["hf"], torch.float32), read_artifact(qwen3["gguf"], torch.float32)
     assert hf.token_bytes == gg.token_bytes and hf.token_bytes[3 + ord("a")] == b"a"
     assert sorted(hf.special_names) == sorted(gg.special_names) == [0, 1, 2]
+
+
+def test_a_plain_llama_file_builds_the_tuned_structure(tmp_path):
+    """The default model's family gains nothing per call: a llama GGUF without scaling builds LlamaModel itself,
+    plain projections (no bias wrapper), no q/k norms, the static RoPE table and the native kernels where they
+    build (the same structure as before the spec)."""
+    from actors.worker.engine import cpu_kernels
+    from actors.worker.engine.engine import EngineConfig, LLMEngine
+    from actors.worker.engine.model import BiasedLinear, LlamaModel, RotaryEmbedding
+    from tests.engine_fixtures import write_tiny_llama_gguf
+
+    eng = LLMEngine(EngineConfig(model_path=write_tiny_llama_gguf(str(tmp_path / "t.gguf")), dtype="float32",
+                                 kv_cache_bytes=2**20, max_loras=0))
+    m = eng.model
+    assert type(m) is LlamaModel and type(m.rope) is RotaryEmbedding and eng.native_off_reason is None
+    assert not any(isinstance(lw.qkv, BiasedLinear) or lw.q_norm is not None for lw in m.layers)
+    assert (m.kernels is not None) == (cpu_kernels.load() is not None)
