@@ -319,7 +319,7 @@ def test_hf_dir_with_an_unknown_tensor_is_refused(models, tmp_path):
 def test_hf_dir_with_a_missing_tensor_is_refused(models, tmp_path):
     d = _copy_dir(models["qwen3"]["hf"], tmp_path / "x")
     _rewrite_safetensors(d, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
-    _refused(d, "layers.1.k_norm")
+    _refused(d, "model.layers.1.self_attn.k_norm.weight")
 
 
 def test_hf_dir_with_an_untied_head_beside_tie_word_embeddings_is_refused(models, tmp_path):
@@ -376,7 +376,7 @@ def test_gguf_with_an_unknown_tensor_is_refused(models, tmp_path):
 
 def test_gguf_with_a_missing_tensor_is_refused(models, tmp_path):
     path = write_gguf(models["qwen2"]["model"], str(tmp_path / "x.gguf"), drop=("blk.1.attn_v.bias",))
-    _refused(path, "layers.1.bv")
+    _refused(path, "blk.1.attn_v.bias")
 
 
 def test_gguf_with_an_unknown_rope_scaling_type_is_refused(models, tmp_path):

@@ -174,9 +174,11 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_tensors(config: ModelConfig, found: dict[str, tuple[tuple[int, ...], str]], where: str) -> None:
+def check_tensors(config: ModelConfig, found: dict[str, tuple[tuple[int, ...], str]], where: str,
+                  name_in_file=None) -> None:
     """Every expected tensor present with its shape, nothing else: ``found`` maps our names to (shape, the
-    file's own tensor name). UnsupportedModel naming the first missing, unexpected or misshapen tensor."""
+    file's own tensor name); ``name_in_file(ours)``: the file's name of a missing one. UnsupportedModel naming the
+    first missing, unexpected or misshapen tensor."""
     expected = expected_weights(config)
     for name, (shape, file_name) in found.items():
         if name not in expected:
@@ -188,8 +190,9 @@ def check_tensors(config: ModelConfig, found: dict[str, tuple[tuple[int, ...], s
                                    f"{list(expected[name])}")
     missing = [n for n in expected if n not in found]
     if missing:
-        raise UnsupportedModel(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all; our name "
-                               f"for the {config.architecture} weight)")
+        name = name_in_file(missing[0]) if name_in_file else missing[0]
+        raise UnsupportedModel(f"{where}: missing tensor {name!r} ({len(missing)} missing in all; the "
+                               f"{config.architecture} config needs it)")
 
 
 # ------------------------------------------------------------------------------------------------ config.json

@@ -89,8 +89,18 @@ def account_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: str = "G
             raise UnsupportedModel(f"{path}: unknown tensor {t.name!r} (not a {config.architecture} weight)")
         names[t.name] = ours
         found[ours] = (tuple(int(d) for d in reversed(t.shape)), t.name)
-    check_tensors(config, found, path)
+    check_tensors(config, found, path, gguf_name)
     return names
+
+
+def gguf_name(ours: str) -> str:
+    """llama.cpp's tensor name of our weight name (the inverse of ``_our_name``)."""
+    top = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+    if ours in top:
+        return top[ours]
+    _, i, short = ours.split(".", 2)
+    key = next(k for k, v in _LAYER_NAMES.items() if v == short)
+    return f"blk.{i}.{key}" if key.endswith(".bias") else f"blk.{i}.{key}.weight"
 
 
 def _dequantize(tensor, config: ModelConfig) -> np.ndarray:

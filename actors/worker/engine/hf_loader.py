@@ -62,6 +62,15 @@ def our_name(hf_name: str) -> str | None:
     return None
 
 
+def hf_name(ours: str) -> str:
+    """The Hugging Face tensor name of our weight name (the inverse of ``our_name``)."""
+    top = {v: k for k, v in _TOP.items()}
+    if ours in top:
+        return top[ours]
+    _, i, short = ours.split(".", 2)
+    return f"model.layers.{i}.{next(k for k, v in _LAYER.items() if v == short)}"
+
+
 def read_config(path: str) -> ModelConfig:
     """The spec of the directory at ``path`` (``config.json``, ``generation_config.json`` when present)."""
     d = Path(path)
@@ -110,7 +119,7 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
                     raise UnsupportedModel(f"{path}: tensor {name!r} appears twice ({where[ours][0].name}, {file.name})")
                 where[ours] = (file, name)
                 found[ours] = (tuple(f.get_slice(name).get_shape()), name)
-    check_tensors(config, found, path)
+    check_tensors(config, found, path, hf_name)
     return where
 
 
