@@ -33,8 +33,11 @@ def build_engine(manifest: dict, args: argparse.Namespace):
     """Load the engine for ``manifest`` (blocking; run in a thread) on the path ``choose_path`` resolves.
     ValueError on unsupported formats."""
     from actors.worker.engine.engine import EngineConfig, LLMEngine
-    if manifest.get("format", "gguf") != "gguf":
-        raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
+    import os
+
+    fmt = manifest.get("format") or ("hf" if os.path.isdir(manifest.get("artifact", "")) else "gguf")
+    if fmt not in ("gguf", "hf"):  # hf: a Hugging Face directory (engine/hf_loader.py)
+        raise ValueError(f"format {fmt!r} is not supported (supported: gguf, hf)")
     if getattr(args, "engine", "torch") == "zero-compute":  # only when asked for: no model compute
         from actors.worker.zero_compute import ZeroComputeConfig, ZeroComputeEngine
         return ZeroComputeEngine(ZeroComputeConfig(

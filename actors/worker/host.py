@@ -391,7 +391,7 @@ class ModelHost:
 
 
 def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+    """Bytes of the artifact: a GGUF file, or a Hugging Face directory's config and safetensors (0 if unreadable)."""
+    from actors.worker.engine.hf_loader import artifact_bytes
+
+    return artifact_bytes(path)

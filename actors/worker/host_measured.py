@@ -23,6 +23,15 @@ def measured_path() -> Path:
 
 
 def _stamp(artifact: str) -> list[int]:
+    """[size, mtime_ns] of a GGUF file; of a Hugging Face directory, its files' total size and newest mtime."""
+    if os.path.isdir(artifact):
+        from actors.worker.engine.hf_loader import artifact_files
+
+        try:
+            stats = [f.stat() for f in artifact_files(artifact)]
+        except (OSError, ValueError):
+            return [-1, -1]
+        return [sum(int(st.st_size) for st in stats), max(int(st.st_mtime_ns) for st in stats)]
     try:
         st = os.stat(artifact)
     except OSError:

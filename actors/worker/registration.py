@@ -26,12 +26,14 @@ def add_engine_phases(timeline: LoadTimeline, phases: dict) -> None:
 
 def worker_info(engine, args: argparse.Namespace, worker_id: str, adapters=(), **extra) -> dict:
     """The fields of a worker's etcd record that come from its engine and flags (docs/architecture.md etcd
-    keys): id, pid, a fresh incarnation, device, dtype, quantization, the engine path and why, slots, adapters,
+    keys): id, pid, a fresh incarnation, device, dtype, quantization, the engine path and why, why the native
+    kernels do not run the model's architecture (``native_off``, None where they may), slots, adapters,
     pool, engine kind; ``extra`` adds fields (a host's ``host``)."""
     return {"worker_id": worker_id, "pid": os.getpid(), "incarnation": uuid.uuid4().hex[:12],
             "device": args.device, "dtype": getattr(engine, "dtype_name", args.dtype),
             "quantization": getattr(engine, "quantization", None),
             "path": getattr(getattr(engine, "path_choice", None), "reason", None),
+            "native_off": getattr(engine, "native_off_reason", None),  # torch path: why (arch_spec.native_unsupported)
             "max_num_seqs": args.max_num_seqs, "adapters": sorted(adapters), "pool": getattr(args, "pool", "default"),
             "engine": getattr(args, "engine", "torch"), **extra}
 

@@ -14,7 +14,7 @@ from bus.messages import TOOL_CALL_FORMATS, sampling_defaults
 from control.state import names
 from control.policy.numbers import is_number
 
-SUPPORTED_FORMATS = ("gguf",)
+SUPPORTED_FORMATS = ("gguf", "hf")  # hf: a Hugging Face directory (config.json + safetensors; engine/hf_loader.py)
 SUPPORTED_TOKENIZERS = ("gguf",)
 MANIFEST_STATUSES = ("active", "disabled", "retired")
 PRICING_FIELDS = ("prompt_per_1m", "completion_per_1m")  # USD per 1M tokens (docs/budgets.md)
@@ -42,6 +42,12 @@ def check_pricing(value: Any) -> dict[str, float] | None:
     return out
 
 
+def infer_format(artifact: str) -> str:
+    """The format a path names, by its spelling alone (the manifest does no I/O): ``hf`` for a directory path
+    written with a trailing ``/``, else ``gguf`` (the default it always had). ``format`` given explicitly wins."""
+    return "hf" if artifact.endswith("/") else "gguf"
+
+
 @dataclass(frozen=True)
 class ModelManifest:
     """Manifest of one model version, stored at ``/actorserve/models/{name}/versions/{version}``.
@@ -49,8 +55,9 @@ class ModelManifest:
     Validated on construction; every problem raises ValueError naming the field.
 
     * ``artifact``: path of the weights file (non-empty string).
-    * ``format``: only ``"gguf"`` for now; others raise
-      ``ValueError("format X is not supported yet (supported: gguf)")``.
+    * ``format``: ``"gguf"`` or ``"hf"`` (a Hugging Face directory); others raise
+      ``ValueError("format X is not supported yet (supported: gguf, hf)")``. ``from_dict`` without one infers
+      it from the path (``infer_format``).
     * ``context_length``: max tokens (prompt + completion), positive int, or None (from the artifact).
     * ``memory_bytes``: memory the weights need, in bytes, non-negative int or None (unknown).
     * ``tokenizer``: ``"gguf"`` (read from the artifact).
@@ -142,5 +149,7 @@ class ModelManifest:
         if missing:
             raise ValueError(f"manifest is missing {', '.join(missing)}")
         kwargs = {k: v for k, v in data.items() if k in known}
+        if kwargs.get("format") is None and isinstance(data.get("artifact"), str):
+            kwargs["format"] = infer_format(data["artifact"])
         extra = {k: v for k, v in data.items() if k not in known and k != "extra"}
         return cls(**kwargs, extra=extra)

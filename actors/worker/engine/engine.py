@@ -42,7 +42,7 @@ _DTYPES = DTYPES
 RUNNER_ATTRS = frozenset({
     "model", "kv", "tp", "adapters", "model_config", "dtype_name", "quantization", "weights_bytes",
     "weights_shared", "weights_cached", "load_phases", "lora_reserve_bytes", "position_limit", "structured",
-    "special_names", "name", "cycle", "num_blocks",
+    "special_names", "name", "cycle", "num_blocks", "native_off_reason",
 })
 
 

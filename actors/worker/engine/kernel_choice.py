@@ -129,9 +129,18 @@ def read_tensor_infos(path: str) -> dict[str, tuple[tuple[int, ...], int]]:
 
 
 def read_shapes(path: str) -> Shapes:
-    """Projection shapes of layer 0, the layer count and vocabulary (ValueError if a tensor is missing)."""
+    """Projection shapes of layer 0, the layer count and vocabulary (ValueError if a tensor is missing); a
+    Hugging Face directory's from its config.json (its safetensors dtypes as the types: never a GGUF block
+    type, so no quantization follows the file)."""
     import gguf
 
+    if os.path.isdir(path):
+        from .hf_loader import read_config, tensor_types
+
+        c = read_config(path)
+        hd, d = c.head_dim, c.hidden_size
+        return Shapes(c.num_layers, ((c.num_heads + 2 * c.num_kv_heads) * hd, d), (d, c.num_heads * hd),
+                      (2 * c.ffn_size, d), (d, c.ffn_size), c.vocab_size, d, tuple(tensor_types(path)))
     infos = read_tensor_infos(path)
 
     def dims(name: str) -> tuple[int, int]:
@@ -283,9 +292,10 @@ def cache_key(model_path: str, flags, device: str, dtype: str, quantization: str
     import torch
 
     here = Path(__file__).parent
+    from .hf_loader import artifact_stamp
+
     h = hashlib.sha256()
-    st = os.stat(model_path)
-    parts = [",".join(sorted(flags)), os.path.abspath(model_path), str(st.st_size), str(st.st_mtime_ns),
+    parts = [",".join(sorted(flags)), *artifact_stamp(model_path),
              device, dtype, quantization, torch.__version__, str(torch.get_num_threads()),
              "block_quant=" + os.environ.get("ACTORSERVE_BLOCK_QUANT", ""), "isa=" + os.environ.get("ACTORSERVE_ISA", "")]
     h.update("\n".join(parts).encode())

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .gguf_loader import ModelConfig
+from . import arch_spec, cpu_kernels
+from .arch_spec import ModelConfig
 from .lora_slots import LoraBatch
 
 # A decode group may pad its members' contexts by at most this many blocks beyond the shortest.
@@ -158,10 +158,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed RoPE cos/sin tables [max_positions, head_dim] (float32), HF half-split layout."""
+    """Precomputed RoPE cos/sin tables [max_positions, head_dim] (float32), HF half-split layout.
+    ``inv_freq`` [head_dim / 2]: the scaled frequencies of a spec (arch_spec.rope_inv_freq); default plain RoPE."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: str) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: str,
+                 inv_freq: torch.Tensor | None = None) -> None:
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -170,6 +173,10 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim] for ``positions`` [T]."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def tables_for(self, meta: "BatchMetadata") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] of a step's tokens (static tables: by position alone)."""
+        return self.tables(meta.positions)
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -182,6 +189,38 @@ class RotaryEmbedding:
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [T, heads, head_dim] by ``positions`` [T]; computed in float32."""
         return self.rotate(x, *self.tables(positions))
+
+
+class DynamicRotary(RotaryEmbedding):
+    """Dynamic NTK RoPE (arch_spec.dynamic_inv_freq): a token of a sequence that holds ``n`` tokens after this
+    step is rotated with the frequencies for length ``n``, as transformers' ``dynamic_rope_update`` does for a
+    prefill of ``n`` tokens and for each decode (its cache keeps keys rotated at their own step). Batch
+    invariant: a token's frequencies depend on its own sequence only. Within the original length the static
+    table is used; the model runs on the torch path (arch_spec.native_unsupported)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: str) -> None:
+        super().__init__(config.head_dim, config.rope_theta, max_positions, device, arch_spec.base_inv_freq(config))
+        self.config, self.device = config, device
+
+    def tables_for(self, meta: "BatchMetadata") -> tuple[torch.Tensor, torch.Tensor]:
+        if max(meta.context_lens) <= self.config.rope_original_max_positions:
+            return self.tables(meta.positions)
+        lens = torch.tensor(meta.context_lens, dtype=torch.int64)
+        inv = arch_spec.dynamic_inv_freq(self.config, lens)  # [S, hd/2]
+        per_token = inv.repeat_interleave(torch.tensor(meta.query_lens), dim=0).to(self.device)  # [T, hd/2]
+        freqs = meta.positions.float().unsqueeze(1) * per_token
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos(), emb.sin()
+
+
+class BiasedLinear:
+    """``linear(x) + bias``: a projection with a bias (Qwen2's Q/K/V), around any dense or quantized projection."""
+
+    def __init__(self, linear, bias: torch.Tensor) -> None:
+        self.linear, self.bias, self.out_features = linear, bias, linear.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).add_(self.bias)
 
 
 class Linear:
@@ -238,6 +277,8 @@ class _Layer:
     o: Linear  # [d, H * hd]
     gate_up: Linear  # [2 ffn, d]
     down: Linear  # [d, ffn]
+    q_norm: torch.Tensor | None = None  # [hd] per-head query RMSNorm (qk_norm specs)
+    k_norm: torch.Tensor | None = None  # [hd]
 
 
 class LlamaModel:
@@ -245,6 +286,11 @@ class LlamaModel:
 
     ``make_linear(weight, name)`` builds each projection (default: dense ``Linear``); the engine
     passes a quantizing factory for weight-only int8/int4.
+
+    The architecture spec (arch_spec.ModelConfig) is resolved here, once: Q/K/V biases wrap the fused QKV
+    projection (``BiasedLinear``), scaled RoPE is the cos/sin tables (``rope_inv_freq``; dynamic NTK:
+    ``DynamicRotary``), a tied head is the embedding. Per-head q/k norms need ``QkNormModel``. A spec the
+    native kernels do not cover runs the torch path; ``native_off_reason`` says why (``actorserve status``).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
@@ -258,22 +304,34 @@ class LlamaModel:
         make_linear = make_linear or dense
         self.lm_head = Linear(weights["lm_head"])  # plain: [V, d] @ h^T for many rows unless packed (forward)
         self.lm_head_1 = dense(weights["lm_head"], "lm_head")  # packed where possible
+        if config.qk_norm and not isinstance(self, QkNormModel):
+            raise ValueError("a qk_norm spec needs QkNormModel (model_families.build_model picks it)")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             w = lambda n: weights.pop(f"layers.{i}.{n}")  # noqa: E731
+            qkv = make_linear(torch.cat([w("wq"), w("wk"), w("wv")]), "qkv")
+            if config.qkv_bias:
+                qkv = BiasedLinear(qkv, torch.cat([w("bq"), w("bk"), w("bv")]).contiguous())
             self.layers.append(_Layer(
                 attn_norm=w("attn_norm"), ffn_norm=w("ffn_norm"),
-                qkv=make_linear(torch.cat([w("wq"), w("wk"), w("wv")]), "qkv"),
+                qkv=qkv,
                 o=make_linear(w("wo"), "o"),
                 gate_up=make_linear(torch.cat([w("w_gate"), w("w_up")]), "gate_up"),
                 down=make_linear(w("w_down"), "down"),
+                q_norm=w("q_norm") if config.qk_norm else None,
+                k_norm=w("k_norm") if config.qk_norm else None,
             ))
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, device)
+        if config.rope_scaling == "dynamic":
+            self.rope = DynamicRotary(config, max_positions, device)
+        else:
+            self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, device,
+                                        arch_spec.rope_inv_freq(config))
         self.num_groups = config.num_heads // config.num_kv_heads
         # C++ kernels (cpu_kernels.py, built at first use) for decode attention on the paged cache
         # and the fused small ops, where they apply; None = the PyTorch path.
         self.kernels = None
-        if native_kernels and cpu_kernels.CpuKernels.supports(self.dtype, device):
+        self.native_off_reason = arch_spec.native_unsupported(config) if native_kernels else None
+        if native_kernels and self.native_off_reason is None and cpu_kernels.CpuKernels.supports(self.dtype, device):
             self.kernels = cpu_kernels.load()
         # Fresh-prefill attention on AMX (csrc/prefill_attention.cpp): bf16, head_dim 64.
         self.amx_prefill = (self.kernels is not None and self.kernels.has_amx and self.dtype == torch.bfloat16
@@ -292,7 +350,7 @@ class LlamaModel:
         if self.kernels is not None:
             h = self._layers_native(h, meta, kv_cache)
         else:
-            cos, sin = self.rope.tables(meta.positions)
+            cos, sin = self.rope.tables_for(meta)
             for layer, lw in enumerate(self.layers):
                 h = h + self._attention(lw, h, meta, kv_cache[layer], cos, sin, layer)
                 x = rms_norm(h, lw.ffn_norm, cfg.rms_eps)
@@ -436,6 +494,29 @@ class LlamaModel:
         vs = v_blocks.index_select(0, flat).view(B, L, Hkv, hd).transpose(1, 2).to(qg.dtype)
         o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=g.mask)  # [B, Hkv, G, hd]
         return o.reshape(B, Hkv * G, hd)
+
+
+class QkNormModel(LlamaModel):
+    """Llama with per-head RMSNorm of queries and keys before RoPE (Qwen3: ``q_norm`` / ``k_norm`` [head_dim],
+    the model's ``rms_eps``). Torch path only (arch_spec.native_unsupported)."""
+
+    def _attention(self, lw: _Layer, h: torch.Tensor, meta: BatchMetadata, cache: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        cfg = self.config
+        H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = h.shape[0]
+        qkv = _adapted(lw.qkv, rms_norm(h, lw.attn_norm, cfg.rms_eps), meta.lora, layer, "qkv")
+        q = rms_norm(qkv[:, : H * hd].reshape(T, H, hd), lw.q_norm, cfg.rms_eps)
+        k = rms_norm(qkv[:, H * hd : (H + Hkv) * hd].reshape(T, Hkv, hd), lw.k_norm, cfg.rms_eps)
+        qk = self.rope.rotate(torch.cat([q, k], dim=1), cos, sin)
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
+        k_flat = cache[0].view(-1, Hkv, hd)
+        v_flat = cache[1].view(-1, Hkv, hd)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        out = self._paged_attention(q, k, v, meta.plan, cache)
+        return _adapted(lw.o, out.reshape(T, H * hd), meta.lora, layer, "o")
 
 
 def _adapted(linear, x: torch.Tensor, lora: LoraBatch | None, layer: int, proj: str) -> torch.Tensor:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from .gguf_loader import ModelConfig
-from .model import LlamaModel
+from .arch_spec import ModelConfig
+from .model import LlamaModel, QkNormModel
 
-FAMILIES = {"llama": LlamaModel}  # ModelConfig.architecture -> model class
+# ModelConfig.architecture -> model class. Qwen2 is Llama with Q/K/V biases (a spec field LlamaModel resolves at
+# build time); Qwen3 adds per-head q/k norms (QkNormModel). arch_spec.py resolves the spec from the file.
+FAMILIES = {"llama": LlamaModel, "qwen2": LlamaModel, "qwen3": QkNormModel}
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, make_linear=None,
@@ -20,6 +22,8 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], max_posit
     family = FAMILIES.get(config.architecture)
     if family is None:
         raise ValueError(f"no model family for architecture {config.architecture!r} (known: {sorted(FAMILIES)})")
+    if family is QkNormModel and not config.qk_norm:  # a spec with the feature switched off (negative controls)
+        family = LlamaModel
     if config.tie_word_embeddings:
         weights.setdefault("lm_head", weights["embed"])
     return family(config, weights, max_positions, make_linear, native_kernels)

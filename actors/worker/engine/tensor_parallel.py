@@ -78,7 +78,9 @@ def shard_weights(weights: dict, config, shard: Shard) -> dict:
     rows = {"wq": (q0 * hd, q1 * hd), "wk": (k0 * hd, k1 * hd), "wv": (k0 * hd, k1 * hd),
             "w_gate": (f0, f1), "w_up": (f0, f1)}
     cols = {"wo": (q0 * hd, q1 * hd), "w_down": (f0, f1)}
-    for i in range(config.num_layers):
+    if getattr(config, "qkv_bias", False):  # Qwen2: the biases split as their projections' rows
+        rows.update({"bq": rows["wq"], "bk": rows["wk"], "bv": rows["wv"]})
+    for i in range(config.num_layers):  # q_norm / k_norm ([hd], per head) are whole on every rank
         for name, (a, b) in rows.items():
             key = f"layers.{i}.{name}"
             weights[key] = weights[key][a:b].clone()

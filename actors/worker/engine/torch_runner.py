@@ -97,6 +97,8 @@ class TorchRunner:
         if packs:
             packs.save()
         clock.mark("quantize")
+        # why the native kernels do not run this spec (arch_spec.native_unsupported); None where they may
+        self.native_off_reason = getattr(self.model, "native_off_reason", None)
         self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
         self.weights_shared = False  # True: the weights belong to another runner (share_weights_of)
         self._init_adapters(config.max_loras if self.tp is None else 0)
@@ -144,6 +146,7 @@ class TorchRunner:
         t0 = time.monotonic()
         self.model_config, self.weights_cached, self.quantization = other.model_config, True, other.quantization
         self.tp, self.model, self.position_limit = None, other.model, other.position_limit
+        self.native_off_reason = other.native_off_reason
         self.weights_bytes, self.weights_shared = other.weights_bytes, True
         self._init_adapters(config.max_loras)
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, self.dtype, config.device)
@@ -184,8 +187,9 @@ class TorchRunner:
         return self.tp.agree_min(blocks) * bytes_per_block(shard_cfg, bs, self.dtype)
 
     def _eos_ids(self) -> tuple[int, ...]:
-        """EOS (and end-of-turn, if distinct) token ids from GGUF metadata."""
-        ids = [self.model_config.eos_token_id, self.model_config.eot_token_id]
+        """EOS (and end-of-turn, if distinct) token ids from GGUF metadata or config / generation_config.json."""
+        ids = [self.model_config.eos_token_id, self.model_config.eot_token_id,
+               *getattr(self.model_config, "generation_eos_ids", ())]  # generation_config.json's other stops
         return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
     # ----------------------------------------------------------------- the ModelRunner interface

@@ -1,4 +1,5 @@
-"""What the engine reads from a GGUF artifact, and a load-optimized cache of it (issue 17 item 3).
+"""What the engine reads from a model artifact (a GGUF file or a Hugging Face directory, hf_loader.py), and a
+load-optimized cache of it (issue 17 item 3; directories: issue 20).
 
 ``read_artifact(path, dtype, device, ...)`` returns an ``Artifact``: the model config, the weights
 converted to the engine dtype, the GGUF types of the projection tensors (for ``--quantization auto``),
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .gguf_loader import ModelConfig, load_gguf
+from .arch_spec import ModelConfig
+from .gguf_loader import account_tensors, load_gguf, read_config
 
 log = logging.getLogger("actorserve.engine")
 
@@ -62,11 +64,12 @@ def cache_dir() -> Path:
 
 
 def cache_key(path: str, dtype: torch.dtype) -> str:
-    """sha256 over the artifact's identity (absolute path, size, mtime), the dtype and this loader's source."""
-    st = os.stat(path)
-    h = hashlib.sha256("\n".join([FORMAT, os.path.abspath(path), str(st.st_size), str(st.st_mtime_ns),
-                                  str(dtype)]).encode())
-    for mod in ("gguf_loader.py", "weights_cache.py"):
+    """sha256 over the artifact's identity (absolute path, size, mtime of each of its files), the dtype and the
+    loaders' source."""
+    from .hf_loader import artifact_stamp
+
+    h = hashlib.sha256("\n".join([FORMAT, *artifact_stamp(path), str(dtype)]).encode())
+    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py"):
         h.update((Path(__file__).parent / mod).read_bytes())
     return h.hexdigest()[:32]
 
@@ -81,7 +84,7 @@ def read_artifact(path: str, dtype: torch.dtype, device: str = "cpu", progress: 
         art = _read_cached(file, device)
         if art is not None:
             return art
-    art = _read_gguf(path, dtype, device, progress)
+    art = _read_hf(path, dtype, device, progress) if os.path.isdir(path) else _read_gguf(path, dtype, device, progress)
     if file is not None:
         _write_cached(file, art)
     return art
@@ -95,12 +98,24 @@ def _read_gguf(path: str, dtype: torch.dtype, device: str, progress: bool) -> Ar
 
     t0 = time.monotonic()
     reader = gguf.GGUFReader(path)
+    account_tensors(reader, read_config(reader), path)  # refuse an unsupported file before reading anything else
     types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(_PROJECTIONS)]
     token_bytes, special = load_token_bytes(path, reader=reader), special_token_names(path, reader)
     t1 = time.monotonic()
     config, weights = load_gguf(path, dtype, device, progress, reader)
     return Artifact(config, weights, types, token_bytes, special,
                     {"artifact_read": t1 - t0, "convert": time.monotonic() - t1})
+
+
+def _read_hf(path: str, dtype: torch.dtype, device: str, progress: bool) -> Artifact:
+    from .hf_loader import load_hf, token_tables, tensor_types
+
+    t0 = time.monotonic()
+    config, weights = load_hf(path, dtype, device, progress)
+    t1 = time.monotonic()
+    token_bytes, special = token_tables(path, config.vocab_size)
+    return Artifact(config, weights, tensor_types(path), token_bytes, special,
+                    {"artifact_read": time.monotonic() - t1, "convert": t1 - t0})
 
 
 def _write_cached(file: Path, art: Artifact) -> None:
@@ -135,7 +150,7 @@ def _read_cached(file: Path, device: str) -> Artifact | None:
                 raise ValueError(f"format {meta.get('format')!r}")
             weights = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("__")}
             token_bytes = _unpack_bytes(f.get_tensor("__token_bytes"), f.get_tensor("__token_offsets"))
-        config = ModelConfig(**json.loads(meta["config"]))
+        config = ModelConfig.from_dict(json.loads(meta["config"]))
         special = {int(k): v for k, v in json.loads(meta["special_names"]).items()}
         types = list(json.loads(meta["tensor_types"]))
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:

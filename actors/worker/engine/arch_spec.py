@@ -1,0 +1,314 @@
+"""The architecture spec of a model (``ModelConfig``), resolved once at load time from a Hugging Face
+``config.json`` or from GGUF metadata (decision 0041).
+
+Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3). The
+features that set them apart are fields of the spec, and the torch model (model.py) turns them into its
+module structure when it is built, so the llama decode path carries no per-call test for them:
+
+* ``qkv_bias``: bias on the Q, K and V projections (Qwen2);
+* ``qk_norm``: per-head RMSNorm of queries and keys before RoPE (Qwen3);
+* ``head_dim``: independent of ``hidden_size / num_heads`` (Qwen3: 128 with hidden 1024 and 16 heads);
+* ``tie_word_embeddings``: the LM head is the token embedding;
+* RoPE scaling ``rope_scaling``: None, ``"linear"`` (positions divided by ``rope_factor``), ``"dynamic"``
+  (NTK-aware base, recomputed for a sequence longer than ``rope_original_max_positions``, as transformers'
+  ``dynamic_rope_update``) or ``"llama3"`` (frequency bands, ``rope_low_freq_factor`` /
+  ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor).
+
+Anything else is refused (``UnsupportedModel``, a ValueError naming the field or tensor): an unknown
+``model_type`` / ``general.architecture``, a RoPE type, an activation other than SiLU, attention or MLP bias
+where the family has none, sliding-window attention, partial rotary dimensions. A model is never served
+with a feature silently left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+ROPE_SCALINGS = (None, "linear", "dynamic", "llama3")
+
+
+class UnsupportedModel(ValueError):
+    """A model file or config the engine refuses; the message names the field, value or tensor."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a model (module docstring); the torch runner builds its model from it
+    (model_families.py). Fields after ``tie_word_embeddings`` default to plain Llama."""
+
+    num_layers: int  # transformer blocks
+    hidden_size: int  # d_model
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA)
+    head_dim: int  # per-head size (Qwen3: not hidden_size // num_heads)
+    ffn_size: int  # SwiGLU inner size
+    vocab_size: int  # embedding rows
+    context_length: int  # positions the model serves (tokens)
+    rope_theta: float  # RoPE base
+    rms_eps: float  # RMSNorm epsilon
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    eot_token_id: int | None = None  # end-of-turn id when the file has one
+    architecture: str = "llama"  # model family: one of FAMILIES (model_families.FAMILIES)
+    tie_word_embeddings: bool = False  # True: the LM head is the token embedding (no output / lm_head tensor)
+    qkv_bias: bool = False  # Q/K/V projections have biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3)
+    rope_scaling: str | None = None  # one of ROPE_SCALINGS
+    rope_factor: float = 1.0  # linear / dynamic / llama3 factor
+    rope_original_max_positions: int = 0  # dynamic: scaling starts beyond it; llama3: the band edges
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_freq_factors: tuple[float, ...] | None = None  # llama3 from GGUF ``rope_freqs``: inv_freq divisors
+    generation_eos_ids: tuple[int, ...] = ()  # extra stop ids of generation_config.json
+
+    def __post_init__(self) -> None:  # JSON (the weights cache) gives lists: keep the dataclass hashable
+        for name in ("rope_freq_factors", "generation_eos_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise UnsupportedModel(f"rope_scaling type {self.rope_scaling!r} is not supported (supported: "
+                                   "linear, dynamic, llama3)")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        """From ``dataclasses.asdict`` output (unknown keys ignored: an older cache entry is read again)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def native_unsupported(config: ModelConfig) -> str | None:
+    """Why the native CPU kernels (cpu_kernels.py: fused RMSNorm + RoPE + K/V write, paged decode attention)
+    cannot run this model, or None when they can. Their RoPE reads one static cos/sin table by position, and
+    their fused projection-to-cache step has no place for a per-head norm."""
+    if config.qk_norm:
+        return "q/k RMSNorm (qwen3) is not in the native kernels"
+    if config.rope_scaling == "dynamic":
+        return "dynamic NTK RoPE depends on the sequence length; the native kernels read one static table"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+
+
+def base_inv_freq(config: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """float32 [head_dim / 2] inverse frequencies, computed as transformers does."""
+    base = config.rope_theta if theta is None else theta
+    dim = config.head_dim
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """The static inverse frequencies of ``config`` (float32 [head_dim / 2]); for ``dynamic`` those below the
+    original length (the model recomputes them beyond it: ``dynamic_inv_freq``)."""
+    inv = base_inv_freq(config)
+    kind = config.rope_scaling
+    if kind == "linear":
+        return inv / config.rope_factor
+    if kind == "llama3":
+        if config.rope_freq_factors is not None:  # GGUF: llama.cpp's per-frequency divisors
+            factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+            if factors.numel() != inv.numel():
+                raise UnsupportedModel(f"rope_freqs has {factors.numel()} entries, head_dim {config.head_dim} "
+                                       f"needs {inv.numel()}")
+            return inv / factors
+        return _llama3(inv, config)
+    return inv
+
+
+def _llama3(inv_freq: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    """transformers' ``_compute_llama3_parameters``, expression for expression (float32)."""
+    factor, low, high, old = c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, \
+        c.rope_original_max_positions
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, out)
+
+
+def llama3_freq_factors(config: ModelConfig) -> list[float]:
+    """llama.cpp's ``rope_freqs`` for a llama3-scaled config (convert_hf_to_gguf.py, LlamaModel): the divisor
+    of each base inverse frequency."""
+    inv = base_inv_freq(config)
+    return (inv / _llama3(inv, config)).tolist()
+
+
+def dynamic_inv_freq(config: ModelConfig, seq_len: torch.Tensor) -> torch.Tensor:
+    """NTK-aware inverse frequencies [len(seq_len), head_dim / 2] for sequences of ``seq_len`` tokens (int64
+    [n]), as transformers' ``_compute_dynamic_ntk_parameters`` (the original table at or below the original
+    length)."""
+    orig, factor, dim = config.rope_original_max_positions, config.rope_factor, config.head_dim
+    s = torch.maximum(seq_len, torch.tensor(orig, dtype=seq_len.dtype))
+    base = config.rope_theta * ((factor * s / orig) - (factor - 1)) ** (dim / (dim - 2))  # float32 [n]
+    exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = 1.0 / (base.unsqueeze(1) ** exps.unsqueeze(0))
+    return torch.where((seq_len > orig).unsqueeze(1), inv, base_inv_freq(config).unsqueeze(0))
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{our weight name: shape} of every tensor the model needs (model.py names); ``lm_head`` only when untied."""
+    d, hd, f = config.hidden_size, config.head_dim, config.ffn_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    out: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, d), "norm": (d,)}
+    if not config.tie_word_embeddings:
+        out["lm_head"] = (config.vocab_size, d)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        out.update({p + "attn_norm": (d,), p + "ffn_norm": (d,), p + "wq": (q, d), p + "wk": (kv, d),
+                    p + "wv": (kv, d), p + "wo": (d, q), p + "w_gate": (f, d), p + "w_up": (f, d),
+                    p + "w_down": (d, f)})
+        if config.qkv_bias:
+            out.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
+        if config.qk_norm:
+            out.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
+    return out
+
+
+def check_tensors(config: ModelConfig, found: dict[str, tuple[tuple[int, ...], str]], where: str,
+                  name_in_file=None) -> None:
+    """Every expected tensor present with its shape, nothing else: ``found`` maps our names to (shape, the
+    file's own tensor name); ``name_in_file(ours)``: the file's name of a missing one. UnsupportedModel naming the
+    first missing, unexpected or misshapen tensor."""
+    expected = expected_weights(config)
+    for name, (shape, file_name) in found.items():
+        if name not in expected:
+            why = ("the config ties the LM head to the embedding (tie_word_embeddings)" if name == "lm_head"
+                   else "not a weight of this architecture")
+            raise UnsupportedModel(f"{where}: unexpected tensor {file_name!r} ({why})")
+        if tuple(shape) != expected[name]:
+            raise UnsupportedModel(f"{where}: tensor {file_name!r} has shape {list(shape)}, the config needs "
+                                   f"{list(expected[name])}")
+    missing = [n for n in expected if n not in found]
+    if missing:
+        name = name_in_file(missing[0]) if name_in_file else missing[0]
+        raise UnsupportedModel(f"{where}: missing tensor {name!r} ({len(missing)} missing in all; the "
+                               f"{config.architecture} config needs it)")
+
+
+# ------------------------------------------------------------------------------------------------ config.json
+
+
+def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
+    """The spec of a Hugging Face ``config.json`` (transformers 4.x ``rope_scaling`` / ``rope_theta`` or 5.x
+    ``rope_parameters``), ``generation``: its ``generation_config.json``. UnsupportedModel names the field."""
+    arch = cfg.get("model_type")
+    if arch not in FAMILIES:
+        raise UnsupportedModel(f"config.json: model_type {arch!r} is not supported (supported: {', '.join(FAMILIES)})")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModel("config.json: mlp_bias true is not supported")
+    if arch != "qwen2" and cfg.get("attention_bias"):
+        raise UnsupportedModel("config.json: attention_bias true is not supported (bias on the output projection)")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModel("config.json: use_sliding_window true is not supported")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UnsupportedModel("config.json: partial_rotary_factor is not supported (RoPE on every dimension)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    scaling: dict = {}
+    if kind == "default":
+        pass
+    elif kind in ("linear", "dynamic", "llama3"):
+        if "factor" not in rope:
+            raise UnsupportedModel(f"config.json: rope scaling {kind!r} without 'factor'")
+        scaling = {"rope_scaling": kind, "rope_factor": float(rope["factor"])}
+        if kind == "dynamic":  # transformers scales beyond max_position_embeddings
+            scaling["rope_original_max_positions"] = max_pos
+            max_pos = int(max_pos * float(rope["factor"]))
+        elif kind == "llama3":
+            scaling.update(rope_original_max_positions=int(rope.get("original_max_position_embeddings", max_pos)),
+                           rope_low_freq_factor=float(rope["low_freq_factor"]),
+                           rope_high_freq_factor=float(rope["high_freq_factor"]))
+    else:
+        raise UnsupportedModel(f"config.json: rope_scaling type {kind!r} is not supported "
+                               "(supported: default, linear, dynamic, llama3)")
+    gen = generation or {}
+    eos = cfg.get("eos_token_id") if gen.get("eos_token_id") is None else gen.get("eos_token_id")
+    eos_list = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+    return ModelConfig(
+        num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+        ffn_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]), context_length=max_pos,
+        rope_theta=theta, rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        bos_token_id=None if bos is None else int(bos), eos_token_id=eos_list[0] if eos_list else None,
+        architecture=arch, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),  # the three classes' default
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")), qk_norm=arch == "qwen3",
+        generation_eos_ids=tuple(eos_list[1:]), **scaling)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def from_gguf(reader) -> ModelConfig:
+    """The spec of an open ``gguf.GGUFReader`` (llama.cpp's keys ``{arch}.*``; ``rope_freqs`` read here for
+    llama3 scaling). UnsupportedModel names the key."""
+    arch = _field(reader, "general.architecture")
+    if arch not in FAMILIES:
+        raise UnsupportedModel(f"GGUF general.architecture {arch!r} is not supported (supported: "
+                               f"{', '.join(FAMILIES)})")
+    p = arch + "."
+    hidden, heads = int(_field(reader, p + "embedding_length")), int(_field(reader, p + "attention.head_count"))
+    head_dim = int(_field(reader, p + "attention.key_length", 0) or _field(reader, p + "rope.dimension_count", 0)
+                   or hidden // heads)
+    value_len = _field(reader, p + "attention.value_length")
+    if value_len is not None and int(value_len) != head_dim:
+        raise UnsupportedModel(f"GGUF {p}attention.value_length {value_len} differs from key_length {head_dim}")
+    rot = _field(reader, p + "rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise UnsupportedModel(f"GGUF {p}rope.dimension_count {rot}: partial rotary embeddings are not supported "
+                               f"(head_dim {head_dim})")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, p + "vocab_size") or (len(tokens.data) if tokens else None)
+    names = {t.name: t for t in reader.tensors}
+    scaling: dict = {}
+    kind = _field(reader, p + "rope.scaling.type")
+    if kind not in (None, "none"):
+        if kind != "linear":
+            raise UnsupportedModel(f"GGUF {p}rope.scaling.type {kind!r} is not supported (supported: none, linear; "
+                                   "llama3 through the rope_freqs tensor)")
+        scaling = {"rope_scaling": "linear", "rope_factor": float(_field(reader, p + "rope.scaling.factor"))}
+    if "rope_freqs.weight" in names:
+        if arch != "llama" or scaling:
+            raise UnsupportedModel(f"GGUF tensor 'rope_freqs.weight' with {arch} / rope scaling {kind!r} is not "
+                                   "supported (llama3 scaling of llama models only)")
+        from gguf.quants import dequantize
+
+        t = names["rope_freqs.weight"]
+        factors = dequantize(t.data, t.tensor_type).astype("float32").reshape(-1)
+        scaling = {"rope_scaling": "llama3", "rope_freq_factors": tuple(float(x) for x in factors),
+                   "rope_factor": float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)}
+    ctx = int(_field(reader, p + "context_length", 2048))
+    return ModelConfig(
+        num_layers=int(_field(reader, p + "block_count")), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)), head_dim=head_dim,
+        ffn_size=int(_field(reader, p + "feed_forward_length")), vocab_size=int(vocab), context_length=ctx,
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
+        architecture=arch, tie_word_embeddings="output.weight" not in names,
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **scaling)

@@ -1,0 +1,202 @@
+"""Hugging Face directory loader: ``config.json`` (+ ``generation_config.json``) -> the architecture spec
+(arch_spec.from_hf_config), ``model.safetensors`` or a sharded ``model.safetensors.index.json`` -> weights.
+
+Families ``llama``, ``qwen2``, ``qwen3`` (``model_type``). Tensors are read with ``safetensors.safe_open``
+(memory-mapped: a tensor is materialized only when converted, never a whole file copied), in the Hugging
+Face layout the model uses (no Q/K permutation). Every tensor of every shard is accounted for before any is
+converted: an unknown name, a missing weight, a misshapen one, an ``lm_head.weight`` beside
+``tie_word_embeddings: true`` (or none without it) refuses the directory (``arch_spec.UnsupportedModel``
+naming it). ``rotary_emb.inv_freq`` buffers some older checkpoints carry are derived data: skipped, by name.
+
+The detokenizer's bytes table comes from ``tokenizer.json`` through actors/text/hf_tokenizer.py (byte-level
+decoders); without one, every id decodes to no bytes (a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .arch_spec import ModelConfig, UnsupportedModel, check_tensors, from_hf_config
+
+log = logging.getLogger("actorserve.engine")
+
+CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+
+_LAYER = {  # Hugging Face per-layer name (after "model.layers.{i}.") -> ours
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+_TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+_DERIVED = ".self_attn.rotary_emb.inv_freq"  # recomputed from the spec
+
+
+def is_hf_dir(path: str) -> bool:
+    """True for a directory holding a ``config.json``."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG))
+
+
+def our_name(hf_name: str) -> str | None:
+    """Our weight name of a Hugging Face tensor name; None when unknown."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _LAYER:
+        return f"layers.{parts[2]}.{_LAYER[parts[3]]}"
+    return None
+
+
+def hf_name(ours: str) -> str:
+    """The Hugging Face tensor name of our weight name (the inverse of ``our_name``)."""
+    top = {v: k for k, v in _TOP.items()}
+    if ours in top:
+        return top[ours]
+    _, i, short = ours.split(".", 2)
+    return f"model.layers.{i}.{next(k for k, v in _LAYER.items() if v == short)}"
+
+
+def read_config(path: str) -> ModelConfig:
+    """The spec of the directory at ``path`` (``config.json``, ``generation_config.json`` when present)."""
+    d = Path(path)
+    try:
+        cfg = json.loads((d / CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"{path}: no readable {CONFIG} ({exc})") from exc
+    gen = None
+    if (d / "generation_config.json").is_file():
+        gen = json.loads((d / "generation_config.json").read_text())
+    return from_hf_config(cfg, gen)
+
+
+def shard_files(path: str) -> list[Path]:
+    """The safetensors files of the directory: the shards of ``model.safetensors.index.json`` (each once, in
+    order) or ``model.safetensors``. UnsupportedModel when neither exists or the index names a missing shard."""
+    d = Path(path)
+    if (d / INDEX).is_file():
+        index = json.loads((d / INDEX).read_text())
+        files = list(dict.fromkeys(index.get("weight_map", {}).values()))
+        for f in files:
+            if not (d / f).is_file():
+                raise UnsupportedModel(f"{path}: shard {f!r} named by {INDEX} is missing")
+        return [d / f for f in files]
+    if (d / SINGLE).is_file():
+        return [d / SINGLE]
+    raise UnsupportedModel(f"{path}: neither {SINGLE} nor {INDEX}")
+
+
+def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str]]:
+    """{our name: (shard file, HF name)} of every tensor of every shard, checked against the spec (module
+    docstring). Reads headers only."""
+    from safetensors import safe_open
+
+    where, found = {}, {}
+    for file in shard_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_DERIVED):
+                    continue
+                ours = our_name(name)
+                if ours is None:
+                    raise UnsupportedModel(f"{path}: unknown tensor {name!r} in {file.name} (not a "
+                                           f"{config.architecture} weight)")
+                if ours in where:
+                    raise UnsupportedModel(f"{path}: tensor {name!r} appears twice ({where[ours][0].name}, {file.name})")
+                where[ours] = (file, name)
+                found[ours] = (tuple(f.get_slice(name).get_shape()), name)
+    check_tensors(config, found, path, hf_name)
+    return where
+
+
+def tensor_types(path: str) -> list[str]:
+    """safetensors dtype names of the projection tensors (``["BF16", ...]``: no GGUF block type, so
+    ``--quantization auto`` keeps them dense)."""
+    from safetensors import safe_open
+
+    types = []
+    for file in shard_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            types += [f.get_slice(n).get_dtype() for n in f.keys() if n.endswith("_proj.weight")]
+    return types
+
+
+def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+            progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``(ModelConfig, weights)`` of the directory (names as gguf_loader.load_gguf); UnsupportedModel
+    (ValueError) before any tensor is converted when the spec or the tensors do not match."""
+    from safetensors import safe_open
+
+    config = read_config(path)
+    where = account_tensors(path, config)
+    weights: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for ours, (file, name) in where.items():
+        by_file.setdefault(file, []).append((ours, name))
+    items = [(file, pairs) for file, pairs in by_file.items()]
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc=f"loading {os.path.basename(path.rstrip('/'))}", unit="shard")
+    for file, pairs in items:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for ours, name in pairs:
+                weights[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
+    weights.setdefault("lm_head", weights["embed"])
+    return config, weights
+
+
+def token_tables(path: str, vocab_size: int) -> tuple[list[bytes], dict[int, str]]:
+    """(bytes of every id, {id: name} of the special tokens) from ``tokenizer.json`` through the project's
+    tokenizer (actors/text/hf_tokenizer.py: byte-level decoders only; its TokenizerError, a ValueError, names
+    anything else). Special tokens decode to no bytes, as a GGUF's control tokens (detokenizer.py)."""
+    from actors.text.hf_tokenizer import HFTokenizer
+
+    if not (Path(path) / "tokenizer.json").is_file():
+        log.warning("%s: no tokenizer.json: generated tokens decode to no text", path)
+        return [b""] * vocab_size, {}
+    tok = HFTokenizer.from_dir(path)
+    n = min(vocab_size, len(tok))
+    special = {i: tok.id_to_token(i) or "" for i in range(n) if tok.is_special(i)}
+    table = [b"" if i in special else tok.token_bytes(i) for i in range(n)]
+    return table + [b""] * (vocab_size - n), special
+
+
+def artifact_files(path: str) -> list[Path]:
+    """The files whose bytes are the model: the GGUF itself, or a directory's config and safetensors."""
+    if not os.path.isdir(path):
+        return [Path(path)]
+    d = Path(path)
+    extra = [d / n for n in (CONFIG, INDEX, "generation_config.json") if (d / n).is_file()]
+    return extra + shard_files(path)
+
+
+def artifact_bytes(path: str) -> int:
+    """Bytes of the model's files (the host's memory estimate before a load); 0 when unreadable."""
+    try:
+        return sum(f.stat().st_size for f in artifact_files(path))
+    except (OSError, ValueError):
+        return 0
+
+
+def artifact_stamp(path: str) -> list[str]:
+    """Identity of an artifact (path, sizes, mtimes of its files), for cache keys."""
+    out = [os.path.abspath(path)]
+    for f in artifact_files(path):
+        st = f.stat()
+        out += [f.name, str(st.st_size), str(st.st_mtime_ns)]
+    return out

@@ -1,0 +1,223 @@
+"""Tiny random-weight models of every supported family, built with transformers at test time (issue [20] item 5).
+
+Each variant exercises spec features (arch_spec.py) where a missing one cannot hide:
+
+* weights scaled so the logits have a standard deviation above 1 and attention is sharp (Q/K projections,
+  and for Qwen3 the q/k norm weights, scaled up: at transformers' default init attention is near-uniform
+  and a wrong RoPE barely moves the logits);
+* norm weights and biases perturbed away from their defaults (1 and 0);
+* scaled RoPE variants have ``original_max_position_embeddings`` 32, and the tests' prompts are longer.
+
+``build(variant, folder)`` saves the Hugging Face directory (config.json, model.safetensors,
+generation_config.json; tokenizer files are not the engine's) and, for variants with a llama.cpp
+convention, a GGUF of the same weights (``gguf.GGUFWriter``, llama.cpp's names, Q/K permutation for llama
+only, ``rope_freqs`` for llama3 scaling, ``attention.key_length`` for an independent head_dim).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ORIG_MAX = 32  # original_max_position_embeddings of the scaled-RoPE variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    family: str  # model_type
+    config: dict = field(default_factory=dict)  # extra config.json fields
+    gguf: bool = True  # llama.cpp has a convention for it (dynamic NTK RoPE: none)
+
+
+VARIANTS = {
+    # Llama 2 shape: untied head, linear RoPE scaling.
+    "llama2": Variant("llama", {"tie_word_embeddings": False, "max_position_embeddings": 128,
+                                "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # Llama 3.x: tied head (3.2-1B/3B), llama3 RoPE bands.
+    "llama3": Variant("llama", {"tie_word_embeddings": True, "max_position_embeddings": 128, "rope_theta": 500000.0,
+                                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": ORIG_MAX}}),
+    # Dynamic NTK: transformers scales beyond max_position_embeddings (no GGUF convention in llama.cpp).
+    "llama-dynamic": Variant("llama", {"tie_word_embeddings": False, "max_position_embeddings": ORIG_MAX,
+                                       "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, gguf=False),
+    # Qwen2 / 2.5: Q/K/V biases, tied head.
+    "qwen2": Variant("qwen2", {"tie_word_embeddings": True, "max_position_embeddings": 128}),
+    # Qwen3: per-head q/k norms, head_dim 128 with hidden 64 and 4 heads (not 16; Qwen3-0.6B: 1024 / 16 heads
+    # and 128), untied head.
+    "qwen3": Variant("qwen3", {"tie_word_embeddings": False, "max_position_embeddings": 128, "head_dim": 128}),
+    # Plain Llama (no RoPE scaling): the one llama file transformers' GGUF reader can load faithfully (it drops
+    # rope.scaling.* and rope_freqs).
+    "llama-plain": Variant("llama", {"tie_word_embeddings": False, "max_position_embeddings": 128}),
+}
+
+# Scaled RoPE variants (feature: rope type) and the features each variant's negative control switches off.
+FEATURES = {"llama2": ("rope",), "llama3": ("rope", "tie"), "llama-dynamic": ("rope",),
+            "qwen2": ("qkv_bias", "tie"), "qwen3": ("qk_norm", "tie"), "llama-plain": ("tie",)}
+
+
+def _hf_config(variant: Variant):
+    from transformers import AutoConfig
+
+    from bench.tiny_model import tiny_vocab
+
+    base = dict(vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                pad_token_id=2, hidden_act="silu")
+    base.update(variant.config)
+    return AutoConfig.for_model(variant.family, **base)
+
+
+def _scale(model, seed: int) -> None:
+    """Scale / perturb the weights in place (module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda t, s: torch.randn(t.shape, generator=g) * s  # noqa: E731
+    d = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                big = name.endswith(("q_norm.weight", "k_norm.weight"))
+                p.copy_((3.0 if big else 1.0) + rnd(p, 0.5 if big else 0.2))
+            elif name.endswith(".bias"):
+                p.copy_(rnd(p, 0.5))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.copy_(rnd(p, 2.0 / d ** 0.5))
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.copy_(rnd(p, 0.4))
+            else:
+                p.copy_(rnd(p, 1.0 / p.shape[1] ** 0.5))
+
+
+def hf_model(name: str, seed: int = 0):
+    """The transformers model of variant ``name`` (float32, eval)."""
+    import transformers
+
+    variant = VARIANTS[name]
+    cfg = _hf_config(variant)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _scale(model, seed)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
+    """Save variant ``name`` under ``folder``: {"model": transformers model, "hf": directory, "gguf": file or
+    None}."""
+    folder = Path(folder)
+    model = hf_model(name, seed)
+    hf_dir = folder / f"{name}-hf"
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(hf_dir)
+    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
+    gguf_path = None
+    if VARIANTS[name].gguf:
+        gguf_path = str(folder / f"{name}.gguf")
+        write_gguf(model, gguf_path)
+    return {"model": model, "hf": str(hf_dir), "gguf": gguf_path}
+
+
+def write_tokenizer_json(path: str) -> str:
+    """bench/tiny_model.py's byte-level BPE vocabulary (the GGUF's) as a ``tokenizer.json`` (tokenizers)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from bench.tiny_model import MERGES, SPECIAL_TOKENS, tiny_vocab
+
+    tokens = tiny_vocab()[0]
+    merges = [tuple(m.split(" ")) for m in MERGES]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    tok.save(path)
+    return path
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py ``LlamaModel.permute``: HF half-split rows -> llama.cpp interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def gguf_tensors(model) -> dict[str, np.ndarray]:
+    """llama.cpp-named float32 tensors of ``model`` (module docstring)."""
+    cfg = model.config
+    arch = cfg.model_type
+    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    for name, arr in sd.items():
+        parts = name.split(".", 3)
+        if parts[:2] != ["model", "layers"]:
+            continue
+        gname = f"blk.{parts[2]}.{_GGUF_LAYER[parts[3]]}"
+        if arch == "llama" and gname.endswith("attn_q.weight"):
+            arr = _permute(arr, cfg.num_attention_heads)
+        elif arch == "llama" and gname.endswith("attn_k.weight"):
+            arr = _permute(arr, cfg.num_key_value_heads)
+        out[gname] = np.ascontiguousarray(arr)
+    return out
+
+
+def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple = (), rope_type: str | None = None) -> str:
+    """A GGUF of ``model``'s weights with llama.cpp's conventions; ``extra_tensors`` / ``drop`` / ``rope_type``
+    (a ``rope.scaling.type`` string) make broken files for the refusal tests."""
+    import gguf
+
+    from actors.worker.engine import arch_spec
+    from bench.tiny_model import _add_tokenizer
+
+    cfg = model.config
+    arch = cfg.model_type
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    kind = rope.get("rope_type", "default")
+    tensors = gguf_tensors(model)
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind == "llama3":  # llama.cpp: the per-frequency divisors as a tensor, no scaling type
+        spec = arch_spec.from_hf_config(cfg.to_dict())
+        tensors["rope_freqs.weight"] = np.array(arch_spec.llama3_freq_factors(spec), dtype=np.float32)
+    elif kind != "default":
+        raise ValueError(f"no llama.cpp convention for rope type {kind!r}")
+    if rope_type is not None:
+        w.add_string(f"{arch}.rope.scaling.type", rope_type)
+    _add_tokenizer(w)
+    tensors.update(extra_tensors or {})
+    for name, arr in tensors.items():
+        if name not in drop:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
