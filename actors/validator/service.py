@@ -82,8 +82,8 @@ def load_assets(manifest: dict) -> ModelAssets:
     ValueError if unsupported, including sampling ``defaults`` the engine cannot honour (a record written
     before registration refused them): such a version answers 503 rather than ignore its defaults."""
     from actors.text.loader import load_tokenizer
-    if manifest.get("format", "gguf") != "gguf":
-        raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf)")
+    if manifest.get("format", "gguf") not in ("gguf", "hf"):
+        raise ValueError(f"format {manifest.get('format')!r} is not supported yet (supported: gguf, hf)")
     defaults = sampling_defaults(manifest.get("defaults") or {})
     tok = load_tokenizer(manifest["artifact"])  # a GGUF file, or an HF directory once formats allow it
     template = manifest.get("chat_template")

@@ -21,6 +21,7 @@ from typing import Any
 from actors.text.tool_calls import CALL_CLOSE, CALL_OPEN
 
 from .closed_schema import close_schema
+from .structured import DEFAULT_WHITESPACE_PATTERN
 from .errors import RequestError
 from .fields import bad
 
@@ -195,8 +196,11 @@ def _call_schema(tool: dict) -> dict:
 
 
 def _lark_call(tools: list[dict]) -> str:
-    """Lark rules ``call`` (one whole Hermes call of one of ``tools``) and ``body`` (its JSON)."""
+    """Lark rules ``call`` (one whole Hermes call of one of ``tools``) and ``body`` (its JSON). Whitespace inside
+    the JSON is bounded as for ``response_format`` (``DEFAULT_WHITESPACE_PATTERN``): left free, a small model
+    filled a forced call with tabs and carriage returns until ``max_tokens`` (a tiny Qwen3, issue [20] e2e)."""
     schema = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
+    schema = {**schema, "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE_PATTERN}}
     return (f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")
 

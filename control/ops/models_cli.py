@@ -110,8 +110,10 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     from control.ops.usage_cli import pricing_fields
     from control.state.registry import ModelManifest
 
-    fmt = args.format
     artifact = str(Path(args.artifact).expanduser().resolve()) if args.artifact else ""
+    fmt = args.format or ("hf" if artifact and os.path.isdir(artifact) else "gguf")  # inferred from the path
+    if fmt == "hf" and args.tokenizer == "gguf":
+        args.tokenizer = "hf"  # tokenizer.json of the directory
     template = args.chat_template
     if template.startswith("@"):
         try:
@@ -133,9 +135,12 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         ModelManifest.from_dict(data)  # names, format, types: clear errors before touching the file
     except ValueError as e:
         raise RegistryCommandError(str(e)) from None
-    if not os.path.isfile(artifact):
-        raise RegistryCommandError(f"artifact {artifact} does not exist (or is not a file)")
-    if fmt == "gguf":
+    if data["format"] == "hf":
+        _check_hf_dir(artifact, data)
+    elif not os.path.isfile(artifact):
+        raise RegistryCommandError(f"artifact {artifact} does not exist (or is not a file; a Hugging Face "
+                                   "directory is registered with --format hf or a path ending in /)")
+    if data["format"] == "gguf":
         from control.ops.deploy import _gguf_facts, check_gguf
 
         try:
@@ -153,6 +158,28 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         return ModelManifest.from_dict(data).to_dict()
     except ValueError as e:
         raise RegistryCommandError(str(e)) from None
+
+
+def _check_hf_dir(path: str, data: dict[str, Any]) -> None:
+    """A Hugging Face directory must hold a config.json the engine's spec takes and safetensors whose every tensor
+    it accounts for (headers only, nothing loaded); fills ``context_length`` (max_position_embeddings) and
+    ``memory_bytes`` (the weight files' bytes). RegistryCommandError naming the file, field or tensor at fault."""
+    if not os.path.isdir(path):
+        raise RegistryCommandError(f"artifact {path} is not a directory (format hf)")
+    # the engine's spec and loader (torch): imported only by this verb, never by `actorserve --help`
+    from actors.worker.engine.hf_loader import account_tensors, artifact_bytes, read_config
+
+    try:
+        cfg = read_config(path)
+        account_tensors(path, cfg)
+    except (ValueError, OSError) as e:
+        raise RegistryCommandError(f"artifact {path}: {e}") from None
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise RegistryCommandError(f"artifact {path} has no tokenizer.json (format hf needs it)")
+    if data["context_length"] is None:
+        data["context_length"] = int(cfg.context_length) or None
+    if data["memory_bytes"] is None:
+        data["memory_bytes"] = artifact_bytes(path)
 
 
 def manifest_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
@@ -209,14 +236,17 @@ def add_models_commands(sub: Any) -> None:
     mreg.add_argument("name", metavar="NAME", help="model name ([a-z0-9][a-z0-9_-]*)")
     mreg.add_argument("version", metavar="VERSION", help="version ([a-z0-9][a-z0-9_-]*)")
     mreg.add_argument("--artifact", required=True, metavar="PATH", help="weights file (must exist)")
-    mreg.add_argument("--format", default="gguf", metavar="FORMAT", help="artifact format (supported: gguf)")
+    mreg.add_argument("--format", default=None, metavar="FORMAT",
+                      help="artifact format: gguf (a file) or hf (a Hugging Face directory); default: from the path")
     mreg.add_argument("--quantization", default=None, metavar="Q",
                       help="quantization label (default: from the GGUF's file type)")
     mreg.add_argument("--context-length", type=_positive_int, default=None, metavar="N",
                       help="max tokens, prompt + completion (default: from the GGUF)")
     mreg.add_argument("--memory-bytes", type=_non_negative_int, default=None, metavar="N",
                       help="memory the weights need (default: the artifact's size)")
-    mreg.add_argument("--tokenizer", default="gguf", metavar="SRC", help="tokenizer source (supported: gguf)")
+    mreg.add_argument("--tokenizer", default="gguf", metavar="SRC",
+                      help="tokenizer source: gguf (the GGUF's vocabulary) or hf (the directory's tokenizer.json; "
+                           "the default for format hf)")
     mreg.add_argument("--chat-template", default="gguf", metavar="gguf|TEMPLATE|@FILE",
                       help="chat template: gguf (from the artifact), an inline Jinja template, or @FILE")
     mreg.add_argument("--default", action="append", type=parse_default, default=[], metavar="KEY=VALUE",

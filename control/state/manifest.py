@@ -15,7 +15,7 @@ from control.state import names
 from control.policy.numbers import is_number
 
 SUPPORTED_FORMATS = ("gguf", "hf")  # hf: a Hugging Face directory (config.json + safetensors; engine/hf_loader.py)
-SUPPORTED_TOKENIZERS = ("gguf",)
+SUPPORTED_TOKENIZERS = ("gguf", "hf")  # the GGUF's vocabulary, or the directory's tokenizer.json
 MANIFEST_STATUSES = ("active", "disabled", "retired")
 PRICING_FIELDS = ("prompt_per_1m", "completion_per_1m")  # USD per 1M tokens (docs/budgets.md)
 MAX_PRICE_PER_1M = 1_000_000.0  # USD per 1M tokens: a sanity cap (1 USD per token)
@@ -60,7 +60,8 @@ class ModelManifest:
       it from the path (``infer_format``).
     * ``context_length``: max tokens (prompt + completion), positive int, or None (from the artifact).
     * ``memory_bytes``: memory the weights need, in bytes, non-negative int or None (unknown).
-    * ``tokenizer``: ``"gguf"`` (read from the artifact).
+    * ``tokenizer``: ``"gguf"`` (the GGUF's vocabulary) or ``"hf"`` (the directory's ``tokenizer.json``); both are
+      read from the artifact (actors/text/loader.py picks by the path).
     * ``chat_template``: ``"gguf"`` (from the artifact) or an inline Jinja template string.
     * ``defaults``: sampling defaults the validator applies where a request is silent (request >
       manifest > server default): ``bus.messages.MANIFEST_DEFAULTABLE`` (temperature, top_p, top_k, seed,

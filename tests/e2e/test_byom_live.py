@@ -1,0 +1,99 @@
+"""Bring your own model, live (issue [20]): a tiny Qwen3 Hugging Face directory and a tiny Llama-3 GGUF file, built
+at test time with transformers (random weights, scaled so features matter; tests/family_models.py), registered
+through ``actorserve models register`` beside the running default model on real NATS and etcd, answer chat
+(streamed and not), a ``json_schema`` and a named tool call through the official ``openai`` client, and
+``/v1/models`` lists them. A directory the engine cannot account for is refused at registration, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.helpers import tiny_deployment
+from tests.e2e.test_registry_live import cli
+
+pytestmark = pytest.mark.timeout(420)
+WORKER_ARGS = {"worker": ["--kv-cache-bytes", "8000000", "--no-progress"]}
+# ChatML, as Qwen writes it (the tiny vocabulary has no special tokens for it: they are plain text here)
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}
+
+
+def _models(tmp: Path) -> dict[str, str]:
+    """{"qwen3": HF directory, "llama3": GGUF file} of tiny models with a 4096-position context."""
+    from tests import family_models as fm
+
+    out = {}
+    for name, fmt in (("qwen3", "hf"), ("llama3", "gguf")):
+        variant = fm.VARIANTS[name]
+        long = fm.Variant(variant.family, {**variant.config, "max_position_embeddings": 4096}, variant.gguf)
+        fm.VARIANTS[f"{name}-long"] = long
+        try:
+            built = fm.build(f"{name}-long", tmp, seed=3)
+        finally:
+            del fm.VARIANTS[f"{name}-long"]
+        out[name] = built["hf"] + "/" if fmt == "hf" else built["gguf"]
+    return out
+
+
+def _register(sup, tmp: Path, name: str, artifact: str) -> None:
+    (tmp / "chatml.jinja").write_text(TEMPLATE)
+    p = cli(sup, "models", "register", name, "1", "--artifact", artifact, "--chat-template",
+            f"@{tmp / 'chatml.jinja'}", "--option", 'tool_call_format="hermes"')
+    assert p.returncode == 0, p.stderr
+
+
+def _until_served(client: openai.OpenAI, model: str, timeout_s: float = 180.0) -> None:
+    t_end = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+            return
+        except (openai.APIStatusError, openai.APIConnectionError) as e:
+            assert time.monotonic() < t_end, f"{model} not served after {timeout_s} s: {e}"
+            time.sleep(1.0)
+
+
+def test_a_qwen3_directory_and_a_llama3_gguf_registered_live_answer(tmp_path, tiny_gguf):
+    models = _models(tmp_path)
+    bad = Path(models["qwen3"].rstrip("/") + "-bad")
+    bad.mkdir()
+    for f in Path(models["qwen3"]).iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(bad / "model.safetensors"))
+    weights["model.layers.0.mlp.extra.weight"] = weights["model.norm.weight"].clone()
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
+        p = cli(sup, "models", "register", "broken", "1", "--artifact", str(bad) + "/")
+        assert p.returncode == 2 and "model.layers.0.mlp.extra.weight" in p.stderr, p.stderr
+        for name, artifact in models.items():
+            _register(sup, tmp_path, name, artifact)
+        client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
+        for name in models:
+            _until_served(client, name)
+            listed = {m.id for m in client.models.list().data}
+            assert {name, f"{name}@1"} <= listed, listed
+            msgs = [{"role": "user", "content": "Say something."}]
+            full = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0)
+            assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens >= 1
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=name, messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
+            assert text == (full.choices[0].message.content or "")  # streamed equals non-streamed
+            rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+            js = client.chat.completions.create(model=name, messages=msgs, max_tokens=200, response_format=rf)
+            assert js.choices[0].finish_reason == "stop", js.choices[0]
+            assert json.loads(js.choices[0].message.content)["answer"] in ("yes", "no")
+            call = client.chat.completions.create(model=name, messages=msgs, max_tokens=400, tools=[TOOL],
+                                                  tool_choice={"type": "function", "function": {"name": "pick"}})
+            assert call.choices[0].finish_reason == "tool_calls", call.choices[0]
+            [tc] = call.choices[0].message.tool_calls
+            assert tc.function.name == "pick" and json.loads(tc.function.arguments)["colour"] in ("red", "blue")
