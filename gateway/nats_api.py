@@ -124,10 +124,8 @@ class NatsApi:
 
     def _spawn(self, endpoint: str):
         async def handler(msg: Msg) -> None:
-            if endpoint.startswith("responses."):
-                work = self._handle_response_op(endpoint.split(".", 1)[1], msg)
-            elif endpoint.startswith(("files.", "batches.")):
-                work = self._handle_store_op(*endpoint.split(".", 1), msg)
+            if endpoint.startswith(("responses.", "files.", "batches.")):
+                work = self._handle_op(*endpoint.split(".", 1), msg)
             elif endpoint == "cancel":
                 work = self._on_cancel(msg)
             else:
@@ -233,10 +231,12 @@ class NatsApi:
         except ApiError as err:
             await self._reply(msg, error_reply(err))
 
-    async def _handle_response_op(self, op: str, msg: Msg) -> None:
-        """``as.api.v1.responses.<op>`` (get, input_items, delete, cancel): body ``{"response_id": ...}``
-        (input_items also ``limit`` / ``order`` / ``after``); one reply, the JSON object the HTTP route
-        answers, or an error reply (404 for another tenant's id, as over HTTP)."""
+    async def _handle_op(self, kind: str, op: str, msg: Msg) -> None:
+        """``as.api.v1.<kind>.<op>`` for the stored objects: ``responses`` (get, input_items, delete, cancel; body
+        ``{"response_id"}``, input_items also ``limit`` / ``order`` / ``after``), ``files`` and ``batches``
+        (gateway/files_api.py and gateway/batches_api.py ``operate`` say what each operation takes). A JSON
+        body, one reply: the object the HTTP route answers, or an error reply (404 for another tenant's id, as
+        over HTTP)."""
         if not msg.reply:
             return
         try:
@@ -244,32 +244,18 @@ class NatsApi:
             body = orjson.loads(msg.data)
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
-            await self._reply(msg, orjson.dumps(await self.responses.operate(op, tenant, body)))
+            await self._reply(msg, orjson.dumps(await self._operate(kind, op, tenant, body)))
         except orjson.JSONDecodeError as exc:
             await self._reply(msg, error_reply(invalid_json(exc)))
         except ApiError as err:
             await self._reply(msg, error_reply(err))
 
-    async def _handle_store_op(self, kind: str, op: str, msg: Msg) -> None:
-        """``as.api.v1.files.<op>`` / ``as.api.v1.batches.<op>``: a JSON body, one reply (the object the HTTP route
-        answers, or an error reply; 404 for another tenant's id, as over HTTP). gateway/files_api.py and
-        gateway/batches_api.py ``operate`` say what each operation takes."""
-        if not msg.reply:
-            return
-        try:
-            tenant = self._tenant(msg)
-            body = orjson.loads(msg.data)
-            if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
-            if kind == "files":
-                out = await self.tenancy.files.operate(op, tenant, body, max_payload=_max_payload(self.fe.bus))
-            else:
-                out = await self.tenancy.batches.operate(op, tenant, body)
-            await self._reply(msg, orjson.dumps(out))
-        except orjson.JSONDecodeError as exc:
-            await self._reply(msg, error_reply(invalid_json(exc)))
-        except ApiError as err:
-            await self._reply(msg, error_reply(err))
+    async def _operate(self, kind: str, op: str, tenant: str, body: dict) -> dict:
+        if kind == "responses":
+            return await self.responses.operate(op, tenant, body)
+        if kind == "files":  # a file travels whole in one message: the connection's limit bounds it
+            return await self.tenancy.files.operate(op, tenant, body, max_payload=_max_payload(self.fe.bus))
+        return await self.tenancy.batches.operate(op, tenant, body)
 
     async def _serve(self, msg: Msg, sub: Submitted) -> None:
         """Run the submitted request to its end: one reply, or one per streamed object (the last ``final``)."""
