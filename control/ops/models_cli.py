@@ -147,6 +147,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
             check_gguf(artifact)
         except ValueError as e:
             raise RegistryCommandError(str(e)) from None
+        _check_gguf_tensors(artifact)
         ctx, quant = _gguf_facts(artifact)
         if data["context_length"] is None:
             data["context_length"] = ctx
@@ -158,6 +159,21 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         return ModelManifest.from_dict(data).to_dict()
     except ValueError as e:
         raise RegistryCommandError(str(e)) from None
+
+
+def _check_gguf_tensors(path: str) -> None:
+    """The GGUF's architecture, config values and every tensor must be ones the engine's spec takes (the tensor
+    table is read through a memory map; no weight is loaded). RegistryCommandError naming the field or tensor."""
+    # the engine's spec and loader (torch): imported only by this verb, never by `actorserve --help`
+    import gguf
+
+    from actors.worker.engine.gguf_loader import account_tensors, read_config
+
+    try:
+        reader = gguf.GGUFReader(path)
+        account_tensors(reader, read_config(reader), path)
+    except (ValueError, OSError, KeyError) as e:
+        raise RegistryCommandError(f"artifact {path}: {e}") from None
 
 
 def _check_hf_dir(path: str, data: dict[str, Any]) -> None:

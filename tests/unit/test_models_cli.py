@@ -4,6 +4,7 @@ supervisor's reconciliation of running model versions with the registry (no etcd
 from __future__ import annotations
 
 import argparse
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -21,9 +22,19 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 @pytest.fixture
 def artifact(tmp_path):
+    """A real tiny GGUF (registration reads its tensor table since [20]: a file with the magic alone is refused)."""
+    from tests.engine_fixtures import write_tiny_llama_gguf
+
+    p = str(tmp_path / "m.gguf")
+    write_tiny_llama_gguf(p)
+    return p
+
+
+def test_a_file_with_the_magic_alone_is_refused_naming_it(tmp_path):
     p = tmp_path / "m.gguf"
-    p.write_bytes(b"GGUF" + b"\xff" * 160)  # GGUF magic, unreadable facts: context/quantization stay unset
-    return str(p)
+    p.write_bytes(b"GGUF" + b"\xff" * 160)
+    with pytest.raises(RegistryCommandError, match="m.gguf"):
+        build_manifest(_parse("models", "register", "tiny", "3", "--artifact", str(p)))
 
 
 def test_register_parses_every_option(artifact):
@@ -44,7 +55,7 @@ def test_register_parses_every_option(artifact):
 def test_register_defaults_from_the_artifact(artifact, tmp_path):
     a = _parse("models", "register", "tiny", "3", "--artifact", artifact)
     m = build_manifest(a)
-    assert m["memory_bytes"] == 164 and m["chat_template"] == "gguf"
+    assert m["memory_bytes"] == os.path.getsize(artifact) and m["chat_template"] == "gguf"
     assert m["defaults"] == {} and "workers" not in m
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -249,3 +260,29 @@ def test_models_cli_module_is_registered_in_one_call():
     src = inspect.getsource(cli.build_parser)
     assert "add_models_commands(sub)" in src and "register-default" not in src
     assert models_cli.add_models_commands.__doc__
+
+
+def test_register_refuses_a_model_the_engine_cannot_account_for(tmp_path):
+    """Issue [20]: an unknown tensor, a missing one or an unknown RoPE scaling type is refused at registration,
+    naming it (GGUF: the tensor table read through a memory map; directory: config.json and safetensors headers)."""
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from tests import family_models as fm
+
+    built = fm.build("llama-plain", tmp_path)
+    extra = fm.write_gguf(built["model"], str(tmp_path / "extra.gguf"),
+                          extra_tensors={"blk.0.attn_extra.weight": np.zeros((4, 4), np.float32)})
+    yarn = fm.write_gguf(built["model"], str(tmp_path / "yarn.gguf"), rope_type="yarn")
+    missing = fm.write_gguf(built["model"], str(tmp_path / "missing.gguf"), drop=("blk.1.ffn_up.weight",))
+    for path, named in ((extra, "blk.0.attn_extra.weight"), (yarn, "yarn"), (missing, "blk.1.ffn_up.weight")):
+        with pytest.raises(RegistryCommandError, match=named.replace(".", r"\.")):
+            build_manifest(_parse("models", "register", "m", "1", "--artifact", path))
+    assert build_manifest(_parse("models", "register", "m", "1", "--artifact", built["gguf"]))["format"] == "gguf"
+    d = build_manifest(_parse("models", "register", "m", "1", "--artifact", built["hf"]))
+    assert d["format"] == "hf" and d["tokenizer"] == "hf" and d["context_length"] == 128 and d["memory_bytes"] > 0
+    weights = load_file(f"{built['hf']}/model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, f"{built['hf']}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RegistryCommandError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        build_manifest(_parse("models", "register", "m", "1", "--artifact", built["hf"]))
