@@ -24,7 +24,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from .eog import hf_eog_ids, token_text
-from .tokenizer import TokenizerError, _unicode_to_bytes
+from .tokenizer import TokenizerError, check_token_id, spelled_bytes
 
 __all__ = ["HFTokenizer"]
 
@@ -122,30 +122,20 @@ class HFTokenizer:
         """`encode` for many texts at once."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
-    def _check(self, token_id: int) -> None:
-        if not 0 <= token_id < self._vocab_size:
-            raise ValueError(f"token id {token_id} is outside the vocabulary of {self._vocab_size} tokens")
-
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (the tokenizer.json decoder). Raises ValueError for an id outside the vocabulary."""
         ids = list(ids)
         for i in ids:
-            self._check(i)
+            check_token_id(i, self._vocab_size)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of token `token_id` (added tokens: the UTF-8 of their text). ValueError out of range."""
-        self._check(token_id)
+        check_token_id(token_id, self._vocab_size)
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
         s = self._tok.id_to_token(token_id)
-        if s is None:
-            return b""
-        inv = _unicode_to_bytes()
-        try:
-            return bytes(inv[c] for c in s)
-        except KeyError:
-            return s.encode("utf-8")
+        return b"" if s is None else spelled_bytes(s)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of `token_id` (byte-level spelling), None for a gap in the ids."""

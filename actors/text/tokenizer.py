@@ -33,7 +33,7 @@ from .eog import gguf_eog_ids
 from .gguf_meta import metadata_from_reader, read_gguf_metadata
 from .pretokenizers import SUPPORTED_PRE_TOKENIZERS, gguf_pre_tokenizer
 
-__all__ = ["GGUFTokenizer", "TokenizerError", "bytes_to_unicode"]
+__all__ = ["GGUFTokenizer", "TokenizerError", "bytes_to_unicode", "spelled_bytes", "check_token_id"]
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -83,6 +83,22 @@ def bytes_to_unicode() -> dict[int, str]:
 @lru_cache(maxsize=1)
 def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def spelled_bytes(spelling: str) -> bytes:
+    """The raw bytes a byte-level token spelling stands for (GPT-2's byte/unicode table, ``bytes_to_unicode``
+    reversed); text outside that alphabet (an added token's text) as its UTF-8."""
+    inv = _unicode_to_bytes()
+    try:
+        return bytes(inv[c] for c in spelling)
+    except KeyError:
+        return spelling.encode("utf-8")
+
+
+def check_token_id(token_id: int, vocab_size: int) -> None:
+    """ValueError unless ``0 <= token_id < vocab_size`` (the message names both)."""
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"token id {token_id} is outside the vocabulary of {vocab_size} tokens")
 
 
 class GGUFTokenizer:
@@ -261,8 +277,7 @@ class GGUFTokenizer:
         """
         ids = list(ids)
         for i in ids:
-            if not 0 <= i < self._vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary of {self._vocab_size} tokens")
+            check_token_id(i, self._vocab_size)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -271,14 +286,8 @@ class GGUFTokenizer:
         A byte-level token maps back through GPT-2's byte/unicode table; special tokens give the
         UTF-8 of their text (e.g. b"<|im_end|>"). Raises ValueError for an id outside the vocabulary.
         """
-        if not 0 <= token_id < self._vocab_size:
-            raise ValueError(f"token id {token_id} is outside the vocabulary of {self._vocab_size} tokens")
-        inv = _unicode_to_bytes()
-        s = self._spelled[token_id]
-        try:
-            return bytes(inv[c] for c in s)
-        except KeyError:  # pragma: no cover - every spelled token is in the alphabet
-            return s.encode("utf-8")
+        check_token_id(token_id, self._vocab_size)
+        return spelled_bytes(self._spelled[token_id])
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of `token_id` as stored in the GGUF (byte-level spelling)."""
