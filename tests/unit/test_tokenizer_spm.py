@@ -234,3 +234,20 @@ def test_chat_bos_once(fx, gguf_tok):
     body = {"model": "m", "messages": msgs}
     prompt_ids, _ = prepare_prompt(validate_chat(body), gguf_tok, LLAMA2_TEMPLATE, 4096, 16, None)
     assert prompt_ids == ids
+
+
+def test_weights_cache_keeps_the_first_token_rule(tmp_path):
+    import torch
+
+    from actors.worker.engine.arch_spec import ModelConfig
+    from actors.worker.engine.weights_cache import Artifact, _read_cached, _write_cached
+
+    cfg = ModelConfig(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, ffn_size=16, vocab_size=4,
+                      context_length=64, rope_theta=10000.0, rms_eps=1e-6)
+    table = TokenBytes([b"", b" a", b"\xe4", b"b c"], "drop_spaces", [2])
+    file = tmp_path / "w.safetensors"
+    _write_cached(file, Artifact(cfg, {"embed": torch.zeros(4, 8)}, [], table, {0: "<s>"}))
+    art = _read_cached(file, "cpu")
+    assert isinstance(art.token_bytes, TokenBytes) and list(art.token_bytes) == list(table)
+    assert art.token_bytes.lead == "drop_spaces" and art.token_bytes.byte_ids == {2}
+    assert art.token_bytes.first_bytes(3) == b"bc" and art.token_bytes.first_bytes(1) == b"a"
