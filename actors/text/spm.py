@@ -31,7 +31,8 @@ from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
-__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "build_spm_backend", "spm_merges", "spm_piece_bytes", "tied_merge_scores"]
+__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "build_spm_backend", "byte_token_value", "spm_merges", "spm_piece_bytes",
+           "tied_merge_scores"]
 
 SPACE = "\u2581"  # "▁": SentencePiece's visible space
 BYTE_TOKEN_TYPE = 6  # GGUF token type BYTE (<0xNN>)

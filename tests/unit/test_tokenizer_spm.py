@@ -13,6 +13,7 @@ the `tokenizers` reference trained at test time (tests/spm_fixtures.py), on the 
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import random
 import re
@@ -144,7 +145,7 @@ def test_streamed_detokenization_equals_one_shot_decode(fx):
             detok = IncrementalDetokenizer(table)  # one token at a time: never a broken character
             assert "".join(detok.add_tokens([t]) for t in ids) + detok.flush() == one_shot
         ids = _ref(fx, text)
-        runs = [len(list(g)) for k, g in __import__("itertools").groupby(ids, lambda i: 3 <= i < 259) if k]
+        runs = [len(list(g)) for k, g in itertools.groupby(ids, lambda i: 3 <= i < 259) if k]
         split_chars += any(r >= 2 for r in runs)
         stripped += bool(ids) and fx.tokens[ids[0]].startswith(SPACE) and not fx.reference.decode(ids).startswith(" ")
     assert split_chars > 20 and stripped > 100  # multi-byte characters over byte tokens; prefix spaces stripped

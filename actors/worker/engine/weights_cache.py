@@ -66,11 +66,11 @@ def cache_dir() -> Path:
 
 def cache_key(path: str, dtype: torch.dtype) -> str:
     """sha256 over the artifact's identity (absolute path, size, mtime of each of its files), the dtype and the
-    loaders' source."""
+    loaders' source (detokenizer.py: the cached token table)."""
     from .hf_loader import artifact_stamp
 
     h = hashlib.sha256("\n".join([FORMAT, *artifact_stamp(path), str(dtype)]).encode())
-    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py"):
+    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py", "detokenizer.py"):
         h.update((Path(__file__).parent / mod).read_bytes())
     return h.hexdigest()[:32]
 
