@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
-__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "build_spm_backend", "byte_token_value", "spm_merges", "spm_piece_bytes",
-           "tied_merge_scores"]
+__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "build_spm_backend", "byte_token_value", "phi3_rstrip", "spm_merges",
+           "spm_piece_bytes", "tied_merge_scores"]
 
 SPACE = "\u2581"  # "▁": SentencePiece's visible space
 BYTE_TOKEN_TYPE = 6  # GGUF token type BYTE (<0xNN>)
@@ -82,15 +82,28 @@ def tied_merge_scores(tokens: Sequence[str], scores: Sequence[float], merges: Se
     return sum(len(v) for v in seen.values() if len(v) > 1)
 
 
+def phi3_rstrip(model_name: str | None) -> bool:
+    """Whether llama.cpp strips the whitespace after this file's special tokens: it does so, by `general.name`
+    containing "phi-3" or "phi3" (any case), for every control, unknown and user-defined token but `<unk>`, `<s>`
+    and `<|endoftext|>`, and for `</s>` (llama-vocab.cpp, "set attributes by model/tokenizer/architecture name";
+    Phi-3's tokenizer.json has `rstrip` on those tokens)."""
+    name = (model_name or "").lower()
+    return "phi-3" in name or "phi3" in name
+
+
+_NO_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")
+
+
 def build_spm_backend(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int], *,
-                      add_space_prefix: bool, unk_token_id: int | None) -> tuple[Tokenizer, list[AddedToken],
-                                                                                  list[AddedToken], int]:
+                      add_space_prefix: bool, unk_token_id: int | None,
+                      rstrip_specials: bool = False) -> tuple[Tokenizer, list[AddedToken], list[AddedToken], int]:
     """`(tokenizer, control tokens, user-defined tokens, tied merge results)` for a SentencePiece GGUF vocabulary.
 
     `tokens`/`scores`/`token_types`: `tokenizer.ggml.tokens` / `.scores` / `.token_type` (same length).
     Control (3) and unknown (2) entries become special added tokens and user-defined (4) entries plain added
     tokens, all matched whole in the raw text (llama.cpp partitions them out before tokenizing; the text after one
-    gets the prefix space again, which the per-segment `Prepend` normalizer reproduces).
+    gets the prefix space again, which the per-segment `Prepend` normalizer reproduces). `rstrip_specials`
+    (:func:`phi3_rstrip`): those tokens but `<unk>`, `<s>`, `<|endoftext|>` eat the whitespace after them.
     """
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = spm_merges(tokens, scores)
@@ -103,9 +116,12 @@ def build_spm_backend(tokens: Sequence[str], scores: Sequence[float], token_type
     if add_space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(steps)
-    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, token_types)
+    def rstrip(t: str) -> bool:
+        return rstrip_specials and t not in _NO_RSTRIP
+
+    control = [AddedToken(t, normalized=False, special=True, rstrip=rstrip(t)) for t, ty in zip(tokens, token_types)
                if ty in (_CONTROL, _UNKNOWN) and vocab.get(t) is not None]
-    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types)
+    user = [AddedToken(t, normalized=False, special=False, rstrip=rstrip(t)) for t, ty in zip(tokens, token_types)
             if ty == _USER_DEFINED and vocab.get(t) is not None]
     if control:
         tok.add_special_tokens(control)

@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from .eog import gguf_eog_ids
 from .gguf_meta import metadata_from_reader, read_gguf_metadata
 from .pretokenizers import SUPPORTED_PRE_TOKENIZERS, gguf_pre_tokenizer
-from .spm import build_spm_backend, spm_piece_bytes
+from .spm import build_spm_backend, phi3_rstrip, spm_piece_bytes
 
 log = logging.getLogger("actorserve.text")
 
@@ -66,6 +66,7 @@ _KEYS = (
     "tokenizer.ggml.normalizer.lowercase",
     "tokenizer.ggml.normalizer.strip_accents",
     "tokenizer.ggml.precompiled_charsmap",
+    "general.name",
 )
 _ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
 SUPPORTED_MODELS = ("gpt2", "llama")
@@ -143,12 +144,14 @@ class GGUFTokenizer:
         model: str = "gpt2",
         scores: Sequence[float] | None = None,
         add_space_prefix: bool = True,
+        model_name: str | None = None,
     ) -> None:
         """Build from raw GGUF tokenizer fields (see :meth:`from_gguf` for the usual entry point).
 
         `model` is `tokenizer.ggml.model`: "gpt2" uses `merges` and `pre_tokenizer` (`tokenizer.ggml.pre`, None:
         GPT-2's); "llama" (SentencePiece) uses `scores` and `add_space_prefix` and ignores `merges`, as llama.cpp
-        does, and takes no pre-tokenizer but "default". Raises TokenizerError when a special token id lies outside
+        does, and takes no pre-tokenizer but "default"; `model_name` (`general.name`) names Phi-3 files, whose
+        special tokens strip the whitespace after them in llama.cpp (spm.phi3_rstrip). Raises TokenizerError when a special token id lies outside
         the vocabulary, the model or pre-tokenizer name is not one this module knows, or SentencePiece scores are
         missing.
         """
@@ -163,7 +166,7 @@ class GGUFTokenizer:
         self._spm = model == "llama"
         if self._spm:
             tok, control, user_defined, spelled = self._sentencepiece(tokens, scores, types, pre_tokenizer,
-                                                                     add_space_prefix, unk_token_id)
+                                                                     add_space_prefix, unk_token_id, model_name)
         else:
             tok, control, user_defined, spelled = self._byte_level(tokens, merges, types, pre_tokenizer)
         vocab = {t: i for i, t in enumerate(tokens if self._spm else spelled)}
@@ -239,8 +242,8 @@ class GGUFTokenizer:
 
     @staticmethod
     def _sentencepiece(tokens: Sequence[str], scores: Sequence[float] | None, types: list[int],
-                       pre_tokenizer: str | None, add_space_prefix: bool, unk_token_id: int | None
-                       ) -> tuple[Tokenizer, list[AddedToken], list[AddedToken], list[str]]:
+                       pre_tokenizer: str | None, add_space_prefix: bool, unk_token_id: int | None,
+                       model_name: str | None) -> tuple[Tokenizer, list[AddedToken], list[AddedToken], list[str]]:
         """(tokenizer, control tokens, user-defined tokens, spellings) of a `llama` (SentencePiece) vocabulary."""
         if pre_tokenizer not in (None, "default"):
             raise TokenizerError(f"unsupported GGUF pre-tokenizer {pre_tokenizer!r} (tokenizer.ggml.pre) for a "
@@ -249,7 +252,7 @@ class GGUFTokenizer:
             raise TokenizerError("GGUF SentencePiece vocabulary (tokenizer.ggml.model 'llama') needs "
                                  "tokenizer.ggml.scores, one per token: the merge order comes from them")
         tok, control, user, ties = build_spm_backend(tokens, scores, types, add_space_prefix=add_space_prefix,
-                                                     unk_token_id=unk_token_id)
+                                                     unk_token_id=unk_token_id, rstrip_specials=phi3_rstrip(model_name))
         if ties:
             log.warning("GGUF SentencePiece vocabulary: %d merge results share their score with another; llama.cpp "
                         "merges tied candidates leftmost first, BPE by a fixed order, so rare ids may differ "
@@ -313,6 +316,7 @@ class GGUFTokenizer:
             model=model,
             scores=meta.get("tokenizer.ggml.scores"),
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            model_name=meta.get("general.name"),
         )
 
     # ------------------------------------------------------------------ encode / decode

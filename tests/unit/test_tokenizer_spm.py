@@ -252,3 +252,39 @@ def test_weights_cache_keeps_the_first_token_rule(tmp_path):
     assert isinstance(art.token_bytes, TokenBytes) and list(art.token_bytes) == list(table)
     assert art.token_bytes.lead == "drop_spaces" and art.token_bytes.byte_ids == {2}
     assert art.token_bytes.first_bytes(3) == b"bc" and art.token_bytes.first_bytes(1) == b"a"
+
+
+def test_phi3_special_tokens_strip_the_whitespace_after_them(fx, tmp_path):
+    """llama.cpp's rule for files named Phi-3 (rstrip on special tokens but <unk>, <s>, <|endoftext|>), against a
+    reference whose added tokens carry `rstrip` as Phi-3's tokenizer.json has them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokens = fx.tokens + ["<|user|>", "<|endoftext|>"]
+    types = fx.token_types + [3, 3]
+    scores = fx.scores + [0.0, 0.0]
+    ref = Tokenizer.from_str(fx.reference.to_str())
+    ref.add_special_tokens([AddedToken("</s>", special=True, normalized=False, rstrip=True),
+                            AddedToken("<|user|>", special=True, normalized=False, rstrip=True),
+                            AddedToken("<|endoftext|>", special=True, normalized=False)])
+    ref.add_tokens([AddedToken("<tool>", special=False, normalized=False, rstrip=True)])
+    texts = ["<|user|>\nhi</s>\n<|user|>  x", "<s> a<|endoftext|> b", "<tool>  y", "<unk> z"] + corpus()[:50]
+    for name, rstrip in (("Phi 3 Mini 4k Instruct", False), ("Phi-3-mini-4k-instruct", True), ("phi3 tiny", True)):
+        path = str(tmp_path / "p.gguf")
+        write_spm_gguf(path, tokens, scores, types, extra={"general.name": name})
+        tok = GGUFTokenizer.from_gguf(path)
+        same = [tok.encode(t) == ref.encode(t, add_special_tokens=False).ids for t in texts]
+        assert all(same) if rstrip else not all(same), name
+
+
+def test_transformers_gguf_loader_differs_only_where_decision_0045_says(fx):
+    """transformers builds a Llama GGUF with `Metaspace(prepend_scheme="first")`: no prefix space when the text
+    starts with a space or follows a special token. Everywhere else its ids are ours (and llama.cpp's)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    ours = GGUFTokenizer.from_gguf(fx.gguf_path)
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(fx.gguf_path), gguf_file=os.path.basename(fx.gguf_path))
+    differ = [t for t in corpus() if theirs.encode(t, add_special_tokens=False) != ours.encode(t)]
+    assert differ and all(t.startswith(" ") or "<" in t for t in differ)
+    assert len(differ) < len(corpus()) / 2
