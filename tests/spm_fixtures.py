@@ -92,11 +92,17 @@ def _reference(tokens: list[str], merges: list[tuple[str, str]], metaspace: bool
 
 
 def write_spm_gguf(path: str, tokens: list[str], scores: list[float], types: list[int], *, add_bos: bool = True,
-                   add_space_prefix: bool | None = True, extra: dict | None = None) -> None:
-    """A GGUF with only SentencePiece tokenizer metadata (no tensors), as llama.cpp's converter lays it out."""
+                   add_space_prefix: bool | None = True, extra: dict | None = None, model: bool = False) -> None:
+    """A GGUF with SentencePiece tokenizer metadata as llama.cpp's converter lays it out; no tensors, or with
+    ``model`` a tiny random Llama over this vocabulary (bench/tiny_model.py's shapes and weights)."""
     import gguf
+    import numpy as np
+
+    from bench.tiny_model import _add_metadata, _tensors
 
     w = gguf.GGUFWriter(path, "llama")
+    if model:
+        _add_metadata(w, 2, 64, 4, 2, 128, len(tokens), 512)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -116,6 +122,8 @@ def write_spm_gguf(path: str, tokens: list[str], scores: list[float], types: lis
             w.add_string(key, value)
         else:
             w.add_array(key, value)
+    for name, arr in (_tensors(np.random.default_rng(0), 2, 64, 4, 2, 128, len(tokens)) if model else {}).items():
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
