@@ -19,7 +19,10 @@ follow). :func:`spm_merges` builds that list and :func:`build_spm_backend` a `to
 has it; no pre-tokenizer, so merges may cross "▁" as llama.cpp's may; decoder `Replace("▁", " ")`,
 `ByteFallback`, `Fuse`, `Strip(" ", 1, 0)`). The BPE form equals llama.cpp's tie rule (leftmost first) whenever
 no two different merge results share a score, which holds for SentencePiece-trained files (score = minus the
-merge order); :func:`tied_merge_scores` counts the exceptions and the tokenizer logs them.
+merge order), and for runs of one repeated character whose tokens tie (the longer left piece first is then the
+leftmost). :func:`tied_merge_scores` counts the ties: a few are logged, more than :data:`MAX_TIED_SHARE` of the merge
+results (a converter's placeholder score on every token) are refused, since BPE cannot express llama.cpp's
+leftmost-first order (on the test corpus such a file gives other ids for about half the strings).
 
 `tests/unit/test_tokenizer_spm.py` checks this against a vocabulary trained at test time and against an
 independent transcription of the bigram algorithm.
@@ -31,12 +34,13 @@ from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
-__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "build_spm_backend", "byte_token_value", "phi3_rstrip", "spm_merges",
+__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "MAX_TIED_SHARE", "build_spm_backend", "byte_token_value", "phi3_rstrip", "spm_merges",
            "spm_piece_bytes", "tied_merge_scores"]
 
 SPACE = "\u2581"  # "▁": SentencePiece's visible space
 BYTE_TOKEN_TYPE = 6  # GGUF token type BYTE (<0xNN>)
 _CONTROL, _UNKNOWN, _USER_DEFINED = 3, 2, 4
+MAX_TIED_SHARE = 0.1  # tied merge results a vocabulary may have (share of all merge results) before it is refused
 
 
 def byte_token_value(piece: str) -> int | None:
@@ -73,13 +77,15 @@ def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str
     return [(r[3], r[4]) for r in ranked]
 
 
-def tied_merge_scores(tokens: Sequence[str], scores: Sequence[float], merges: Sequence[tuple[str, str]]) -> int:
-    """How many merge results share their score with another merge result (0 for SentencePiece-trained files)."""
+def tied_merge_scores(tokens: Sequence[str], scores: Sequence[float],
+                      merges: Sequence[tuple[str, str]]) -> tuple[int, int]:
+    """`(merge results sharing their score with another, all merge results)`; 0 tied for SentencePiece-trained
+    files."""
     first = {t: i for i, t in enumerate(tokens)}
     seen: dict[float, set[str]] = {}
     for a, b in merges:
         seen.setdefault(float(scores[first[a + b]]), set()).add(a + b)
-    return sum(len(v) for v in seen.values() if len(v) > 1)
+    return sum(len(v) for v in seen.values() if len(v) > 1), sum(len(v) for v in seen.values())
 
 
 def phi3_rstrip(model_name: str | None) -> bool:
@@ -96,8 +102,9 @@ _NO_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")
 
 def build_spm_backend(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int], *,
                       add_space_prefix: bool, unk_token_id: int | None,
-                      rstrip_specials: bool = False) -> tuple[Tokenizer, list[AddedToken], list[AddedToken], int]:
-    """`(tokenizer, control tokens, user-defined tokens, tied merge results)` for a SentencePiece GGUF vocabulary.
+                      rstrip_specials: bool = False) -> tuple[Tokenizer, list[AddedToken], list[AddedToken],
+                                                              tuple[int, int]]:
+    """`(tokenizer, control tokens, user-defined tokens, (tied, all) merge results)` for a SentencePiece GGUF vocabulary.
 
     `tokens`/`scores`/`token_types`: `tokenizer.ggml.tokens` / `.scores` / `.token_type` (same length).
     Control (3) and unknown (2) entries become special added tokens and user-defined (4) entries plain added

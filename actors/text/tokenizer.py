@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from .eog import gguf_eog_ids
 from .gguf_meta import metadata_from_reader, read_gguf_metadata
 from .pretokenizers import SUPPORTED_PRE_TOKENIZERS, gguf_pre_tokenizer
-from .spm import build_spm_backend, phi3_rstrip, spm_piece_bytes
+from .spm import MAX_TIED_SHARE, build_spm_backend, phi3_rstrip, spm_piece_bytes
 
 log = logging.getLogger("actorserve.text")
 
@@ -253,10 +253,15 @@ class GGUFTokenizer:
                                  "tokenizer.ggml.scores, one per token: the merge order comes from them")
         tok, control, user, ties = build_spm_backend(tokens, scores, types, add_space_prefix=add_space_prefix,
                                                      unk_token_id=unk_token_id, rstrip_specials=phi3_rstrip(model_name))
-        if ties:
-            log.warning("GGUF SentencePiece vocabulary: %d merge results share their score with another; llama.cpp "
-                        "merges tied candidates leftmost first, BPE by a fixed order, so rare ids may differ "
-                        "(actors/text/spm.py)", ties)
+        tied, merged = ties
+        if tied > MAX_TIED_SHARE * merged:
+            raise TokenizerError(f"GGUF tokenizer.ggml.scores: {tied} of {merged} merge results share their score "
+                                 f"with another (a placeholder score?); llama.cpp merges tied candidates leftmost "
+                                 f"first, which its BPE form here cannot reproduce, so ids would differ")
+        if tied:
+            log.warning("GGUF SentencePiece vocabulary: %d of %d merge results share their score with another; "
+                        "llama.cpp merges tied candidates leftmost first, BPE by a fixed order (longer left piece "
+                        "first), so rare ids may differ (actors/text/spm.py)", tied, merged)
         return tok, control, user, list(tokens)
 
     # ------------------------------------------------------------------ construction

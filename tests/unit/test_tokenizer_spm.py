@@ -325,3 +325,23 @@ def test_engine_streams_the_one_shot_decode(fx, tmp_path, runner):
             compared += 1
             stripped += fx.tokens[ids[0]].startswith(SPACE) and not streamed.startswith(" ")
     assert compared >= 2 and stripped >= 1
+
+
+def test_tied_scores(fx):
+    """Tied whitespace-run tokens (one repeated character) still give llama.cpp's ids; a placeholder score on every
+    token (llama.cpp would merge leftmost first, which BPE cannot order) is refused, naming the scores."""
+    meta = read_gguf_metadata(fx.gguf_path)
+    tokens, scores, types = list(fx.tokens), list(fx.scores), list(fx.token_types)
+    for k in range(2, 17):
+        if SPACE * k in tokens:
+            scores[tokens.index(SPACE * k)] = -1e9
+        else:
+            tokens, scores, types = tokens + [SPACE * k], scores + [-1e9], types + [1]
+    over = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types}
+    tok = GGUFTokenizer.from_metadata({**meta, **over})
+    texts = [" " * n for n in range(1, 41)] + [f"x{' ' * n}\n{' ' * m}y" for n in range(1, 12) for m in range(1, 12)]
+    assert [tok.encode(t) for t in texts + corpus()] == [_llama_cpp_spm(tokens, scores, types, t)
+                                                         for t in texts + corpus()]
+    flat = [-1000.0 if ty == 1 else 0.0 for ty in types]
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.scores"):
+        GGUFTokenizer.from_metadata({**meta, **over, "tokenizer.ggml.scores": flat})
