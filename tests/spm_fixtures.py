@@ -91,8 +91,9 @@ def _reference(tokens: list[str], merges: list[tuple[str, str]], metaspace: bool
     return tok
 
 
-def write_spm_gguf(path: str, tokens: list[str], scores: list[float], types: list[int], *, add_bos: bool = True,
-                   add_space_prefix: bool | None = True, extra: dict | None = None, model: bool = False) -> None:
+def write_spm_gguf(path: str, tokens: list[str], scores: list[float], types: list[int], *, add_bos: bool | None = True,
+                   add_space_prefix: bool | None = True, extra: dict | None = None, model: bool = False,
+                   add_eos: bool = False) -> None:
     """A GGUF with SentencePiece tokenizer metadata as llama.cpp's converter lays it out; no tensors, or with
     ``model`` a tiny random Llama over this vocabulary (bench/tiny_model.py's shapes and weights)."""
     import gguf
@@ -111,8 +112,9 @@ def write_spm_gguf(path: str, tokens: list[str], scores: list[float], types: lis
     w.add_bos_token_id(tokens.index("<s>"))
     w.add_eos_token_id(tokens.index("</s>"))
     w.add_unk_token_id(tokens.index("<unk>"))
-    w.add_add_bos_token(add_bos)
-    w.add_add_eos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_add_eos_token(add_eos)
     if add_space_prefix is not None:
         w.add_add_space_prefix(add_space_prefix)
     for key, value in (extra or {}).items():

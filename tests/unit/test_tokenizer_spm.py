@@ -197,6 +197,12 @@ def test_spm_refusals_and_defaults(fx, tmp_path):
     write_spm_gguf(path, fx.tokens, fx.scores, fx.token_types, add_space_prefix=None)
     assert GGUFTokenizer.from_gguf(path).encode("hi there") == _ref(fx, "hi there")
     assert load_token_bytes(path).lead == "strip_space"
+    # the flags: no add_bos_token key means BOS (llama.cpp's default for this type); add_eos_token appends EOS
+    write_spm_gguf(path, fx.tokens, fx.scores, fx.token_types, add_bos=None, add_eos=True)
+    tok = GGUFTokenizer.from_gguf(path)
+    assert tok.encode("hi", add_special_tokens=True) == [1, *_ref(fx, "hi"), 2] and tok.encode("hi") == _ref(fx, "hi")
+    write_spm_gguf(path, fx.tokens, fx.scores, fx.token_types, add_bos=False)
+    assert GGUFTokenizer.from_gguf(path).encode("hi", add_special_tokens=True) == _ref(fx, "hi")
 
 
 def test_hf_sentencepiece_dirs(fx, tmp_path):
