@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
-__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "MAX_TIED_SHARE", "build_spm_backend", "byte_token_value", "phi3_rstrip", "spm_merges",
-           "spm_piece_bytes", "tied_merge_scores"]
+__all__ = ["SPACE", "BYTE_TOKEN_TYPE", "MAX_TIED_SHARE", "build_spm_backend", "byte_token_value", "phi3_rstrip",
+           "spm_merges", "spm_piece_bytes", "tied_merge_scores"]
 
 SPACE = "\u2581"  # "▁": SentencePiece's visible space
 BYTE_TOKEN_TYPE = 6  # GGUF token type BYTE (<0xNN>)
@@ -65,7 +65,8 @@ def spm_piece_bytes(piece: str, token_type: int) -> bytes:
 
 def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
     """Every split `(a, b)` of a vocabulary entry `a + b` into two entries, highest score of `a + b` first; for one
-    entry, the longer `a` first. A text listed twice means its last id, as llama.cpp's `token_to_id`. O(sum of lengths)."""
+    entry, the longer `a` first. A text listed twice means its last id, as llama.cpp's `token_to_id`.
+    O(sum of lengths)."""
     first = {t: i for i, t in enumerate(tokens)}
     ranked: list[tuple[float, int, int, str, str]] = []
     for text, i in first.items():
@@ -104,7 +105,8 @@ def build_spm_backend(tokens: Sequence[str], scores: Sequence[float], token_type
                       add_space_prefix: bool, unk_token_id: int | None,
                       rstrip_specials: bool = False) -> tuple[Tokenizer, list[AddedToken], list[AddedToken],
                                                               tuple[int, int]]:
-    """`(tokenizer, control tokens, user-defined tokens, (tied, all) merge results)` for a SentencePiece GGUF vocabulary.
+    """`(tokenizer, control tokens, user-defined tokens, (tied, all) merge results)` of a SentencePiece GGUF
+    vocabulary.
 
     `tokens`/`scores`/`token_types`: `tokenizer.ggml.tokens` / `.scores` / `.token_type` (same length).
     Control (3) and unknown (2) entries become special added tokens and user-defined (4) entries plain added

@@ -151,9 +151,9 @@ class GGUFTokenizer:
         `model` is `tokenizer.ggml.model`: "gpt2" uses `merges` and `pre_tokenizer` (`tokenizer.ggml.pre`, None:
         GPT-2's); "llama" (SentencePiece) uses `scores` and `add_space_prefix` and ignores `merges`, as llama.cpp
         does, and takes no pre-tokenizer but "default"; `model_name` (`general.name`) names Phi-3 files, whose
-        special tokens strip the whitespace after them in llama.cpp (spm.phi3_rstrip). Raises TokenizerError when a special token id lies outside
-        the vocabulary, the model or pre-tokenizer name is not one this module knows, or SentencePiece scores are
-        missing.
+        special tokens strip the whitespace after them in llama.cpp (spm.phi3_rstrip). Raises TokenizerError when
+        a special token id lies outside the vocabulary, the model or pre-tokenizer name is not one this module
+        knows, or SentencePiece scores are missing or mostly tied (spm.MAX_TIED_SHARE).
         """
         n = len(tokens)
         if model not in SUPPORTED_MODELS:
@@ -372,7 +372,8 @@ class GGUFTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes token `token_id` stands for (for incremental detokenization).
 
-        A byte-level token maps back through GPT-2's byte/unicode table; special tokens give the
+        A byte-level token maps back through GPT-2's byte/unicode table; a SentencePiece piece is its text with
+        "▁" as a space and a `<0xNN>` byte token that byte (spm.spm_piece_bytes); special tokens give the
         UTF-8 of their text (e.g. b"<|im_end|>"). Raises ValueError for an id outside the vocabulary.
         """
         check_token_id(token_id, self._vocab_size)
@@ -381,7 +382,8 @@ class GGUFTokenizer:
         return spelled_bytes(self._spelled[token_id])
 
     def id_to_token(self, token_id: int) -> str:
-        """The vocabulary string of `token_id` as stored in the GGUF (byte-level spelling)."""
+        """The vocabulary string of `token_id` as stored in the GGUF (byte-level spelling, or the SentencePiece
+        piece with "▁")."""
         return self._tokens[token_id]
 
     def token_to_id(self, token: str) -> int | None:
