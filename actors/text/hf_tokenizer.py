@@ -238,6 +238,15 @@ class HFTokenizer:
         return self._byte_ids
 
     @property
+    def lead_keep_ids(self) -> frozenset[int]:
+        """Ids whose spaces the "drop_spaces" rule keeps: byte tokens, and tokens whose text holds a literal " "
+        (the `Metaspace` decoder drops only "▁")."""
+        if self._spm is None or self._spm[2] != "drop_spaces":
+            return frozenset()
+        return self._byte_ids | {i for i in range(self._vocab_size) if " " in (self._added.get(i) or
+                                                                             self._tok.id_to_token(i) or "")}
+
+    @property
     def vocab_size(self) -> int:
         """1 + the largest id (added tokens included)."""
         return self._vocab_size

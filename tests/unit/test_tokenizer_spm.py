@@ -135,7 +135,7 @@ def test_streamed_detokenization_equals_one_shot_decode(fx):
     hf_table, special = token_tables(fx.hf_dir, len(fx.tokens))
     assert list(hf_table) == list(gguf_table) and hf_table.lead == "strip_space" and set(special) == {0, 1, 2}
     ms_table, _ = token_tables(fx.metaspace_dir, len(fx.tokens))
-    assert ms_table.lead == "drop_spaces" and len(ms_table.byte_ids) == 256
+    assert ms_table.lead == "drop_spaces" and len(ms_table.keep_ids) == 256
     split_chars = stripped = 0
     for text in corpus():
         for ref, table in ((fx.reference, gguf_table), (fx.reference, hf_table), (fx.metaspace, ms_table)):
@@ -256,7 +256,7 @@ def test_weights_cache_keeps_the_first_token_rule(tmp_path):
     _write_cached(file, Artifact(cfg, {"embed": torch.zeros(4, 8)}, [], table, {0: "<s>"}))
     art = _read_cached(file, "cpu")
     assert isinstance(art.token_bytes, TokenBytes) and list(art.token_bytes) == list(table)
-    assert art.token_bytes.lead == "drop_spaces" and art.token_bytes.byte_ids == {2}
+    assert art.token_bytes.lead == "drop_spaces" and art.token_bytes.keep_ids == {2}
     assert art.token_bytes.first_bytes(3) == b"bc" and art.token_bytes.first_bytes(1) == b"a"
 
 

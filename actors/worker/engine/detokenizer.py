@@ -32,24 +32,25 @@ class TokenBytes(list):
     * "keep": unchanged (byte-level BPE);
     * "strip_space": one leading space removed (SentencePiece with a prefix space: Llama 2's tokenizer.json decoder
       ``Strip(" ", 1, 0)`` after ``Fuse``; a GGUF with ``tokenizer.ggml.add_space_prefix``);
-    * "drop_spaces": every space of that token removed unless it is one of ``byte_ids`` (the ``Metaspace`` decoder
-      of `tokenizers` drops every "▁" of the first token).
+    * "drop_spaces": every space of that token removed unless it is one of ``keep_ids`` (the ``Metaspace`` decoder
+      of `tokenizers` drops every "▁" of the first token; its spaces that are no "▁", a ``<0x20>`` byte token or
+      an added token's literal space, stay).
 
     Raises ValueError for another ``lead``."""
 
-    def __init__(self, items=(), lead: str = "keep", byte_ids=()) -> None:
+    def __init__(self, items=(), lead: str = "keep", keep_ids=()) -> None:
         super().__init__(items)
         if lead not in LEAD_RULES:
             raise ValueError(f"unknown first-token rule {lead!r}; known: {', '.join(LEAD_RULES)}")
         self.lead = lead
-        self.byte_ids = frozenset(byte_ids)
+        self.keep_ids = frozenset(keep_ids)
 
     def first_bytes(self, token_id: int) -> bytes:
         """Bytes of ``token_id`` when it is the first token of a stream to give any bytes."""
         b = self[token_id]
         if self.lead == "strip_space":
             return b[1:] if b[:1] == b" " else b
-        if self.lead == "drop_spaces" and token_id not in self.byte_ids:
+        if self.lead == "drop_spaces" and token_id not in self.keep_ids:
             return b.replace(b" ", b"")
         return b
 

@@ -176,7 +176,7 @@ def token_tables(path: str, vocab_size: int) -> tuple[list[bytes], dict[int, str
     n = min(vocab_size, len(tok))
     special = {i: tok.id_to_token(i) or "" for i in range(n) if tok.is_special(i)}
     table = [b"" if i in special else tok.token_bytes(i) for i in range(n)]
-    return TokenBytes(table + [b""] * (vocab_size - n), tok.lead_space, tok.byte_token_ids), special
+    return TokenBytes(table + [b""] * (vocab_size - n), tok.lead_space, tok.lead_keep_ids), special
 
 
 def artifact_files(path: str) -> list[Path]:

@@ -131,7 +131,7 @@ def _write_cached(file: Path, art: Artifact) -> None:
                 "tensor_types": json.dumps(art.tensor_types),
                 "special_names": json.dumps({str(k): v for k, v in art.special_names.items()}),
                 "token_lead": json.dumps([getattr(art.token_bytes, "lead", "keep"),
-                                          sorted(getattr(art.token_bytes, "byte_ids", ()))]),
+                                          sorted(getattr(art.token_bytes, "keep_ids", ()))]),
                 "tied_lm_head": "1" if "lm_head" not in tensors else "0"}
         _save_atomic(tensors, file, meta)
         log.info("converted weights cached in %s (%.0f MB, %.1f s)", file, file.stat().st_size / 1e6,
@@ -156,8 +156,8 @@ def _read_cached(file: Path, device: str) -> Artifact | None:
         config = ModelConfig.from_dict(json.loads(meta["config"]))
         special = {int(k): v for k, v in json.loads(meta["special_names"]).items()}
         types = list(json.loads(meta["tensor_types"]))
-        lead, byte_ids = json.loads(meta.get("token_lead", '["keep", []]'))
-        token_bytes = TokenBytes(token_bytes, lead, byte_ids)  # the detokenizer's first-token rule
+        lead, keep_ids = json.loads(meta.get("token_lead", '["keep", []]'))
+        token_bytes = TokenBytes(token_bytes, lead, keep_ids)  # the detokenizer's first-token rule
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
         log.warning("converted-weights cache %s unreadable (%s): removed, reading the GGUF", file, exc)
         file.unlink(missing_ok=True)
