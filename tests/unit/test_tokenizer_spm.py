@@ -7,7 +7,10 @@ the `tokenizers` reference trained at test time (tests/spm_fixtures.py), on the 
   chunks, "▁" as a space, the prefix space stripped), from the GGUF and from both HF decoder styles;
 * negative controls: without the scores' order, the prefix space, the first-token rule or the "▁" mapping the
   results differ; unknown models, pre-tokenizers and normalisations are refused by name;
-* chat: a Llama 2 template that writes `<s>` gives one BOS.
+* chat: a Llama 2 template that writes `<s>` gives one BOS;
+* Phi-3 files' special tokens strip the whitespace after them (llama.cpp's name rule); tied scores: runs of one
+  character still agree with llama.cpp, placeholder scores are refused; transformers' GGUF loader differs only where
+  decision 0045 says; the engine (torch and zero-compute runners) streams the one-shot decode.
 """
 
 from __future__ import annotations
