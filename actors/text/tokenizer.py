@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer built from the vocabulary stored in a GGUF file.
+"""Tokenizer built from the vocabulary stored in a GGUF file: byte-level BPE (`gpt2`) or SentencePiece (`llama`).
 
 A GGUF carries no `tokenizer.json`; it stores llama.cpp-named metadata (`tokenizer.ggml.tokens`,
 `.merges`, `.token_type`, `.pre`, special token ids, `tokenizer.chat_template`). We build a Hugging Face
@@ -8,11 +8,14 @@ construction rules (see docs/decisions/0003-tokenizer.md and 0038-tokenizers-and
 
 * model: BPE over the file's vocabulary and merges; no dropout, no subword prefix/suffix, no unk
   fusing. Tokens that are not spelled in the GPT-2 byte-to-unicode alphabet are re-spelled from their
-  UTF-8 bytes (this only matters for mislabelled files). Only `tokenizer.ggml.model == "gpt2"` is
-  supported; any other model is refused naming it.
+  UTF-8 bytes (this only matters for mislabelled files). `tokenizer.ggml.model == "llama"` (SentencePiece:
+  Llama 2, Mistral, Phi-3) is built by actors/text/spm.py from `tokenizer.ggml.scores` (llama.cpp's SPM
+  tokenizer; decision 0045); any other model is refused naming it.
 * normalizer and pre-tokenizer: the ones `tokenizer.ggml.pre` names (actors/text/pretokenizers.py:
   gpt-2/default, smollm, llama-bpe/llama3, qwen2, ...); an unknown name is refused naming it.
-* decoder: byte-level.
+* decoder: byte-level (SentencePiece: "▁" as a space, `<0xNN>` byte fallback, the prefix space stripped).
+* normalisations a file may name that no path here applies (`tokenizer.ggml.remove_extra_whitespaces`,
+  `.precompiled_charsmap`, `.normalizer.lowercase`, `.normalizer.strip_accents`) are refused naming the key.
 * added tokens: `token_type == 3` (control) as special tokens, `== 4` (user defined) as plain added
   tokens; both unnormalized, matched whole in the input.
 * end of generation: :attr:`GGUFTokenizer.eog_token_ids` (actors/text/eog.py, llama.cpp's rule).
@@ -22,6 +25,7 @@ Only `tokenizers` is needed at run time (transformers is a test-only dependency)
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
@@ -32,6 +36,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from .eog import gguf_eog_ids
 from .gguf_meta import metadata_from_reader, read_gguf_metadata
 from .pretokenizers import SUPPORTED_PRE_TOKENIZERS, gguf_pre_tokenizer
+from .spm import MAX_TIED_SHARE, build_spm_backend, phi3_rstrip, spm_piece_bytes
+
+log = logging.getLogger("actorserve.text")
 
 __all__ = ["GGUFTokenizer", "TokenizerError", "bytes_to_unicode", "spelled_bytes", "check_token_id"]
 
@@ -52,9 +59,20 @@ _KEYS = (
     "tokenizer.ggml.padding_token_id",
     "tokenizer.ggml.add_bos_token",
     "tokenizer.ggml.add_eos_token",
+    "tokenizer.ggml.add_space_prefix",
+    "tokenizer.ggml.scores",
     "tokenizer.chat_template",
+    "tokenizer.ggml.remove_extra_whitespaces",
+    "tokenizer.ggml.normalizer.lowercase",
+    "tokenizer.ggml.normalizer.strip_accents",
+    "tokenizer.ggml.precompiled_charsmap",
+    "general.name",
 )
-_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+SUPPORTED_MODELS = ("gpt2", "llama")
+# normalisations llama.cpp applies to other vocabulary types (UGM, WPM) only: a file naming one is refused
+_UNAPPLIED = ("tokenizer.ggml.remove_extra_whitespaces", "tokenizer.ggml.normalizer.lowercase",
+              "tokenizer.ggml.normalizer.strip_accents", "tokenizer.ggml.precompiled_charsmap")
 
 
 class TokenizerError(ValueError):
@@ -102,7 +120,7 @@ def check_token_id(token_id: int, vocab_size: int) -> None:
 
 
 class GGUFTokenizer:
-    """Tokenizer for a GGUF whose `tokenizer.ggml.model` is `gpt2` (byte-level BPE).
+    """Tokenizer for a GGUF whose `tokenizer.ggml.model` is `gpt2` (byte-level BPE) or `llama` (SentencePiece).
 
     Build it with :meth:`from_gguf`. Ids are ints in `[0, vocab_size)`.
     """
@@ -123,13 +141,62 @@ class GGUFTokenizer:
         pre_tokenizer: str | None = None,
         eot_token_id: int | None = None,
         eom_token_id: int | None = None,
+        model: str = "gpt2",
+        scores: Sequence[float] | None = None,
+        add_space_prefix: bool = True,
+        model_name: str | None = None,
     ) -> None:
         """Build from raw GGUF tokenizer fields (see :meth:`from_gguf` for the usual entry point).
 
-        `pre_tokenizer` is `tokenizer.ggml.pre` (None: GPT-2's). Raises TokenizerError when a special token
-        id lies outside the vocabulary or the pre-tokenizer name is not one this module knows.
+        `model` is `tokenizer.ggml.model`: "gpt2" uses `merges` and `pre_tokenizer` (`tokenizer.ggml.pre`, None:
+        GPT-2's); "llama" (SentencePiece) uses `scores` and `add_space_prefix` and ignores `merges`, as llama.cpp
+        does, and takes no pre-tokenizer but "default"; `model_name` (`general.name`) names Phi-3 files, whose
+        special tokens strip the whitespace after them in llama.cpp (spm.phi3_rstrip). Raises TokenizerError when
+        a special token id lies outside the vocabulary, the model or pre-tokenizer name is not one this module
+        knows, or SentencePiece scores are missing or mostly tied (spm.MAX_TIED_SHARE).
         """
         n = len(tokens)
+        if model not in SUPPORTED_MODELS:
+            raise TokenizerError(f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); supported: "
+                                 f"{', '.join(SUPPORTED_MODELS)}")
+        for name, tid in (("bos", bos_token_id), ("eos", eos_token_id), ("unk", unk_token_id), ("pad", pad_token_id)):
+            if tid is not None and not 0 <= tid < n:
+                raise TokenizerError(f"GGUF {name}_token_id {tid} is outside the vocabulary of {n} tokens")
+        types = list(token_types) if token_types is not None else [1] * n
+        self._spm = model == "llama"
+        if self._spm:
+            tok, control, user_defined, spelled = self._sentencepiece(tokens, scores, types, pre_tokenizer,
+                                                                     add_space_prefix, unk_token_id, model_name)
+        else:
+            tok, control, user_defined, spelled = self._byte_level(tokens, merges, types, pre_tokenizer)
+        vocab = {t: i for i, t in enumerate(tokens if self._spm else spelled)}
+
+        self._tok = tok
+        self._types = types
+        self._tokens = list(tokens)
+        self._spelled = spelled
+        self._vocab_size = n
+        self._bos = bos_token_id
+        self._eos = eos_token_id
+        self._unk = unk_token_id
+        self._pad = pad_token_id
+        self._add_bos = bool(add_bos_token)
+        self._add_eos = bool(add_eos_token)
+        self._add_space_prefix = bool(add_space_prefix) and self._spm
+        self._chat_template = chat_template
+        self._pre = pre_tokenizer
+        self._model = model
+        self._special = {a.content: vocab[a.content] for a in control}
+        self._special_ids = frozenset(self._special.values())
+        self._added_ids = frozenset(vocab[a.content] for a in user_defined)
+        self._eog = gguf_eog_ids(self._tokens, {"tokenizer.ggml.eos_token_id": eos_token_id,
+                                                "tokenizer.ggml.eot_token_id": eot_token_id,
+                                                "tokenizer.ggml.eom_token_id": eom_token_id})
+
+    @staticmethod
+    def _byte_level(tokens: Sequence[str], merges: Sequence[str], types: list[int],
+                    pre_tokenizer: str | None) -> tuple[Tokenizer, list[AddedToken], list[AddedToken], list[str]]:
+        """(tokenizer, control tokens, user-defined tokens, byte-level spellings) of a `gpt2` vocabulary."""
         pre = gguf_pre_tokenizer(pre_tokenizer)
         if pre is None:
             raise TokenizerError(
@@ -137,9 +204,6 @@ class GGUFTokenizer:
                 f"unknown here, and another one would give different ids; supported: "
                 f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}"
             )
-        for name, tid in (("bos", bos_token_id), ("eos", eos_token_id), ("unk", unk_token_id), ("pad", pad_token_id)):
-            if tid is not None and not 0 <= tid < n:
-                raise TokenizerError(f"GGUF {name}_token_id {tid} is outside the vocabulary of {n} tokens")
         spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
         spelled: list[str] = [
@@ -160,8 +224,6 @@ class GGUFTokenizer:
         if normalizer is not None:
             tok.normalizer = normalizer
         tok.decoder = decoders.ByteLevel()
-
-        types = list(token_types) if token_types is not None else [1] * n
         control = [
             AddedToken(t, normalized=False, special=True)
             for t, ty in zip(tokens, types)
@@ -176,25 +238,31 @@ class GGUFTokenizer:
         ]
         if user_defined:
             tok.add_tokens(user_defined)
+        return tok, control, user_defined, spelled
 
-        self._tok = tok
-        self._tokens = list(tokens)
-        self._spelled = spelled
-        self._vocab_size = n
-        self._bos = bos_token_id
-        self._eos = eos_token_id
-        self._unk = unk_token_id
-        self._pad = pad_token_id
-        self._add_bos = bool(add_bos_token)
-        self._add_eos = bool(add_eos_token)
-        self._chat_template = chat_template
-        self._pre = pre_tokenizer
-        self._special = {a.content: vocab[a.content] for a in control}
-        self._special_ids = frozenset(self._special.values())
-        self._added_ids = frozenset(vocab[a.content] for a in user_defined)
-        self._eog = gguf_eog_ids(self._tokens, {"tokenizer.ggml.eos_token_id": eos_token_id,
-                                                "tokenizer.ggml.eot_token_id": eot_token_id,
-                                                "tokenizer.ggml.eom_token_id": eom_token_id})
+    @staticmethod
+    def _sentencepiece(tokens: Sequence[str], scores: Sequence[float] | None, types: list[int],
+                       pre_tokenizer: str | None, add_space_prefix: bool, unk_token_id: int | None,
+                       model_name: str | None) -> tuple[Tokenizer, list[AddedToken], list[AddedToken], list[str]]:
+        """(tokenizer, control tokens, user-defined tokens, spellings) of a `llama` (SentencePiece) vocabulary."""
+        if pre_tokenizer not in (None, "default"):
+            raise TokenizerError(f"unsupported GGUF pre-tokenizer {pre_tokenizer!r} (tokenizer.ggml.pre) for a "
+                                 f"SentencePiece vocabulary: llama.cpp applies none to it; supported: 'default'")
+        if not isinstance(scores, (list, tuple)) or len(scores) != len(tokens):
+            raise TokenizerError("GGUF SentencePiece vocabulary (tokenizer.ggml.model 'llama') needs "
+                                 "tokenizer.ggml.scores, one per token: the merge order comes from them")
+        tok, control, user, ties = build_spm_backend(tokens, scores, types, add_space_prefix=add_space_prefix,
+                                                     unk_token_id=unk_token_id, rstrip_specials=phi3_rstrip(model_name))
+        tied, merged = ties
+        if tied > MAX_TIED_SHARE * merged:
+            raise TokenizerError(f"GGUF tokenizer.ggml.scores: {tied} of {merged} merge results share their score "
+                                 f"with another (a placeholder score?); llama.cpp merges tied candidates leftmost "
+                                 f"first, which its BPE form here cannot reproduce, so ids would differ")
+        if tied:
+            log.warning("GGUF SentencePiece vocabulary: %d of %d merge results share their score with another; "
+                        "llama.cpp merges tied candidates leftmost first, BPE by a fixed order (longer left piece "
+                        "first), so rare ids may differ (actors/text/spm.py)", tied, merged)
+        return tok, control, user, list(tokens)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -219,30 +287,41 @@ class GGUFTokenizer:
         Raises TokenizerError as :meth:`from_gguf`.
         """
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise TokenizerError(
-                f"unsupported GGUF tokenizer model {model!r}: only 'gpt2' (byte-level BPE) is supported"
-            )
+        if model not in SUPPORTED_MODELS:
+            raise TokenizerError(f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); supported: "
+                                 f"{', '.join(SUPPORTED_MODELS)}")
+        for key in _UNAPPLIED:
+            value = meta.get(key)
+            if value not in (None, False, 0, []):
+                raise TokenizerError(f"unsupported GGUF normalisation {key} = {value!r}: not applied to a "
+                                     f"{model!r} vocabulary here (nor by llama.cpp), so ids could differ")
         tokens = meta.get("tokenizer.ggml.tokens")
         merges = meta.get("tokenizer.ggml.merges")
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError("GGUF has no tokenizer.ggml.tokens")
-        if not isinstance(merges, list):
+        if model == "gpt2" and not isinstance(merges, list):
             raise TokenizerError("GGUF has no tokenizer.ggml.merges (needed for BPE)")
+        llama = model == "llama"
         return cls(
             tokens,
-            merges,
+            merges if isinstance(merges, list) else [],
             meta.get("tokenizer.ggml.token_type") if isinstance(meta.get("tokenizer.ggml.token_type"), list) else None,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            # a SentencePiece file without these ids means llama.cpp's defaults (llama-vocab.cpp): 1, 2, 0
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id", 1 if llama else None),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id", 2 if llama else None),
+            unk_token_id=meta.get("tokenizer.ggml.unknown_token_id", 0 if llama else None),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp's defaults for a SentencePiece vocabulary: BOS added, a prefix space (llama-vocab.cpp)
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", llama)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=meta.get("tokenizer.chat_template"),
             pre_tokenizer=meta.get("tokenizer.ggml.pre"),
             eot_token_id=meta.get("tokenizer.ggml.eot_token_id"),
             eom_token_id=meta.get("tokenizer.ggml.eom_token_id"),
+            model=model,
+            scores=meta.get("tokenizer.ggml.scores"),
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            model_name=meta.get("general.name"),
         )
 
     # ------------------------------------------------------------------ encode / decode
@@ -257,6 +336,16 @@ class GGUFTokenizer:
                 ids.insert(0, self._bos)
             if self._add_eos and self._eos is not None:
                 ids.append(self._eos)
+        return ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of a rendered chat template: special-token strings become their id, and BOS is prepended when the
+        GGUF asks for it (`add_bos_token`) unless the text already starts with it. llama.cpp does the same: it
+        removes a leading BOS text the template wrote and lets the tokenizer add one (common/chat.cpp), so a
+        Llama 2 / Mistral template writing "<s>" gives one BOS, never two."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._add_bos and self._bos is not None and ids[:1] != [self._bos]:
+            ids.insert(0, self._bos)
         return ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
@@ -283,14 +372,18 @@ class GGUFTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes token `token_id` stands for (for incremental detokenization).
 
-        A byte-level token maps back through GPT-2's byte/unicode table; special tokens give the
+        A byte-level token maps back through GPT-2's byte/unicode table; a SentencePiece piece is its text with
+        "▁" as a space and a `<0xNN>` byte token that byte (spm.spm_piece_bytes); special tokens give the
         UTF-8 of their text (e.g. b"<|im_end|>"). Raises ValueError for an id outside the vocabulary.
         """
         check_token_id(token_id, self._vocab_size)
+        if self._spm:
+            return spm_piece_bytes(self._tokens[token_id], self._types[token_id])
         return spelled_bytes(self._spelled[token_id])
 
     def id_to_token(self, token_id: int) -> str:
-        """The vocabulary string of `token_id` as stored in the GGUF (byte-level spelling)."""
+        """The vocabulary string of `token_id` as stored in the GGUF (byte-level spelling, or the SentencePiece
+        piece with "▁")."""
         return self._tokens[token_id]
 
     def token_to_id(self, token: str) -> int | None:
@@ -342,6 +435,17 @@ class GGUFTokenizer:
     def add_bos_token(self) -> bool:
         """Whether `encode(..., add_special_tokens=True)` prepends BOS (from the GGUF)."""
         return self._add_bos
+
+    @property
+    def lead_space(self) -> str:
+        """How a decoded stream's first token changes: "strip_space" (SentencePiece with a prefix space: the
+        leading " " goes, as the decoder's `Strip`) or "keep" (actors/worker/engine/detokenizer.py)."""
+        return "strip_space" if self._add_space_prefix else "keep"
+
+    @property
+    def model(self) -> str:
+        """`tokenizer.ggml.model`: "gpt2" (byte-level BPE) or "llama" (SentencePiece)."""
+        return self._model
 
     @property
     def vocab_size(self) -> int:

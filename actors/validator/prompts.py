@@ -27,6 +27,7 @@ class Tokenizer(Protocol):
     special_tokens: dict[str, int]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode_chat(self, text: str) -> list[int]: ...
 
 
 def prepare_prompt(
@@ -74,8 +75,9 @@ def _prompt_ids(validated: ValidatedRequest, tokenizer: Tokenizer, chat_template
                 tool_format: str | None = None) -> list[int]:
     """The prompt's token ids (chat: the rendered template). RequestError 400 naming the prompt field."""
     if validated.kind == "chat":
-        ids = tokenizer.encode(render_prompt(validated, tokenizer, chat_template, tool_format),
-                               add_special_tokens=False)
+        # BOS as the artifact's reference does it: a GGUF as llama.cpp (added unless the template wrote it), an HF
+        # directory as transformers (never added); actors/text tokenizers' encode_chat
+        ids = tokenizer.encode_chat(render_prompt(validated, tokenizer, chat_template, tool_format))
     elif isinstance(validated.prompt, tuple):
         ids = list(validated.prompt)
         vs = tokenizer.vocab_size

@@ -96,7 +96,9 @@ class ZeroComputeRunner:
         meta = read_gguf_metadata(config.model_path, full_arrays=("tokenizer.ggml.tokens",
                                                                   "tokenizer.ggml.token_type"))
         types = meta.get("tokenizer.ggml.token_type")
-        self.token_bytes = token_bytes_table(meta["tokenizer.ggml.tokens"], types if isinstance(types, list) else None)
+        self.token_bytes = token_bytes_table(meta["tokenizer.ggml.tokens"], types if isinstance(types, list) else None,
+                                             model=meta.get("tokenizer.ggml.model"),
+                                             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
         self.vocab_size = len(self.token_bytes)
         eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
         self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))

@@ -143,7 +143,7 @@ def test_unknown_pre_tokenizer_refused_by_name(fixtures, name):
     assert repr(name) in str(e.value) and "llama-bpe" in str(e.value) and "qwen2" in str(e.value)
 
 
-@pytest.mark.parametrize("model", ["llama", "bert", "t5", "rwkv"])
+@pytest.mark.parametrize("model", ["bert", "t5", "rwkv"])  # "llama": tests/unit/test_tokenizer_spm.py
 def test_unknown_vocabulary_type_refused_by_name(fixtures, model):
     meta = read_gguf_metadata(fixtures["gpt2"].gguf_path)
     with pytest.raises(TokenizerError) as e:
@@ -204,7 +204,7 @@ def test_hf_dir_refusals(fixtures, tmp_path):
     assert HFTokenizer.from_dir(d).eog_token_ids == {fixtures["llama3"].reference.token_to_id("<|end_of_text|>")}
     spec = json.loads((d / "tokenizer.json").read_text())
     spec["decoder"] = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"},
-                                                        "content": " "}, {"type": "ByteFallback"}]}
+                                                        "content": " "}, {"type": "CTC"}]}
     (d / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(TokenizerError, match="Replace\\+ByteFallback"):
+    with pytest.raises(TokenizerError, match="unsupported decoder step.*CTC"):
         HFTokenizer.from_dir(d)

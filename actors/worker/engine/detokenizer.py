@@ -1,11 +1,15 @@
-"""Incremental detokenization for GPT-2 style byte-level BPE vocabularies, and stop strings.
+"""Incremental detokenization for byte-level BPE and SentencePiece vocabularies, and stop strings.
 
 * ``token_bytes_table``: the raw bytes of every token.  GPT-2 byte-level BPE stores each byte as
   one printable unicode char (``bytes_to_unicode`` from OpenAI's GPT-2 ``encoder.py``); we map the
-  chars back.  Control tokens (GGUF token_type 3) decode to b"" when special tokens are skipped.
+  chars back.  SentencePiece (GGUF ``tokenizer.ggml.model = "llama"``): "▁" is a space and a BYTE-type
+  ``<0xNN>`` token is that byte (actors/text/spm.py).  Control tokens (GGUF token_type 3, and
+  SentencePiece's unknown token, type 2) decode to b"" when special tokens are skipped.
+* ``TokenBytes``: that table plus the decoder's rule for the first token of a stream (SentencePiece
+  strips the prefix space it added: Llama 2's ``Strip`` decoder, llama.cpp's ``detokenize``).
 * ``IncrementalDetokenizer``: accumulates bytes and emits the longest complete UTF-8 prefix, so a
-  character split across tokens (emoji, CJK) is never emitted broken; at the end of a stream an
-  incomplete tail is dropped (never replaced by U+FFFD). Invalid bytes before it become U+FFFD.
+  character split across tokens (emoji, CJK, byte-fallback tokens) is never emitted broken; at the end of
+  a stream an incomplete tail is dropped (never replaced by U+FFFD). Invalid bytes before it become U+FFFD.
 * ``StopStringMatcher``: holds back text that may be the start of a stop string; truncates before
   a completed stop string.
 """
@@ -14,8 +18,41 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_BYTE = 6
+SPM_SPACE = "\u2581"  # SentencePiece's visible space "▁"
+LEAD_RULES = ("keep", "strip_space", "drop_spaces")
+
+
+class TokenBytes(list):
+    """``list[bytes]``: the bytes of every token id, plus ``lead``, how the first token of a stream that gives any
+    bytes is changed, as the tokenizer's one-shot decode changes it:
+
+    * "keep": unchanged (byte-level BPE);
+    * "strip_space": one leading space removed (SentencePiece with a prefix space: Llama 2's tokenizer.json decoder
+      ``Strip(" ", 1, 0)`` after ``Fuse``; a GGUF with ``tokenizer.ggml.add_space_prefix``);
+    * "drop_spaces": every space of that token removed unless it is one of ``keep_ids`` (the ``Metaspace`` decoder
+      of `tokenizers` drops every "▁" of the first token; its spaces that are no "▁", a ``<0x20>`` byte token or
+      an added token's literal space, stay).
+
+    Raises ValueError for another ``lead``."""
+
+    def __init__(self, items=(), lead: str = "keep", keep_ids=()) -> None:
+        super().__init__(items)
+        if lead not in LEAD_RULES:
+            raise ValueError(f"unknown first-token rule {lead!r}; known: {', '.join(LEAD_RULES)}")
+        self.lead = lead
+        self.keep_ids = frozenset(keep_ids)
+
+    def first_bytes(self, token_id: int) -> bytes:
+        """Bytes of ``token_id`` when it is the first token of a stream to give any bytes."""
+        b = self[token_id]
+        if self.lead == "strip_space":
+            return b[1:] if b[:1] == b" " else b
+        if self.lead == "drop_spaces" and token_id not in self.keep_ids:
+            return b.replace(b" ", b"")
+        return b
 
 
 @lru_cache(maxsize=1)
@@ -38,33 +75,43 @@ def unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
-def token_to_bytes(token: str, token_type: int, skip_special: bool = True) -> bytes:
-    """Raw bytes of one vocabulary entry (see module docstring)."""
-    if token_type == TOKEN_TYPE_CONTROL:
+def token_to_bytes(token: str, token_type: int, skip_special: bool = True, spm: bool = False) -> bytes:
+    """Raw bytes of one vocabulary entry (see module docstring); ``spm``: a SentencePiece vocabulary."""
+    if token_type == TOKEN_TYPE_CONTROL or (spm and token_type == TOKEN_TYPE_UNKNOWN):
         return b"" if skip_special else token.encode("utf-8")
-    if token_type == TOKEN_TYPE_BYTE and token.startswith("<0x") and token.endswith(">"):
-        return bytes([int(token[3:-1], 16)])
+    if token_type == TOKEN_TYPE_BYTE and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])
+    if spm:
+        return token.replace(SPM_SPACE, " ").encode("utf-8")
     u2b = unicode_to_bytes()
     if all(c in u2b for c in token):
         return bytes(u2b[c] for c in token)
     return token.encode("utf-8")  # added tokens stored as plain text
 
 
-def token_bytes_table(tokens: list[str], token_types: list[int] | None, skip_special: bool = True) -> list[bytes]:
-    """Bytes of every token id; ``token_types`` None means all normal."""
+def token_bytes_table(tokens: list[str], token_types: list[int] | None, skip_special: bool = True,
+                      model: str | None = None, add_space_prefix: bool = True) -> TokenBytes:
+    """Bytes of every token id; ``token_types`` None means all normal. ``model``: the GGUF's
+    ``tokenizer.ggml.model`` ("llama": SentencePiece, whose stream drops its prefix space when
+    ``add_space_prefix``, llama.cpp's default; anything else: byte-level)."""
     types = token_types or [1] * len(tokens)
-    return [token_to_bytes(t, tt, skip_special) for t, tt in zip(tokens, types)]
+    spm = model == "llama"
+    table = [token_to_bytes(t, tt, skip_special, spm) for t, tt in zip(tokens, types)]
+    return TokenBytes(table, "strip_space" if spm and add_space_prefix else "keep")
 
 
-def load_token_bytes(gguf_path: str, skip_special: bool = True, reader=None) -> list[bytes]:
-    """Read ``tokenizer.ggml.tokens``/``token_type`` from a GGUF file (or its open ``gguf.GGUFReader``
-    ``reader``) and build the bytes table."""
+def load_token_bytes(gguf_path: str, skip_special: bool = True, reader=None) -> TokenBytes:
+    """Read ``tokenizer.ggml.tokens``/``token_type``/``model``/``add_space_prefix`` from a GGUF file (or its open
+    ``gguf.GGUFReader`` ``reader``) and build the bytes table."""
     import gguf
 
     reader = reader if reader is not None else gguf.GGUFReader(gguf_path)
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     types = reader.fields.get("tokenizer.ggml.token_type")
-    return token_bytes_table(tokens, types.contents() if types else None, skip_special)
+    model = reader.fields.get("tokenizer.ggml.model")
+    prefix = reader.fields.get("tokenizer.ggml.add_space_prefix")
+    return token_bytes_table(tokens, types.contents() if types else None, skip_special,
+                             model.contents() if model else None, bool(prefix.contents()) if prefix else True)
 
 
 def complete_utf8_prefix_len(buf: bytes) -> int:
@@ -82,12 +129,23 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of valid text deltas."""
 
     def __init__(self, token_bytes: list[bytes]) -> None:
+        """``token_bytes``: id -> bytes; a ``TokenBytes`` also brings its first-token rule."""
         self.token_bytes = token_bytes
         self._pending = b""
+        self._lead = isinstance(token_bytes, TokenBytes) and token_bytes.lead != "keep"  # first token not seen yet
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Append tokens; return newly complete text (invalid bytes become U+FFFD)."""
-        self._pending += b"".join(self.token_bytes[t] for t in token_ids if 0 <= t < len(self.token_bytes))
+        table, n = self.token_bytes, len(self.token_bytes)
+        parts = []
+        for t in token_ids:
+            if 0 <= t < n and table[t]:
+                if self._lead:
+                    self._lead = False
+                    parts.append(table.first_bytes(t))
+                else:
+                    parts.append(table[t])
+        self._pending += b"".join(parts)
         cut = complete_utf8_prefix_len(self._pending)
         text, self._pending = self._pending[:cut].decode("utf-8", errors="replace"), self._pending[cut:]
         return text

@@ -161,10 +161,13 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
 
 
 def token_tables(path: str, vocab_size: int) -> tuple[list[bytes], dict[int, str]]:
-    """(bytes of every id, {id: name} of the special tokens) from ``tokenizer.json`` through the project's
-    tokenizer (actors/text/hf_tokenizer.py: byte-level decoders only; its TokenizerError, a ValueError, names
-    anything else). Special tokens decode to no bytes, as a GGUF's control tokens (detokenizer.py)."""
+    """(bytes of every id with the decoder's first-token rule (detokenizer.TokenBytes), {id: name} of the special
+    tokens) from ``tokenizer.json`` through the project's tokenizer (actors/text/hf_tokenizer.py: byte-level and
+    SentencePiece-style decoders; its TokenizerError, a ValueError, names anything else). Special tokens decode to
+    no bytes, as a GGUF's control tokens (detokenizer.py)."""
     from actors.text.hf_tokenizer import HFTokenizer
+
+    from .detokenizer import TokenBytes
 
     if not (Path(path) / "tokenizer.json").is_file():
         log.warning("%s: no tokenizer.json: generated tokens decode to no text", path)
@@ -173,7 +176,7 @@ def token_tables(path: str, vocab_size: int) -> tuple[list[bytes], dict[int, str
     n = min(vocab_size, len(tok))
     special = {i: tok.id_to_token(i) or "" for i in range(n) if tok.is_special(i)}
     table = [b"" if i in special else tok.token_bytes(i) for i in range(n)]
-    return table + [b""] * (vocab_size - n), special
+    return TokenBytes(table + [b""] * (vocab_size - n), tok.lead_space, tok.lead_keep_ids), special
 
 
 def artifact_files(path: str) -> list[Path]:

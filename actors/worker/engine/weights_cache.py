@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .arch_spec import ModelConfig
+from .detokenizer import TokenBytes
 from .gguf_loader import account_tensors, load_gguf, read_config
 
 log = logging.getLogger("actorserve.engine")
@@ -51,7 +52,7 @@ class Artifact:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tensor_types: list[str]  # GGUF type names of the projection tensors, e.g. ["Q4_1", ...]
-    token_bytes: list[bytes]  # detokenizer table (detokenizer.load_token_bytes)
+    token_bytes: list[bytes]  # detokenizer table (detokenizer.load_token_bytes: a TokenBytes)
     special_names: dict[int, str]  # control tokens {id: name} (structured.special_token_names)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: artifact_read, convert
     cached: bool = False  # True when read from the converted-weights cache
@@ -65,11 +66,11 @@ def cache_dir() -> Path:
 
 def cache_key(path: str, dtype: torch.dtype) -> str:
     """sha256 over the artifact's identity (absolute path, size, mtime of each of its files), the dtype and the
-    loaders' source."""
+    loaders' source (detokenizer.py: the cached token table)."""
     from .hf_loader import artifact_stamp
 
     h = hashlib.sha256("\n".join([FORMAT, *artifact_stamp(path), str(dtype)]).encode())
-    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py"):
+    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py", "detokenizer.py"):
         h.update((Path(__file__).parent / mod).read_bytes())
     return h.hexdigest()[:32]
 
@@ -129,6 +130,8 @@ def _write_cached(file: Path, art: Artifact) -> None:
         meta = {"format": FORMAT, "config": json.dumps(dataclasses.asdict(art.config)),
                 "tensor_types": json.dumps(art.tensor_types),
                 "special_names": json.dumps({str(k): v for k, v in art.special_names.items()}),
+                "token_lead": json.dumps([getattr(art.token_bytes, "lead", "keep"),
+                                          sorted(getattr(art.token_bytes, "keep_ids", ()))]),
                 "tied_lm_head": "1" if "lm_head" not in tensors else "0"}
         _save_atomic(tensors, file, meta)
         log.info("converted weights cached in %s (%.0f MB, %.1f s)", file, file.stat().st_size / 1e6,
@@ -153,6 +156,8 @@ def _read_cached(file: Path, device: str) -> Artifact | None:
         config = ModelConfig.from_dict(json.loads(meta["config"]))
         special = {int(k): v for k, v in json.loads(meta["special_names"]).items()}
         types = list(json.loads(meta["tensor_types"]))
+        lead, keep_ids = json.loads(meta.get("token_lead", '["keep", []]'))
+        token_bytes = TokenBytes(token_bytes, lead, keep_ids)  # the detokenizer's first-token rule
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
         log.warning("converted-weights cache %s unreadable (%s): removed, reading the GGUF", file, exc)
         file.unlink(missing_ok=True)
