@@ -63,7 +63,7 @@ def hf_model(vocab: dict[str, int], seed: int = 0):
     cfg = transformers.LlamaConfig(vocab_size=max(vocab.values()) + 1, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=vocab["<|im_end|>"],
-                                   pad_token_id=0, max_position_embeddings=512, tie_word_embeddings=False)
+                                   pad_token_id=0, max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
