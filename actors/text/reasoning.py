@@ -72,8 +72,9 @@ def check_vocabulary(fmt: str | None, special_tokens: dict[str, int]) -> None:
         return
     hidden = [t for t in (THINK_OPEN, THINK_CLOSE) if t in special_tokens]
     if hidden:
-        raise ValueError(f"reasoning_format {fmt}: {' and '.join(hidden)} is a special token of this vocabulary "
-                         "(decoded to no text), so the thinking cannot be told from the answer")
+        what = "is a special token" if len(hidden) == 1 else "are special tokens"
+        raise ValueError(f"reasoning_format {fmt}: {' and '.join(hidden)} {what} of this vocabulary (decoded to no "
+                         "text), so the thinking cannot be told from the answer")
 
 
 def prompt_state(prompt_tail: str) -> str:

@@ -197,7 +197,7 @@ def test_a_template_tag_that_is_a_special_token_is_refused_at_load(model, tmp_pa
     for t in spec["added_tokens"]:
         t["special"] = True
     (bad / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match="special token"):
+    with pytest.raises(ValueError, match="are special tokens"):
         load_assets({"artifact": str(bad), "format": "hf"})
     load_assets({"artifact": str(bad), "format": "hf", "reasoning_format": "none"})  # switched off: served as is
 
@@ -257,3 +257,31 @@ def test_responses_shapes_carry_a_reasoning_item():
     assert back[0]["type"] == "reasoning" and rf.messages(back) == [{"role": "user", "content": "and?"}]
     with pytest.raises(Exception, match="input\\[0\\].content"):
         rf.input_items([{"type": "reasoning", "content": "wait"}])
+
+
+def test_registration_infers_stores_and_refuses_the_format(model, tmp_path):
+    import shutil
+
+    from control.ops.cli import build_parser
+    from control.ops.models_cli import RegistryCommandError, build_manifest
+
+    def register(artifact: str, *extra: str) -> dict:
+        argv = ["models", "register", "r", "1", "--artifact", artifact, *extra]
+        return build_manifest(build_parser().parse_args(argv))
+
+    assert register(model["dir"] + "/")["reasoning_format"] == "think_tags"  # from chat_template.jinja
+    assert register(model["dir"] + "/", "--reasoning-format", "none")["reasoning_format"] == "none"
+    from bench.tiny_model import CHAT_TEMPLATE
+    tpl = tmp_path / "plain.jinja"
+    tpl.write_text(CHAT_TEMPLATE)
+    assert "reasoning_format" not in register(model["dir"] + "/", "--chat-template", f"@{tpl}")  # nothing implied
+    with pytest.raises(RegistryCommandError, match="reasoning_format must be .*'harmony'"):
+        register(model["dir"] + "/", "--reasoning-format", "harmony")
+    bad = tmp_path / "bad"
+    shutil.copytree(model["dir"], bad)
+    spec = json.loads((bad / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:
+        t["special"] = True
+    (bad / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(RegistryCommandError, match="<think> and </think> are special tokens"):
+        register(str(bad) + "/")
