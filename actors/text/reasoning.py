@@ -118,11 +118,6 @@ class ThinkTagsParser:
         self._undecided = 0  # tokens seen while the state was still "start" (decided later)
         self._opened = False  # the last feed opened the block
 
-    @property
-    def reasoning(self) -> bool:
-        """True while the output is (or may still turn out to be) thinking."""
-        return self.state in ("start", "reasoning")
-
     def feed(self, text: str) -> tuple[str, str]:
         """Take the next text delta; return ``(reasoning, answer)`` text that can be emitted now."""
         self._buf += text
