@@ -4,7 +4,7 @@
 tokenizer.json, tokenizer_config.json, chat_template.jinja) of a 2-layer Llama whose next token depends
 on the current token only, through a chain of forced successors:
 
-    <think> -> w -> a -> i -> t -> </think> -> "\\n\\n" -> o -> k -> <|im_end|>
+    "\\n" -> <think> -> w -> a -> i -> t -> </think> -> "\\n\\n" -> o -> k -> <|im_end|>
 
 How: every layer's output projections (``o_proj``, ``down_proj``) are zero, so the residual stream at the
 last position is the current token's embedding; the untied head's row of each successor is that
@@ -16,7 +16,9 @@ The vocabulary is bench/tiny_model.py's byte-level BPE plus a ``"\\n\\n"`` merge
 ``</think>`` as added, non-special tokens (as in Qwen3 and DeepSeek-R1: they decode to text). The chat
 template ``TEMPLATE`` is ChatML whose generation prompt opens the thinking (``<think>``, as DeepSeek-R1 and
 Qwen3-Thinking-2507 do) or, with ``enable_thinking`` false, writes the closed empty block Qwen3 writes
-(``<think>\\n\\n</think>\\n\\n``) instead of that preamble: the output then starts at ``o``.
+(``<think>\\n\\n</think>\\n\\n``) instead of that preamble: the output then starts at ``o``. ``QWEN3_TEMPLATE``
+is Qwen3's hybrid generation prompt (``<|im_start|>assistant\\n``, the closed block when ``enable_thinking`` is
+false): the model then opens the thinking itself (``\\n`` -> ``<think>``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
             "{% else %}<think>{% endif %}{% endif %}")
-CHAIN = ("<think>", "w", "a", "i", "t", "</think>", "ĊĊ", "o", "k", "<|im_end|>")  # vocabulary spellings
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                  "{% endif %}")
+CHAIN = ("Ċ", "<think>", "w", "a", "i", "t", "</think>", "ĊĊ", "o", "k", "<|im_end|>")  # vocabulary spellings
 REASONING, ANSWER = "wait", "ok"
 REASONING_TOKENS = 5  # w a i t </think> (the prompt holds <think>)
 

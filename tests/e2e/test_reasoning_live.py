@@ -4,7 +4,8 @@
 inferred from its chat template), answers through the official ``openai`` client with the thinking apart:
 chat ``message.reasoning_content`` and streamed ``delta.reasoning_content``, a Responses ``reasoning`` item
 (streamed and not), ``usage`` reasoning tokens; a ``json_schema`` and a named tool call apply after
-``</think>``; ``enable_thinking=false`` renders the closed empty block instead of the thinking preamble.
+``</think>``; ``enable_thinking=false`` renders the closed empty block instead of the thinking preamble. The same
+directory registered with Qwen3's hybrid template (no preamble) opens the thinking itself.
 """
 
 from __future__ import annotations
@@ -88,3 +89,17 @@ def test_a_reasoning_model_answers_apart_from_its_thinking(tmp_path, tiny_gguf):
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == rm.REASONING
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == rm.ANSWER
         assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+
+        # Qwen3's hybrid generation prompt: the model opens the thinking itself; the schema waits for it too
+        (tmp_path / "qwen3.jinja").write_text(rm.QWEN3_TEMPLATE)
+        p = cli(sup, "models", "register", "hybrid", "1", "--artifact", artifact, "--chat-template",
+                f"@{tmp_path / 'qwen3.jinja'}")
+        assert p.returncode == 0, p.stderr
+        _until_served(c, "hybrid")
+        kw = {**kw, "model": "hybrid"}
+        full = c.chat.completions.create(**kw)
+        assert (_reasoning(full.choices[0].message), full.choices[0].message.content) == (rm.REASONING, rm.ANSWER)
+        assert full.usage.completion_tokens_details.reasoning_tokens == rm.REASONING_TOKENS + 1  # its own <think>
+        js = c.chat.completions.create(**{**kw, "max_tokens": 120}, response_format=rf)
+        assert _reasoning(js.choices[0].message) == rm.REASONING, js.choices[0]
+        assert json.loads(js.choices[0].message.content)["answer"] in ("yes", "no")

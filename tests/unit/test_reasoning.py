@@ -157,8 +157,10 @@ def test_the_forced_model_follows_its_chain_in_transformers(model):
 
     tok = HFTokenizer.from_dir(model["dir"])
     assert "<think>" not in tok.special_tokens and tok.decode([model["vocab"]["</think>"]]) == "</think>"
-    for kw, expected in (({}, "wait</think>\n\nok"), ({"enable_thinking": False}, "ok")):
-        ids = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": "hi"}], template_kwargs=kw))
+    cases = ((tok.chat_template, {}, "wait</think>\n\nok"), (tok.chat_template, {"enable_thinking": False}, "ok"),
+             (rm.QWEN3_TEMPLATE, {}, "<think>wait</think>\n\nok"), (rm.QWEN3_TEMPLATE, {"enable_thinking": False}, "ok"))
+    for template, kw, expected in cases:
+        ids = tok.encode(render_chat(template, [{"role": "user", "content": "hi"}], template_kwargs=kw))
         out = model["model"].generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
         assert tok.decode(out.tolist()) == expected
 
