@@ -15,7 +15,7 @@ reasoning parsers read). Where the thinking starts depends on the rendered promp
 tool-call parser (actors/text/tool_calls.py): :meth:`~ThinkTagsParser.feed` takes a text delta (a tag may be
 split across deltas at any character) and returns ``(reasoning, answer)`` text; :meth:`~ThinkTagsParser.finish`
 flushes. Whitespace right after ``<think>``, right before ``</think>`` and right after ``</think>`` is dropped
-(Qwen3's template strips exactly these newlines when it renders a reasoning turn back), so the joined
+(Qwen3's template strips the newlines there when it renders a reasoning turn back). The joined
 stream equals the whole text parsed at once, whatever the split. A thinking block cut short by
 ``max_tokens`` stays reasoning (its answer is empty).
 
