@@ -34,6 +34,8 @@ T = TypeVar("T", bound="Message")
 
 PRIORITIES = ("interactive", "batch")  # priority classes, highest first
 TOOL_CALL_FORMATS = ("hermes",)  # manifest tool_call_format / GenerateRequest.tool_parser (text/tool_calls.py)
+REASONING_FORMATS = ("think_tags",)  # manifest reasoning_format / GenerateRequest.reasoning_parser (text/reasoning.py)
+REASONING_STATES = ("start", "reasoning", "answer")  # where an output starts (text/reasoning.py prompt_state)
 
 
 class Message:
@@ -261,6 +263,10 @@ class GenerateRequest(Message):
     tool_parser: str | None = None
     parallel_tool_calls: bool = True  # False: at most one call is parsed out of the output
     tool_calls_forced: bool = False  # the grammar forces well-formed calls: their arguments stream as written
+    # reasoning output (docs/decisions/0044-reasoning-output.md): the parser that splits the thinking from the
+    # answer (REASONING_FORMATS; None = none) and where the output starts (REASONING_STATES, from the prompt)
+    reasoning_parser: str | None = None
+    reasoning_state: str = "start"
     # a migrated sequence (preemption notice, drain): the state its previous worker handed over, as
     # actors/worker/migration_state.ResumeState.to_json() (tokens generated so far, next chunk seq, sampler RNG
     # state, ...); set only by workers, dispatched first to another worker (actors/scheduler/resume.py)
@@ -329,6 +335,7 @@ class Chunk(Message):
     # {"index", "id", "type": "function", "function": {"name", "arguments": ""}} opens call ``index``, then
     # {"index", "function": {"arguments": <piece>}}; the call's text is not in ``text``
     tool_calls: tuple[dict[str, Any], ...] = ()
+    reasoning: str = ""  # thinking text delta split out by GenerateRequest.reasoning_parser (not in ``text``)
 
     @property
     def failure(self) -> ServeError | None:

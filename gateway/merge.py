@@ -8,7 +8,10 @@ carries its choice's index in ``Chunk.choice_index`` (the ids are never parsed).
 ``body`` builds the non-streaming response. Both fronts use it, so their semantics cannot drift.
 Tool calls (parsed by the worker, ``Chunk.tool_calls``; docs/tools.md) stream as one ``delta.tool_calls``
 event per delta and join into ``message.tool_calls`` (content null when the answer is only calls), so the
-joined stream equals the non-streamed answer.
+joined stream equals the non-streamed answer. A reasoning model's thinking (``Chunk.reasoning``, split out by the
+worker; docs/decisions/0044-reasoning-output.md) streams as ``delta.reasoning_content`` and joins into
+``message.reasoning_content`` (vLLM's names), present only when there was thinking; its tokens are summed into
+``usage.completion_tokens_details.reasoning_tokens``.
 
 Usage: ``prompt_tokens`` counts each prompt once (not once per choice, as at OpenAI), ``completion_tokens``
 sums every choice. Streaming: with ``stream_options.include_usage`` every content chunk has ``usage: null``
@@ -46,6 +49,7 @@ class ChoiceMerger:
         self.texts: dict[int, list[str]] = {}
         self.lps: dict[int, list[dict]] = {}
         self.calls: dict[int, list[dict]] = {}  # tool_calls deltas per choice (Chunk.tool_calls)
+        self.thoughts: dict[int, list[str]] = {}  # reasoning text per choice (Chunk.reasoning)
         self.offsets: dict[int, int] = {}
         self.finish: dict[int, str | None] = {}
         self.usages: dict[int, dict] = {}
@@ -89,11 +93,14 @@ class ChoiceMerger:
         return out
 
     def _choice(self, i: int, text: str | None = None, role: bool = False, finish: str | None = None,
-                logprobs: dict | None = None, tool_call: dict | None = None) -> dict[str, Any]:
+                logprobs: dict | None = None, tool_call: dict | None = None, thought: str | None = None
+                ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
+            if thought is not None:
+                delta["reasoning_content"] = thought
             if text is not None:
                 delta["content"] = text
             if tool_call is not None:  # one OpenAI tool_calls delta per event, as OpenAI streams them
@@ -112,8 +119,14 @@ class ChoiceMerger:
         prompt = sum(u.get("prompt_tokens", 0) for i, u in self.usages.items() if i % self.n == 0)
         completion = sum(u.get("completion_tokens", 0) for u in self.usages.values())
         cached = sum(cached_tokens(u) for i, u in self.usages.items() if i % self.n == 0)  # per prompt, once
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": min(prompt, cached)}}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": min(prompt, cached)}}
+        details = [u["completion_tokens_details"] for u in self.usages.values()
+                   if isinstance(u.get("completion_tokens_details"), dict)]
+        if details:  # a reasoning model's thinking tokens (actors/worker/outputs.py usage)
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(int(d.get("reasoning_tokens", 0) or 0)
+                                                                        for d in details)}
+        return out
 
     # ------------------------------------------------------------------ streaming
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
@@ -126,6 +139,9 @@ class ChoiceMerger:
         if chunk.model:
             self.model = chunk.model
         entries = list(chunk.logprobs or ()) if self.logprobs else []
+        if chunk.reasoning:
+            self.thoughts.setdefault(i, []).append(chunk.reasoning)
+            events.append(self._event(self._choice(i, thought=chunk.reasoning)))
         if chunk.text or entries:
             self.texts[i].append(chunk.text)
             self.lps.setdefault(i, []).extend(entries)
@@ -164,6 +180,8 @@ class ChoiceMerger:
             lp = self._lp_obj(i, self.lps.get(i, [])) if self.logprobs else None
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                if self.thoughts.get(i):
+                    message["reasoning_content"] = "".join(self.thoughts[i])
                 if self.calls.get(i):  # content null when the answer is only calls (OpenAI)
                     message.update(content=text or None, tool_calls=join_tool_calls(self.calls[i]))
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": self.finish.get(i)})

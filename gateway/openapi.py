@@ -170,6 +170,8 @@ def _components() -> dict:
                             "total_tokens": {"type": "integer"},
                             "prompt_tokens_details": {"type": "object", "properties": {
                                 "cached_tokens": {"type": "integer", "minimum": 0}}},
+                            "completion_tokens_details": {"type": "object", "properties": {  # reasoning models
+                                "reasoning_tokens": {"type": "integer", "minimum": 0}}},
                             "actorserve_timing": {"type": "object", "additionalProperties": _NUM}}}
     head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
             "system_fingerprint": _NULLABLE_STR}
@@ -188,7 +190,9 @@ def _components() -> dict:
                                "logprobs": chat_lp,
                                "message": {"type": "object", "required": ["role", "content"], "properties": {
                                    "role": {"const": "assistant"}, "content": _NULLABLE_STR,
-                                   "refusal": _NULLABLE_STR, "tool_calls": tool_calls}}}}}}},
+                                   "refusal": _NULLABLE_STR, "tool_calls": tool_calls,
+                                   "reasoning_content": {**_NULLABLE_STR, "description": "a reasoning model's "
+                                                         "thinking (docs/api.md)"}}}}}}}},
         "Completion": {"type": "object", "required": req + ["usage"], "properties": {
             **head, "object": {"const": "text_completion"}, "usage": {"$ref": "#/components/schemas/Usage"},
             "choices": {"type": "array", "minItems": 1, "items": {
@@ -204,6 +208,7 @@ def _components() -> dict:
                 "properties": {"index": {"type": "integer"}, "finish_reason": finish, "logprobs": chat_lp,
                                "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                                           "content": _NULLABLE_STR,
+                                                                          "reasoning_content": _NULLABLE_STR,
                                                                           "tool_calls": tool_calls}}}}}}},
         "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
                   "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
@@ -242,7 +247,11 @@ def _responses_paths(models: list[str]) -> dict:
         {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
             "type": {"const": "function_call"}, "call_id": s, "name": s, "arguments": s, "id": s}},
         {"type": "object", "required": ["type", "call_id", "output"], "properties": {
-            "type": {"const": "function_call_output"}, "call_id": s, "output": parts, "id": s}}]}
+            "type": {"const": "function_call_output"}, "call_id": s, "output": parts, "id": s}},
+        {"type": "object", "required": ["type"], "properties": {  # a previous thinking: kept, not prompted
+            "type": {"const": "reasoning"}, "id": s, "content": {"type": "array", "items": {
+                "type": "object", "required": ["text"], "properties": {"type": {"const": "reasoning_text"},
+                                                                      "text": s}}}}}]}
     tool = {"type": "object", "required": ["type", "name"], "properties": {
         "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}, "description": null_s,
         "parameters": {"type": ["object", "null"]}, "strict": {"type": ["boolean", "null"]}}}
@@ -274,7 +283,7 @@ def _responses_paths(models: list[str]) -> dict:
         **{k: {**null_s, "description": "advisory (docs/responses.md)"}
            for k in ("service_tier", "prompt_cache_key", "safety_identifier", "user")},
         "stream_options": {"type": ["object", "null"], "description": "advisory"},
-        "reasoning": {"type": ["object", "null"], "maxProperties": 0, "description": "no reasoning models"},
+        "reasoning": {"type": ["object", "null"], "maxProperties": 0, "description": "not served (a model that reasons returns a reasoning output item)"},
         "include": {"type": ["array", "null"], "maxItems": 0}, "truncation": {"enum": ["disabled", None]},
         "max_tool_calls": {"type": "null"}, "top_logprobs": {"enum": [0, None]}}}
     response = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],

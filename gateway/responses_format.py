@@ -10,9 +10,9 @@ every shape of that translation and no I/O (gateway/responses_api.py does the I/
   (``previous_response_id``: that response's items + output) and input items -> ``messages``,
   ``max_output_tokens`` -> ``max_tokens``, flat function ``tools`` -> chat tools, ``text.format`` ->
   ``response_format``; :func:`response_param` maps a validator's chat field name back;
-* :func:`output_from_chat` turns a chat.completion into Responses output items (``message`` with
-  ``output_text`` content, ``function_call`` per tool call) and :func:`response_object` builds the
-  ``response`` object;
+* :func:`output_from_chat` turns a chat.completion into Responses output items (``reasoning`` with
+  ``reasoning_text`` content when the model thought, ``message`` with ``output_text`` content,
+  ``function_call`` per tool call) and :func:`response_object` builds the ``response`` object;
 * :class:`StreamTranslator` turns the chat.completion.chunk objects of a streamed run into the
   Responses streaming events (``response.created`` ... ``response.completed``), numbered by
   ``sequence_number``.
@@ -158,9 +158,15 @@ def input_items(value: Any) -> list[dict]:
             text = _text_of(item.get("output"), f"{p}.output")
             out.append({"type": "function_call_output", "id": _item_id(item, "fco"),
                         "call_id": item["call_id"], "output": text, "status": "completed"})
+        elif kind == "reasoning":  # a previous answer's thinking handed back: kept, not put into the prompt
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str)
+                                                      for c in parts):
+                raise _bad(f"'{p}.content' must be a list of reasoning_text parts", f"{p}.content")
+            out.append(reasoning_item("".join(c["text"] for c in parts), item_id=_item_id(item, "rs")))
         else:
-            raise _bad(f"'{p}.type' {kind!r} is not supported (message, function_call, function_call_output)",
-                       f"{p}.type")
+            raise _bad(f"'{p}.type' {kind!r} is not supported (message, function_call, function_call_output, "
+                       "reasoning)", f"{p}.type")
     return out
 
 
@@ -220,7 +226,8 @@ def chat_response_format(text: Any) -> dict | None:
 def messages(items: list[dict]) -> list[dict]:
     """Chat messages of stored items: messages keep role and text; consecutive ``function_call`` items
     become one assistant message's ``tool_calls`` (joined to a preceding assistant message);
-    ``function_call_output`` becomes a ``tool`` message."""
+    ``function_call_output`` becomes a ``tool`` message; ``reasoning`` items are left out (as reasoning
+    models' templates drop past thinking)."""
     out: list[dict] = []
     for it in items:
         if it["type"] == "message":
@@ -282,14 +289,21 @@ def usage(chat_usage: dict | None) -> dict:
     i, o = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
     from gateway.merge import cached_tokens
 
+    r = int(((u.get("completion_tokens_details") or {}).get("reasoning_tokens")) or 0)
     return {"input_tokens": i, "input_tokens_details": {"cached_tokens": cached_tokens(u)}, "output_tokens": o,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}
+            "output_tokens_details": {"reasoning_tokens": r}, "total_tokens": i + o}
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
     """An assistant ``message`` output item with one ``output_text`` part."""
     return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """A ``reasoning`` output item: the model's thinking as one ``reasoning_text`` part (no summary)."""
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
@@ -305,7 +319,9 @@ def output_from_chat(chat: dict) -> tuple[list[dict], str | None]:
     msg, finish = choice.get("message") or {}, choice.get("finish_reason")
     status = "incomplete" if finish == "length" else "completed"
     calls = msg.get("tool_calls") or []
-    items = [message_item(msg.get("content") or "", status)] if msg.get("content") or not calls else []
+    items = [reasoning_item(msg["reasoning_content"], status)] if msg.get("reasoning_content") else []
+    if msg.get("content") or not calls:
+        items.append(message_item(msg.get("content") or "", status))
     return items + [call_item(c) for c in calls], finish
 
 
@@ -354,8 +370,9 @@ class StreamTranslator:
     """Chat chunk objects in, Responses streaming events out (each with ``sequence_number``).
 
     ``start(resp)`` gives ``response.created`` and ``response.in_progress``; ``chunk(obj)`` the events
-    of one chat.completion.chunk (text deltas open a ``message`` item and its ``output_text`` part,
-    tool-call deltas a ``function_call`` item each); ``finish(resp)`` closes the open items and ends
+    of one chat.completion.chunk (``reasoning_content`` deltas open a ``reasoning`` item and its
+    ``reasoning_text`` part, text deltas a ``message`` item and its ``output_text`` part, tool-call deltas a
+    ``function_call`` item each); ``finish(resp)`` closes the open items and ends
     with ``response.completed`` (``response.incomplete`` / ``response.failed`` by ``resp["status"]``).
     ``output`` holds the finished output items."""
 
@@ -363,6 +380,7 @@ class StreamTranslator:
         self.seq = 0
         self.output: list[dict] = []
         self._msg: dict | None = None  # the open message item
+        self._rs: dict | None = None  # the open reasoning item
         self._calls: dict[int, dict] = {}  # open function_call items by chat tool-call index
 
     def _ev(self, kind: str, **fields) -> dict:
@@ -374,25 +392,36 @@ class StreamTranslator:
         """``response.created`` and ``response.in_progress`` of ``resp`` (a response object)."""
         return [self._ev("response.created", response=resp), self._ev("response.in_progress", response=resp)]
 
-    def _open_message(self) -> list[dict]:
-        self._msg = {**message_item("", "in_progress"), "content": []}
+    def _open_message(self, reasoning: bool = False) -> list[dict]:
+        item = {**(reasoning_item if reasoning else message_item)("", "in_progress"), "content": []}
         idx = len(self.output)
-        self.output.append(self._msg)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        evs = [self._ev("response.output_item.added", output_index=idx, item=dict(self._msg, content=[])),
-               self._ev("response.content_part.added", item_id=self._msg["id"], output_index=idx, content_index=0,
+        self.output.append(item)
+        if reasoning:
+            self._rs = item
+        else:
+            self._msg = item
+        part = ({"type": "reasoning_text", "text": ""} if reasoning
+                else {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        evs = [self._ev("response.output_item.added", output_index=idx, item=dict(item, content=[])),
+               self._ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
                         part=dict(part))]
-        self._msg["content"].append(part)
+        item["content"].append(part)
         return evs
 
-    def _close_message(self, status: str) -> list[dict]:
-        m, self._msg = self._msg, None
+    def _close_message(self, status: str, reasoning: bool = False) -> list[dict]:
+        if reasoning:
+            m, self._rs = self._rs, None
+        else:
+            m, self._msg = self._msg, None
         if m is None:
             return []
         idx, part = self.output.index(m), m["content"][0]
         m["status"] = status
-        return [self._ev("response.output_text.done", item_id=m["id"], output_index=idx, content_index=0,
-                         text=part["text"], logprobs=[]),
+        done = (self._ev("response.reasoning_text.done", item_id=m["id"], output_index=idx, content_index=0,
+                         text=part["text"]) if reasoning else
+                self._ev("response.output_text.done", item_id=m["id"], output_index=idx, content_index=0,
+                         text=part["text"], logprobs=[]))
+        return [done,
                 self._ev("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0,
                          part=dict(part)),
                 self._ev("response.output_item.done", output_index=idx, item=m)]
@@ -402,7 +431,15 @@ class StreamTranslator:
         evs: list[dict] = []
         for choice in obj.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self._rs is None:
+                    evs += self._open_message(reasoning=True)
+                idx = self.output.index(self._rs)
+                self._rs["content"][0]["text"] += delta["reasoning_content"]
+                evs.append(self._ev("response.reasoning_text.delta", item_id=self._rs["id"], output_index=idx,
+                                    content_index=0, delta=delta["reasoning_content"]))
             if delta.get("content"):
+                evs += self._close_message("completed", reasoning=True)
                 if self._msg is None:
                     evs += self._open_message()
                 idx = self.output.index(self._msg)
@@ -414,7 +451,7 @@ class StreamTranslator:
         return evs
 
     def _tool_delta(self, tc: dict) -> list[dict]:
-        evs = self._close_message("completed")
+        evs = self._close_message("completed", reasoning=True) + self._close_message("completed")
         k = tc.get("index", 0)
         fn = tc.get("function") or {}
         item = self._calls.get(k)
@@ -434,7 +471,8 @@ class StreamTranslator:
         """Close every open item and end with the terminal event of ``resp`` (its ``output`` is set to
         the translated items)."""
         status = resp["status"]
-        evs = self._close_message("incomplete" if status == "incomplete" else "completed")
+        end = "incomplete" if status == "incomplete" else "completed"
+        evs = self._close_message(end, reasoning=True) + self._close_message(end)
         for item in self._calls.values():
             idx = self.output.index(item)
             item["status"] = "completed"
@@ -454,8 +492,12 @@ def replay_events(resp: dict) -> list[dict]:
     evs = tr.start({**resp, "status": "in_progress", "output": [], "usage": None})
     calls = 0
     for item in resp["output"]:
-        if item["type"] == "message":
-            evs += tr._close_message("completed") + tr._open_message()
+        if item["type"] == "reasoning":
+            text = "".join(p.get("text", "") for p in item.get("content") or ())
+            evs += tr._close_message("completed") + tr._open_message(reasoning=True)
+            evs += tr.chunk({"choices": [{"delta": {"reasoning_content": text}}]}) if text else []
+        elif item["type"] == "message":
+            evs += tr._close_message("completed", True) + tr._close_message("completed") + tr._open_message()
             evs += tr.chunk({"choices": [{"delta": {"content": "".join(p.get("text", "") for p in item["content"])}}]})
         elif item["type"] == "function_call":
             evs += tr.chunk({"choices": [{"delta": {"tool_calls": [

@@ -17,6 +17,7 @@ import orjson
 
 from actors.recent import RecentIds
 from actors.validator.errors import RequestError
+from actors.text import reasoning
 from actors.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 from actors.validator.sampling import default_max_tokens, sampling_params
 from actors.validator.tools import check_format
@@ -40,6 +41,7 @@ HINT_FIELDS = ("queue_clear_at", "decode_step_s")
 # requests prepared on the event loop instead of a thread (decision 0029): prompt text of at most INLINE_CHARS
 # characters and none of the fields whose checks can take long (grammar compilation, tool prompts)
 INLINE_CHARS = 2000
+REASONING_TAIL = 16  # prompt tokens decoded to tell where a reasoning model's output starts (reasoning.prompt_state)
 SLOW_FIELDS = ("tools", "functions", "response_format", "structured_outputs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "guided_decoding_backend")
 
@@ -74,6 +76,7 @@ class ModelAssets:
     stop_token_ids: tuple[int, ...]  # EOS + end-of-turn + the tokenizer's end-of-generation ids
     defaults: dict = field(default_factory=dict)  # the manifest's sampling defaults (checked, normalized)
     tool_call_format: str | None = None  # the manifest's tool_call_format (docs/tools.md); None: no tools
+    reasoning_format: str | None = None  # the manifest's or the template's (actors/text/reasoning.py); None: none
 
 
 def load_assets(manifest: dict) -> ModelAssets:
@@ -92,7 +95,9 @@ def load_assets(manifest: dict) -> ModelAssets:
     tool_format = manifest.get("tool_call_format")
     if tool_format is not None and tool_format not in TOOL_CALL_FORMATS:
         raise ValueError(f"tool_call_format {tool_format!r} is not supported (supported: {', '.join(TOOL_CALL_FORMATS)})")
-    return ModelAssets(tok, template, ctx, default_stop_token_ids(tok, template), defaults, tool_format)
+    think = reasoning.resolve_format(manifest.get("reasoning_format"), template)
+    reasoning.check_vocabulary(think, tok.special_tokens)  # tags the detokenizer drops: refused, not served wrong
+    return ModelAssets(tok, template, ctx, default_stop_token_ids(tok, template), defaults, tool_format, think)
 
 
 @dataclass
@@ -278,26 +283,33 @@ class ValidatorService:
         prepared = [self._prepare_prompt(req, validated, p, assets) for p in validated.prompts or (validated.prompt,)]
         n, marks = validated.n, {**req.marks, "validate_out": time.time()}
         out = []
-        for pi, (ids, params, echo) in enumerate(prepared):
+        for pi, (ids, params, echo, think) in enumerate(prepared):
             for i in range(n):
                 index = pi * n + i
                 rid = req.request_id if n * len(prepared) == 1 else choice_request_id(req.request_id, index)
                 out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids),
                                            params.seeded(i), req.priority, req.deadline, marks, echo_text=echo,
                                            choice_index=index, adapter=req.adapter,
-                                           adapter_path=req.adapter_path, **tool_kw))
+                                           adapter_path=req.adapter_path, **tool_kw, **think))
         return out
 
     def _prepare_prompt(self, req: ApiRequest, validated: ValidatedRequest, prompt, assets: ModelAssets
-                        ) -> tuple[list[int], SamplingParams, str]:
-        """``(prompt token ids, sampling params, echo text)`` of one prompt. Raises RequestError."""
+                        ) -> tuple[list[int], SamplingParams, str, dict]:
+        """``(prompt token ids, sampling params, echo text, reasoning fields of its GenerateRequest)`` of one
+        prompt. A chat prompt of a reasoning model: where its output starts (the rendered prompt's end,
+        actors/text/reasoning.py ``prompt_state``) and its grammar applied after the thinking. Raises RequestError."""
         v = replace(validated, prompt=prompt) if validated.kind == "completion" else validated
         ids, max_tokens = prepare_prompt(v, assets.tokenizer, assets.chat_template, assets.max_model_len,
                                          default_max_tokens(req.endpoint, assets.defaults), self.cfg.max_tokens_cap,
                                          assets.tool_call_format)
         content_log.log_content("prompt token ids", req.request_id, list(ids))  # ACTORSERVE_LOG_PROMPTS=1 only
         echo = "" if not v.echo else prompt if isinstance(prompt, str) else assets.tokenizer.decode(ids)
-        return ids, sampling_params(v, max_tokens, assets.stop_token_ids, assets.defaults), echo
+        think: dict = {}
+        if v.kind == "chat" and assets.reasoning_format is not None:
+            state = reasoning.prompt_state(assets.tokenizer.decode(ids[-REASONING_TAIL:], skip_special_tokens=False))
+            think = {"reasoning_parser": assets.reasoning_format, "reasoning_state": state}
+            v = replace(v, grammar=reasoning.think_grammar(v.grammar, state))
+        return ids, sampling_params(v, max_tokens, assets.stop_token_ids, assets.defaults), echo, think
 
     async def _submit_all(self, gens: list[GenerateRequest]) -> None:
         """Submit every choice; if one is refused, cancel those already taken and raise its error."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from actors.text.reasoning import ThinkTagsParser
 from actors.text.tool_calls import HermesParser, parse_step
 from actors.worker.engine.types import EngineRequest
 from actors.worker.migration_state import resume_of
@@ -31,6 +32,7 @@ class Live:
     cancel_step: int = -1  # worker step count when a cancel arrived (-1: none)
     trace: object = None  # trace context of the dispatch (the scheduler's queue span); None when tracing is off
     tools: HermesParser | None = None  # tool-call parser of the output (GenerateRequest.tool_parser)
+    thinking: ThinkTagsParser | None = None  # reasoning parser, before the tool-call one (reasoning_parser)
     handoff: float = 0.0  # a migrated sequence: when its previous worker gave it up (epoch s) until its next chunk
 
     def resume(self, req: GenerateRequest, texts: list[str] | None) -> None:
@@ -45,7 +47,17 @@ class Live:
         self.t_in, self.t_first = st.t_in or self.t_in, st.t_first
         self.handoff = st.t_handoff or time.time()
         for text in texts or ():
-            parse_step(self.tools, text, False)
+            self.split(text, 1, False)
+
+    def split(self, text: str, num_tokens: int, finished: bool) -> tuple[str, str, tuple[dict, ...]]:
+        """One engine step's ``(reasoning, content, tool_call deltas)``: ``text`` (of ``num_tokens`` tokens)
+        through the reasoning parser (the thinking; its tokens counted), then the answer through the tool-call
+        parser (actors/text/reasoning.py, tool_calls.py); both flushed when ``finished``."""
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.step(text, num_tokens, finished)
+        content, calls = parse_step(self.tools, text, finished)
+        return thought, content, calls
 
 
 def engine_request(req: GenerateRequest, urgent: bool) -> EngineRequest:

@@ -73,10 +73,14 @@ def worker_stats(st, cfg, num_finished: int, num_aborted: int, max_cancel_steps:
 
 
 def usage(lv: Live, num_prompt: int, num_cached: int = 0) -> dict:
-    """OpenAI ``usage`` of ``lv`` (token counts) with ``num_prompt`` prompt tokens, ``num_cached`` of them cached."""
-    return {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,
-            "total_tokens": num_prompt + lv.num_generated,
-            "prompt_tokens_details": {"cached_tokens": min(num_prompt, int(num_cached))}}
+    """OpenAI ``usage`` of ``lv`` (token counts) with ``num_prompt`` prompt tokens, ``num_cached`` of them cached;
+    a reasoning model's also ``completion_tokens_details.reasoning_tokens`` (actors/text/reasoning.py)."""
+    u = {"prompt_tokens": num_prompt, "completion_tokens": lv.num_generated,
+         "total_tokens": num_prompt + lv.num_generated,
+         "prompt_tokens_details": {"cached_tokens": min(num_prompt, int(num_cached))}}
+    if lv.thinking is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": min(lv.thinking.tokens, lv.num_generated)}
+    return u
 
 
 def timing(lv: Live, now: float) -> dict:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from actors.aio import wait_event
 from actors.recent import RecentIds
-from actors.text.tool_calls import make_parser, parse_step
+from actors.text import reasoning
+from actors.text.tool_calls import make_parser
 from actors.worker.engine.step_rates import served_delta
 from actors.worker.engine.types import StepOutput
 from actors.worker.live import Live, engine_request
@@ -282,6 +283,7 @@ class WorkerService:
             try:
                 lv = self.live[req.request_id]
                 lv.tools = make_parser(req.tool_parser, req.parallel_tool_calls, req.tool_calls_forced)
+                lv.thinking = reasoning.make_parser(req.reasoning_parser, req.reasoning_state)
                 lv.resume(req, self.engine.add_request(engine_request(req, urgent), front=front))
             except ValueError as exc:
                 failed.append((self.live[req.request_id], str(exc)))
@@ -413,7 +415,8 @@ class WorkerService:
                 hook()
             self.outbox.event(subjects.sched_events(lv.req.name, lv.req.version),
                               b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
-        text, calls = parse_step(lv.tools, out.text, out.finished)  # tool calls out of the text (docs/tools.md)
+        # thinking, then tool calls, out of the text (docs/decisions/0044-reasoning-output.md, docs/tools.md)
+        thought, text, calls = lv.split(out.text, len(out.new_token_ids), out.finished)
         if lv.echo_pending and lv.req.echo_text and (text or out.new_token_ids or out.finished):
             text = lv.req.echo_text + text
         if text or out.new_token_ids:
@@ -423,14 +426,14 @@ class WorkerService:
             if out.text or out.new_token_ids:
                 self.outbox.send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids),
                                            model=lv.req.model_ref, worker_id=self.cfg.worker_id, logprobs=logprobs,
-                                           choice_index=lv.req.choice_index, tool_calls=calls))
+                                           choice_index=lv.req.choice_index, tool_calls=calls, reasoning=thought))
             return
         u = usage(lv, out.num_prompt_tokens or len(lv.req.prompt_token_ids), out.num_cached_tokens)
         t = timing(lv, now)
         reason = "tool_calls" if out.finish_reason == "stop" and lv.tools and lv.tools.num_calls else out.finish_reason
         self.outbox.send(lv, Chunk(lv.req.request_id, lv.seq, text, tuple(out.new_token_ids), True,
                                    reason, u, t, None, lv.req.model_ref, self.cfg.worker_id,
-                                   logprobs, lv.req.choice_index, calls))
+                                   logprobs, lv.req.choice_index, calls, thought))
         self.outbox.record(lv, "ok", reason, u, t)
 
     async def _safe_publish(self, subject: str, data: bytes) -> None:

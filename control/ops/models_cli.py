@@ -2,7 +2,7 @@
 
     actorserve models register NAME VERSION --artifact PATH [--format gguf] [--quantization Q]
                                [--context-length N] [--memory-bytes N] [--chat-template gguf|TEMPLATE|@FILE]
-                               [--default KEY=VALUE ...] [--option KEY=JSON ...] [--replace]
+                               [--default KEY=VALUE ...] [--option KEY=JSON ...] [--reasoning-format F] [--replace]
     actorserve models list [--json]
     actorserve models show NAME [--json]
     actorserve models retire NAME VERSION [--force]
@@ -37,7 +37,7 @@ PROG = "actorserve"
 
 #: manifest fields set by their own options; ``--option`` may not set them
 _MANIFEST_FIELDS = ("name", "version", "artifact", "format", "quantization", "context_length", "memory_bytes",
-                    "tokenizer", "chat_template", "defaults", "status", "extra", "pricing")
+                    "tokenizer", "chat_template", "defaults", "status", "extra", "pricing", "reasoning_format")
 _OPTION_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 
@@ -126,6 +126,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization, "context_length": args.context_length,
         "memory_bytes": args.memory_bytes, "tokenizer": args.tokenizer, "chat_template": template,
         "defaults": dict(args.default or []), "status": "active",
+        "reasoning_format": getattr(args, "reasoning_format", None),
     })
     try:  # --prompt-per-1m / --completion-per-1m (control/ops/usage_cli.py)
         data.update(pricing_fields(args))
@@ -155,6 +156,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
             data["quantization"] = quant
     if data["memory_bytes"] is None:
         data["memory_bytes"] = os.path.getsize(artifact)
+    _settle_reasoning(artifact, data)
     try:
         return ModelManifest.from_dict(data).to_dict()
     except ValueError as e:
@@ -196,6 +198,28 @@ def _check_hf_dir(path: str, data: dict[str, Any]) -> None:
         data["context_length"] = int(cfg.context_length) or None
     if data["memory_bytes"] is None:
         data["memory_bytes"] = artifact_bytes(path)
+
+
+def _settle_reasoning(path: str, data: dict[str, Any]) -> None:
+    """``reasoning_format`` given, or inferred from the chat template (inline, or the artifact's) and stored when
+    the template names one (left unset otherwise: a manifest registered before the field re-registers
+    unchanged); for ``think_tags`` the tags must be text, not special tokens
+    (actors/text/reasoning.py). RegistryCommandError naming the field otherwise. A tokenizer that cannot be read
+    here leaves the field unset (the validator refuses such a version when it loads)."""
+    from actors.text.loader import load_tokenizer  # the tokenizer files: read by this verb only
+    from actors.text.reasoning import check_vocabulary, infer_format, resolve_format
+
+    fmt, template = data.get("reasoning_format"), data["chat_template"]
+    try:
+        tok = load_tokenizer(path)
+    except (ValueError, OSError):
+        return
+    if fmt is None:
+        fmt = data["reasoning_format"] = infer_format(tok.chat_template if template == "gguf" else template)
+    try:
+        check_vocabulary(resolve_format(fmt, None), tok.special_tokens)
+    except ValueError as e:
+        raise RegistryCommandError(str(e)) from None
 
 
 def manifest_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
@@ -271,6 +295,9 @@ def add_models_commands(sub: Any) -> None:
     mreg.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=JSON",
                       help="extra manifest key, e.g. workers=2 (processes `up` starts) or "
                       "test_faults='{\"error_rate\":0.5}'; repeatable")
+    mreg.add_argument("--reasoning-format", default=None, metavar="FORMAT",
+                      help="how the model writes its thinking: think_tags (<think>...</think>, returned apart as "
+                           "reasoning_content) or none; default: inferred from the chat template")
     mreg.add_argument("--replace", action="store_true", help="overwrite a different manifest of the same version")
     from control.ops.usage_cli import add_price_arguments, add_price_command  # B: prices (docs/budgets.md)
     add_price_arguments(mreg)

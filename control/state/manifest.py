@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from bus.messages import TOOL_CALL_FORMATS, sampling_defaults
+from bus.messages import REASONING_FORMATS, TOOL_CALL_FORMATS, sampling_defaults
 from control.state import names
 from control.policy.numbers import is_number
 
@@ -19,6 +19,7 @@ SUPPORTED_TOKENIZERS = ("gguf", "hf")  # the GGUF's vocabulary, or the directory
 MANIFEST_STATUSES = ("active", "disabled", "retired")
 PRICING_FIELDS = ("prompt_per_1m", "completion_per_1m")  # USD per 1M tokens (docs/budgets.md)
 MAX_PRICE_PER_1M = 1_000_000.0  # USD per 1M tokens: a sanity cap (1 USD per token)
+NO_REASONING = "none"  # reasoning_format: the model's output is never split (inference from the template off)
 
 
 def check_pricing(value: Any) -> dict[str, float] | None:
@@ -71,6 +72,10 @@ class ModelManifest:
     * ``tool_call_format``: how this model writes tool calls and reads tools and results
       (``bus.messages.TOOL_CALL_FORMATS``: ``"hermes"``; docs/tools.md), the parser the worker runs on its
       output; None: the model takes no ``tools`` (a request offering them answers 400).
+    * ``reasoning_format``: how this model writes its thinking (``bus.messages.REASONING_FORMATS``:
+      ``"think_tags"``; actors/text/reasoning.py): chat answers carry it apart as ``reasoning_content``;
+      ``"none"``: never split; None: inferred from the chat template when the version loads (``models
+      register`` stores what it inferred).
     * ``pricing``: USD per 1M prompt and completion tokens (:func:`check_pricing`), charged to tenants'
       budgets (gateway/budgets.py, docs/budgets.md); None: free. Read by the gateways only: a price change
       needs no process restart.
@@ -90,6 +95,7 @@ class ModelManifest:
     status: str = "active"
     tool_call_format: str | None = None
     pricing: dict[str, float] | None = None
+    reasoning_format: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -119,6 +125,9 @@ class ModelManifest:
         if self.tool_call_format is not None and self.tool_call_format not in TOOL_CALL_FORMATS:
             raise ValueError(f"tool_call_format must be null or one of {', '.join(TOOL_CALL_FORMATS)}, "
                              f"got {self.tool_call_format!r}")
+        if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS + (NO_REASONING,):
+            raise ValueError(f"reasoning_format must be null, {NO_REASONING!r} or one of "
+                             f"{', '.join(REASONING_FORMATS)}, got {self.reasoning_format!r}")
         object.__setattr__(self, "pricing", check_pricing(self.pricing))
         if not isinstance(self.extra, Mapping):
             raise ValueError("extra must be an object")
@@ -132,10 +141,11 @@ class ModelManifest:
         return names.ModelRef(self.name, self.version)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (unknown keys from ``extra`` merged back at top level; ``pricing`` only when set)."""
+        """JSON-ready dict (unknown keys from ``extra`` merged back at top level; ``pricing`` and
+        ``reasoning_format`` only when set)."""
         d: dict[str, Any] = dict(self.extra)
         for f in dataclasses.fields(self):
-            if f.name != "extra" and not (f.name == "pricing" and self.pricing is None):
+            if f.name != "extra" and not (f.name in ("pricing", "reasoning_format") and getattr(self, f.name) is None):
                 v = getattr(self, f.name)
                 d[f.name] = dict(v) if isinstance(v, dict) else v
         return d
