@@ -39,6 +39,7 @@ from actors.autoscaler.cpu_policy import CpuTierConfig, CpuTierPolicy
 from control.policy.curves import ThroughputCurve
 from actors.autoscaler.decisions import Decision, DecisionLog
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
+from actors.autoscaler.sleep_carry import SleepCarrier
 from actors.autoscaler.sleep_tier import SleeperInfo, SleepPlan, SleepTierConfig, SleepTierPolicy
 from actors.autoscaler.signals import Limits, Slo, limits_from_autoscale, pool_signal_key, slo_from_autoscale
 from bus import subjects
@@ -70,6 +71,7 @@ class AutoscalerConfig:
     pools: PoolConfig = field(default_factory=PoolConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     sleep: SleepTierConfig = field(default_factory=SleepTierConfig)  # the sleeping tier (sleep_tier.py)
+    carry_sleep: bool = False  # write the sleep / wake records itself: no supervisor (Kubernetes; sleep_carry.py)
     controller_id: str = ""
     elect: bool = True
     lease_ttl: int = 2
@@ -133,10 +135,12 @@ class Autoscaler:
         self.sleep_policy = SleepTierPolicy(self.cfg.sleep)
         self.sleep_plans: dict[str, SleepPlan] = {}  # "n/v/p" -> the plan of the last tick
         self._sleep_written: dict[str, dict] = {}  # "n/v/p" -> the plan last written (reason aside)
+        self.carrier = SleepCarrier()  # with carry_sleep: the sleep / wake records this replica writes
         self.log = DecisionLog()
         self.state = ClusterState()
         self.snapshot: dict[str, Any] = {}  # the signals, limits and desired counts of the last tick
         self.is_leader = False
+        self.sleep_commands = 0  # sleep / wake records written (carry_sleep)
         self.leader_since = 0.0  # monotonic s
         self.decisions_written = 0
         self._refreshed = float("-inf")
@@ -247,7 +251,21 @@ class Autoscaler:
         if decisions:
             await self._apply(decisions)
         await self._write_sleep_plans()
+        if self.cfg.carry_sleep:
+            await self._carry_sleep(wall, leaving)
         return decisions
+
+    async def _carry_sleep(self, wall: float, leaving: set[str]) -> None:
+        """Write the sleep / wake records of this tick (sleep_carry.py); an etcd error is logged, the command
+        retried later."""
+        desired = {k: d.count for k, d in self.state.desired.items() if k.count("/") == 2}
+        for wid, want in self.carrier.commands(wall, self.state.workers, desired, self.sleep_plans, leaving):
+            try:
+                await self.registry.put_json(names.sleep_key(wid), {"want": want, "by": "autoscaler", "ts": wall})
+                self.sleep_commands += 1
+                log.info("autoscaler: %s %s (sleeping tier, no supervisor)", want, wid)
+            except Exception as exc:  # noqa: BLE001 - etcd away: the carrier retries after its retry_s
+                log.warning("autoscaler: could not write %s for %s: %r", want, wid, exc)
 
     def _sleep_plans(self, wall: float, pools: Mapping[str, Any]) -> dict[str, SleepPlan]:
         """The sleeping tier's plan of every pool (sleep_tier.py) from its active target and its sleepers: a

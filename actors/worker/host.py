@@ -373,6 +373,11 @@ class ModelHost:
                                   for r in [s.row() for s in list(self.slots.values())] for k in ("weights", "kv")])
         observable_gauge("actorserve_worker_memory_budget_bytes", "Bytes this worker may hold for weights and KV "
                          "caches together.", "By", lambda: [(self.budget, {})])
+        observable_gauge("actorserve_worker_sleeping", "1 while a resident version sleeps (KV cache freed, weights "
+                         "kept; actors/worker/host_sleep.py).", "1",
+                         lambda: [(1 if self.sleep.asleep(s) else 0, {"model": s.ref}) for s in list(self.slots.values())])
+        observable_counter("actorserve_host_handbacks", "Sleeps of a resident version that handed memory back to a "
+                           "waking version.", "1", lambda: [(self.sleep.handbacks, {})])
         observable_counter("actorserve_host_evictions", "Model versions this host evicted.", "1",
                            lambda: [(self.num_evictions, {})])
         observable_counter("actorserve_host_loads", "Model versions this host loaded.", "1",

@@ -143,7 +143,8 @@ class ResidencyPolicy:
         self._enter(out, budget_bytes, specs, wanted, resident, staying)
         after = staying | set(out.load)
         out.weights_bytes = _weights(specs, after)
-        out.kv_bytes = self.split_kv(budget_bytes - out.weights_bytes - sum(specs[r].kv_floor_bytes for r in after & asleep),
+        lent = sum(specs[r].kv_floor_bytes for r in after & asleep)  # a sleeper's floor: its LoRA slots only
+        out.kv_bytes = self.split_kv(budget_bytes - out.weights_bytes - lent,
                                      [specs[r] for r in sorted(after - asleep)], demand)
         out.kv_bytes.update({r: 0 for r in after & asleep})
         return out
