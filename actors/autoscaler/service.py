@@ -281,7 +281,8 @@ class Autoscaler:
                         for w in self.state.workers if w.sleeping and (w.name, w.version, w.pool) ==
                         (s.name, s.version, s.pool)]
             active = self.pool_policy.active_target(key)
-            out[key] = self.sleep_policy.plan(key, wall, s.active if active is None else active, sleepers)
+            out[key] = self.sleep_policy.plan(key, wall, s.active if active is None else active, sleepers,
+                                              awake=s.active)
         return out
 
     async def _write_sleep_plans(self) -> None:

@@ -111,13 +111,16 @@ class SleepTierPolicy:
         return min(self.cfg.idle_horizon_s, self.cfg.cold_start_penalty * saved)
 
     def plan(self, key: str, now: float, active: int, sleepers: list[SleeperInfo],
-             cold_start_s: float | None = None, forecast_replicas: int = 0) -> SleepPlan:
+             cold_start_s: float | None = None, forecast_replicas: int = 0, awake: int | None = None) -> SleepPlan:
         """The plan of pool ``key`` at ``now`` (s) with its active target ``active`` and its ``sleepers``;
         ``cold_start_s``: the pool's measured cold start (else the config's); ``forecast_replicas``: replicas a
-        forecast wants within the horizon (0: none). Observes ``active`` first."""
+        forecast wants within the horizon (0: none); ``awake``: the pool's awake replicas now (None: ``active``).
+        Sleepers that a scale-up to ``active`` wakes (``active - awake``) are wanted as well: a scale-up's own
+        sleepers never exit. Observes ``active`` first."""
         self.observe(key, now, active)
         cold = self.cfg.cold_start_s if cold_start_s is None else float(cold_start_s)
-        wanted = max(0, max(self.peak(key, now), int(forecast_replicas)) - int(active))
+        to_wake = max(0, int(active) - (int(active) if awake is None else int(awake)))
+        wanted = max(0, max(self.peak(key, now), int(forecast_replicas)) - int(active)) + to_wake
         wake = [s.wake_s for s in sleepers if s.wake_s > 0]
         horizon = self.keep_s(max(wake) if wake else 0.0, cold, False)
         ranked = sorted(sleepers, key=lambda s: (not s.shared, s.wake_s or self.cfg.default_wake_s, s.asleep_s,
@@ -132,8 +135,8 @@ class SleepTierPolicy:
                 exits.append(s.worker_id)
                 why.append(f"{s.worker_id} exits: asleep {s.asleep_s:.0f} s, worth keeping "
                            f"{self.keep_s(s.wake_s, cold, s.shared):.0f} s")
-        keep = wanted if horizon > 0 or any(s.shared for s in sleepers) else 0
+        keep = wanted if horizon > 0 or any(s.shared for s in sleepers) else min(wanted, to_wake)
         reason = (f"peak {self.peak(key, now)} in {self.cfg.history_s:.0f} s, forecast {forecast_replicas}, active "
-                  f"{active}: {wanted} wanted again; a sleeper saves {cold:.0f} s of cold start for "
+                  f"{active}, awake {active if awake is None else awake}: {wanted} wanted again; a sleeper saves {cold:.0f} s of cold start for "
                   f"{horizon:.0f} s asleep at full price")
         return SleepPlan(keep, horizon, tuple(exits), wanted, "; ".join([reason, *why]))

@@ -61,6 +61,18 @@ def test_the_forecast_keeps_sleepers_that_history_alone_would_not_and_extras_exi
     assert (plan.keep, plan.exit) == (1, ("alone", "slow"))
 
 
+def test_the_sleepers_a_scale_up_wakes_are_wanted_not_exited():
+    """Found by bench/autoscaler_step_bench.py --sleeping: at the scale-up 1 -> 2 the peak is the new target, so
+    nothing is "wanted again" beyond it; the sleeper the scale-up wakes must not be told to exit in that round."""
+    pol = SleepTierPolicy(SleepTierConfig(cold_start_s=52))
+    pol.observe(K, 0.0, 2)
+    pol.observe(K, 50.0, 1)
+    sleeper = [SleeperInfo("w1", asleep_s=16, wake_s=0.3)]
+    plan = pol.plan(K, 66.0, 2, sleeper, awake=1)  # the step: active target 2, one awake, one to wake
+    assert (plan.keep, plan.wanted_again, plan.exit) == (1, 1, ())
+    assert pol.plan(K, 66.0, 2, sleeper, awake=2).exit == ("w1",)  # negative control: both awake, nothing wants it
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="history_s"):
         SleepTierConfig(history_s=-1)
