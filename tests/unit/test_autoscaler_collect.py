@@ -242,3 +242,20 @@ def test_the_autoscaler_plans_the_sleeping_tier_per_pool_with_shared_instances_f
     assert plan.exit == ("w9",) and plan.keep == 2, plan  # h-v1 shares host h with n@1 awake: free, it stays
     a.state.workers[3] = WorkerRecord("h-v2", "n", "1", "local", True, "h", 1000.0, 1.0)  # n@1 sleeps too
     assert a._sleep_plans(1600.0, pools)["m/1/local"].exit == ("h-v1", "w9")
+
+
+def test_the_cli_sets_the_sleeping_tier_and_carry_sleep():
+    """Issue [28]: ``--policy-set sleep.FIELD=V`` tunes SleepTierConfig, ``--carry-sleep`` makes the autoscaler write
+    the sleep and wake records itself; off by default."""
+    from control.ops.cli import build_parser
+
+    args = build_parser().parse_args(["actor", "autoscaler", "--policy-set", "sleep.history_s=120",
+                                      "--policy-set", "sleep.cold_start_penalty=1", "--carry-sleep"])
+    cfg = entry.config_from_args(args)
+    assert (cfg.sleep.history_s, cfg.sleep.cold_start_penalty, cfg.carry_sleep) == (120.0, 1.0, True)
+    assert entry.config_from_args(build_parser().parse_args(["actor", "autoscaler"])).carry_sleep is False
+    with pytest.raises(argparse.ArgumentTypeError, match="no field 'nope'"):
+        entry.policy_set_arg("sleep.nope=1")
+    bad = build_parser().parse_args(["actor", "autoscaler", "--policy-set", "sleep.history_s=-5"])
+    with pytest.raises(SystemExit):
+        entry.config_from_args(bad)
