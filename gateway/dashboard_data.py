@@ -115,7 +115,8 @@ def workers_by_version(records: Mapping[str, Any], prefix: str, notices: Mapping
                        stats_rows: Iterable[Mapping[str, Any]]) -> dict[str, list[dict]]:
     """Every worker per version, from its etcd record (pool) and its statistics row (KV use, batch):
     ``{version: [{"worker", "pool", "state", "kv", "running", "waiting", "gen_tps"}]}``. ``state``:
-    ``preempting`` (a preemption notice names it), ``serving`` (registered, statistics heard),
+    ``preempting`` (a preemption notice names it), ``sleeping`` (its record says it sleeps: KV cache freed,
+    process and weights kept, woken in about a second; docs/autoscaling.md), ``serving`` (registered, statistics heard),
     ``registered`` (registered, no statistics yet: loading or silent), ``unregistered`` (statistics without a
     record: draining or lease lost)."""
     noticed = {k[len(notice_prefix):] for k in notices if k.startswith(notice_prefix)}
@@ -129,7 +130,10 @@ def workers_by_version(records: Mapping[str, Any], prefix: str, notices: Mapping
         seen.add(vw)
         pool = value.get("pool") if isinstance(value, Mapping) and isinstance(value.get("pool"), str) else "default"
         row = stats.get(vw)
-        state = "preempting" if vw[1] in noticed else ("serving" if row is not None else "registered")
+        sleep = value.get("sleep") if isinstance(value, Mapping) else None
+        asleep = isinstance(sleep, Mapping) and sleep.get("state") == "sleeping"
+        state = "preempting" if vw[1] in noticed else "sleeping" if asleep else (
+            "serving" if row is not None else "registered")
         out.setdefault(vw[0], []).append(_worker_row(vw[1], pool, state, row))
     for vw, row in stats.items():
         if vw not in seen:
@@ -149,11 +153,13 @@ def _round(v: Any, digits: int) -> float | None:
     return round(float(v), digits) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-POOL_COUNTS = {"serving": "ready", "preempting": "preempting", "registered": "no_stats", "unregistered": "leaving"}
+POOL_COUNTS = {"serving": "ready", "preempting": "preempting", "registered": "no_stats",
+               "unregistered": "leaving", "sleeping": "sleeping"}
 
 
 def pools_of(workers: list[dict], desired: Mapping[str, Any], version: str) -> list[dict]:
-    """Replicas of one version by pool: ``[{"pool", "ready", "preempting", "no_stats", "leaving", "desired"}]``
+    """Replicas of one version by pool: ``[{"pool", "ready", "preempting", "no_stats", "leaving", "sleeping",
+    "desired"}]``
     (worker states counted by :data:`POOL_COUNTS`); ``desired`` from the autoscaler's
     ``worker/<name>/<version>/<pool>`` targets (None: no desired count)."""
     name, _, ver = version.partition("@")

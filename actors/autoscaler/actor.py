@@ -62,15 +62,16 @@ def worker_limits_arg(text: str) -> Limits:
 
 
 def policy_set_arg(text: str) -> tuple[str, str, str]:
-    """argparse type of ``--policy-set cpu.FIELD=VALUE`` / ``pool.FIELD=VALUE``: (loop, field, value), the
+    """argparse type of ``--policy-set cpu.FIELD=VALUE`` / ``pool.FIELD=VALUE`` / ``sleep.FIELD=VALUE`` (the
+    sleeping tier, actors/autoscaler/sleep_tier.py): (loop, field, value), the
     field checked to exist (ArgumentTypeError naming it). The values are checked all together by
     :func:`policy_configs` (one alone may break a rule that the set keeps, e.g. low < target <= high)."""
     import dataclasses
 
     target, sep, value = text.partition("=")
     loop, dot, name = target.partition(".")
-    if not sep or not dot or loop not in ("cpu", "pool"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected cpu.FIELD=VALUE or pool.FIELD=VALUE")
+    if not sep or not dot or loop not in ("cpu", "pool", "sleep"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cpu.FIELD=VALUE, pool.FIELD=VALUE or sleep.FIELD=VALUE")
     known = sorted(f.name for f in dataclasses.fields(_default_config(loop)))
     if name not in known:
         raise argparse.ArgumentTypeError(f"{type(_default_config(loop)).__name__} has no field {name!r} "
@@ -81,15 +82,17 @@ def policy_set_arg(text: str) -> tuple[str, str, str]:
 def _default_config(loop: str) -> Any:
     from actors.autoscaler.cpu_policy import CpuTierConfig
     from actors.autoscaler.pool_policy import PoolConfig
+    from actors.autoscaler.sleep_tier import SleepTierConfig
 
-    return CpuTierConfig() if loop == "cpu" else PoolConfig()
+    return CpuTierConfig() if loop == "cpu" else SleepTierConfig() if loop == "sleep" else PoolConfig()
 
 
 def policy_configs(assignments: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """``{"cpu": CpuTierConfig, "pool": PoolConfig}`` with every ``--policy-set`` applied (ValueError when the
+    """``{"cpu": CpuTierConfig, "pool": PoolConfig, "sleep": SleepTierConfig}`` with every ``--policy-set`` applied
+    (ValueError when the
     fields together break a rule, e.g. low < target <= high)."""
     out = {}
-    for loop in ("cpu", "pool"):
+    for loop in ("cpu", "pool", "sleep"):
         out[loop] = set_fields(_default_config(loop), {n: v for lp, n, v in assignments if lp == loop})
     return out
 
@@ -105,7 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tick-s", type=float, default=1.0, metavar="S", help="seconds between two decision rounds")
     parser.add_argument("--pool", default="local", help="pool a version without workers scales on (default local)")
     parser.add_argument("--policy-set", type=policy_set_arg, action="append", default=[], metavar="LOOP.FIELD=V",
-                        help="set a policy field: cpu.FIELD (CpuTierConfig) or pool.FIELD (PoolConfig); repeatable")
+                        help="set a policy field: cpu.FIELD (CpuTierConfig), pool.FIELD (PoolConfig) or sleep.FIELD "
+                        "(SleepTierConfig: the sleeping tier, docs/autoscaling.md); repeatable")
+    parser.add_argument("--carry-sleep", action="store_true",
+                        help="write the workers' sleep and wake records itself (the sleeping tier where no "
+                        "supervisor runs: Kubernetes with KEDA, docs/deployment.md)")
     parser.add_argument("--controller-id", default=None, help="id shown in the election key (default: host-pid)")
     parser.add_argument("--lease-ttl", type=int, default=2, metavar="S", help="election lease TTL, 1..5 s (default 2)")
     parser.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
@@ -125,7 +132,8 @@ def config_from_args(args: argparse.Namespace):
     try:
         configs = policy_configs(list(args.policy_set or []))
         return AutoscalerConfig(cpu_limits=dict(args.limits), worker_limits=args.worker_limits, tick_s=args.tick_s,
-                                pool=args.pool, cpu=configs["cpu"], pools=configs["pool"],
+                                pool=args.pool, cpu=configs["cpu"], pools=configs["pool"], sleep=configs["sleep"],
+                                carry_sleep=bool(getattr(args, "carry_sleep", False)),
                                 controller_id=args.controller_id or "", lease_ttl=args.lease_ttl)
     except ValueError as exc:
         import sys
@@ -166,5 +174,11 @@ def _export(scaler) -> None:
     export.register(scaler)  # actorserve_autoscaler_desired_replicas: the leader only (actors/autoscaler/export.py)
     observable_gauge("actorserve_autoscaler_observed_replicas", "Live replicas per target seen by the last tick.",
                      "1", replicas)
+    observable_gauge("actorserve_autoscaler_sleeping_replicas", "Sleeping workers per pool seen by the last tick "
+                     "(KV cache freed, process kept; not in observed_replicas; docs/autoscaling.md).", "1",
+                     lambda: [(s.get("sleeping", 0), {"target": f"worker/{k}"})
+                              for k, s in scaler.snapshot.get("pools", {}).items()])
+    observable_counter("actorserve_autoscaler_sleep_commands", "Sleep and wake records this autoscaler wrote "
+                       "(--carry-sleep).", "1", lambda: [(scaler.sleep_commands, {})])
     observable_counter("actorserve_autoscaler_decisions", "Scaling decisions written by this autoscaler.", "1",
                        lambda: [(scaler.decisions_written, {})])

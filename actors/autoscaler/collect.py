@@ -198,6 +198,9 @@ class WorkerRecord:
     version: str
     pool: str
     sleeping: bool = False  # its record says it sleeps (actors/worker/sleep.py): not a running replica
+    host: str = ""  # the multi-model host it runs on (actors/worker/host.py), "" for a worker process of its own
+    asleep_since: float = 0.0  # epoch s its sleep began (its record's sleep.since) while it sleeps
+    wake_s: float = 0.0  # its last wake, command -> serving (s; 0: never woken)
 
 
 def worker_records(prefix: str, listing: Mapping[str, object], default_pool: str) -> list[WorkerRecord]:
@@ -210,8 +213,14 @@ def worker_records(prefix: str, listing: Mapping[str, object], default_pool: str
             continue
         pool = value.get("pool") if isinstance(value, dict) else None
         sleep = value.get("sleep") if isinstance(value, dict) else None
+        asleep = isinstance(sleep, dict) and sleep.get("state") == "sleeping"
+        host = value.get("host") if isinstance(value, dict) else None
+        since = sleep.get("since") if asleep else 0.0
+        wake = sleep.get("wake_s") if isinstance(sleep, dict) else 0.0
         out.append(WorkerRecord(parts[2], parts[0], parts[1], pool if isinstance(pool, str) and pool else default_pool,
-                                isinstance(sleep, dict) and sleep.get("state") == "sleeping"))
+                                asleep, host if isinstance(host, str) else "",
+                                float(since) if is_number(since, minimum=0) else 0.0,
+                                float(wake) if is_number(wake, minimum=0) else 0.0))
     return sorted(out, key=lambda r: (r.name, r.version, r.pool, r.worker_id))
 
 

@@ -11,6 +11,12 @@ replica writes one), else, with no record, the replicas the last tick observed: 
 today's count" (docs/autoscaling.md), and exporting the observed count keeps an orchestrator that follows the
 gauge (KEDA, deploy/k8s/keda, docs/deployment.md) where it is.
 
+A worker pool's value is **running + sleeping** (issue [28]): a sleeping worker (actors/worker/sleep.py) is a pod
+that stays; its sleep and its wake travel as etcd records (actors/autoscaler/sleep_carry.py), not as pod changes.
+Added to the desired (awake) count: the pool's sleepers the last tick saw, less those the sleeping tier's plan
+lets exit and those told to wake (the desired count holds them), plus the workers told to sleep whose records do
+not say so yet.
+
 **Only the leader exports.** A standby (and a replica that lost its lease) exports no series at all, so a query
 ``max(actorserve_autoscaler_desired_replicas{...})`` over every autoscaler pod sees the leader's values only, and
 no series (Prometheus marks them stale) while no replica leads: KEDA then keeps the current replica count.
@@ -64,7 +70,21 @@ def desired_counts(scaler: Any) -> dict[str, int]:
         n = _count(value)
         if n is not None:
             out[key] = n
+    for key in out:
+        if key.count("/") == 2:
+            out[key] += sleepers_kept(scaler, key)
     return out
+
+
+def sleepers_kept(scaler: Any, key: str) -> int:
+    """Sleeping workers of pool ``key`` that stay (module docstring): counted in the exported replicas."""
+    snap = getattr(scaler, "snapshot", None) or {}
+    sleeping = _count(((snap.get("pools") or {}).get(key) or {}).get("sleeping")) or 0
+    plan = (snap.get("sleep") or {}).get(key) or {}
+    carrier = getattr(scaler, "carrier", None)
+    to_sleep = carrier.pending(key, "sleep") if carrier is not None else 0
+    waking = carrier.pending(key, "wake") if carrier is not None else 0
+    return max(0, sleeping - len(plan.get("exit") or ()) - waking) + to_sleep
 
 
 def desired_samples(scaler: Any) -> list[tuple[float, dict[str, str]]]:

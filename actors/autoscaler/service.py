@@ -39,6 +39,8 @@ from actors.autoscaler.cpu_policy import CpuTierConfig, CpuTierPolicy
 from control.policy.curves import ThroughputCurve
 from actors.autoscaler.decisions import Decision, DecisionLog
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
+from actors.autoscaler.sleep_carry import SleepCarrier
+from actors.autoscaler.sleep_tier import SleeperInfo, SleepPlan, SleepTierConfig, SleepTierPolicy
 from actors.autoscaler.signals import Limits, Slo, limits_from_autoscale, pool_signal_key, slo_from_autoscale
 from bus import subjects
 from bus.base import Msg
@@ -68,6 +70,8 @@ class AutoscalerConfig:
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     pools: PoolConfig = field(default_factory=PoolConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
+    sleep: SleepTierConfig = field(default_factory=SleepTierConfig)  # the sleeping tier (sleep_tier.py)
+    carry_sleep: bool = False  # write the sleep / wake records itself: no supervisor (Kubernetes; sleep_carry.py)
     controller_id: str = ""
     elect: bool = True
     lease_ttl: int = 2
@@ -128,10 +132,15 @@ class Autoscaler:
         self.loads, self.credits = LoadBook(self.cfg.collect), CreditBook(self.cfg.collect)
         self.latencies = LatencyBook(self.cfg.collect)
         self.cpu_policy, self.pool_policy = CpuTierPolicy(self.cfg.cpu), PoolPolicy(self.cfg.pools)
+        self.sleep_policy = SleepTierPolicy(self.cfg.sleep)
+        self.sleep_plans: dict[str, SleepPlan] = {}  # "n/v/p" -> the plan of the last tick
+        self._sleep_written: dict[str, dict] = {}  # "n/v/p" -> the plan last written (reason aside)
+        self.carrier = SleepCarrier()  # with carry_sleep: the sleep / wake records this replica writes
         self.log = DecisionLog()
         self.state = ClusterState()
         self.snapshot: dict[str, Any] = {}  # the signals, limits and desired counts of the last tick
         self.is_leader = False
+        self.sleep_commands = 0  # sleep / wake records written (carry_sleep)
         self.leader_since = 0.0  # monotonic s
         self.decisions_written = 0
         self._refreshed = float("-inf")
@@ -237,9 +246,58 @@ class Autoscaler:
             return []
         decisions = (self.cpu_policy.decide(wall, cpu, self.cfg.cpu_limits)
                      + self.pool_policy.decide(wall, pools, limits, slos, curves))
+        self.sleep_plans = self._sleep_plans(wall, pools)
+        self.snapshot["sleep"] = {k: p.to_json() for k, p in self.sleep_plans.items()}
         if decisions:
             await self._apply(decisions)
+        await self._write_sleep_plans()
+        if self.cfg.carry_sleep:
+            await self._carry_sleep(wall, leaving)
         return decisions
+
+    async def _carry_sleep(self, wall: float, leaving: set[str]) -> None:
+        """Write the sleep / wake records of this tick (sleep_carry.py); an etcd error is logged, the command
+        retried later."""
+        desired = {k: d.count for k, d in self.state.desired.items() if k.count("/") == 2}
+        for wid, want in self.carrier.commands(wall, self.state.workers, desired, self.sleep_plans, leaving):
+            try:
+                await self.registry.put_json(names.sleep_key(wid), {"want": want, "by": "autoscaler", "ts": wall})
+                self.sleep_commands += 1
+                log.info("autoscaler: %s %s (sleeping tier, no supervisor)", want, wid)
+            except Exception as exc:  # noqa: BLE001 - etcd away: the carrier retries after its retry_s
+                log.warning("autoscaler: could not write %s for %s: %r", want, wid, exc)
+
+    def _sleep_plans(self, wall: float, pools: Mapping[str, Any]) -> dict[str, SleepPlan]:
+        """The sleeping tier's plan of every pool (sleep_tier.py) from its active target and its sleepers: a
+        sleeper shares its instance when an awake worker of another version runs on its host."""
+        awake_hosts: dict[str, set] = {}
+        for w in self.state.workers:
+            if w.host and not w.sleeping:
+                awake_hosts.setdefault(w.host, set()).add((w.name, w.version))
+        out = {}
+        for key, s in pools.items():
+            sleepers = [SleeperInfo(w.worker_id, max(0.0, wall - w.asleep_since) if w.asleep_since else 0.0,
+                                    w.wake_s, bool(awake_hosts.get(w.host, set()) - {(w.name, w.version)}))
+                        for w in self.state.workers if w.sleeping and (w.name, w.version, w.pool) ==
+                        (s.name, s.version, s.pool)]
+            active = self.pool_policy.active_target(key)
+            out[key] = self.sleep_policy.plan(key, wall, s.active if active is None else active, sleepers,
+                                              awake=s.active)
+        return out
+
+    async def _write_sleep_plans(self) -> None:
+        """Put each pool's changed sleep plan into its desired record (``"sleep"``; a pool with no record yet
+        gets it with its next decision). The supervisor carries it out (control/ops/supervisor_sleep.py)."""
+        for key, plan in self.sleep_plans.items():
+            value = {k: v for k, v in plan.to_json().items() if k != "reason"}
+            if self._sleep_written.get(key) == value or key not in self.state.desired:
+                continue
+            dkey = desired_key_of(f"worker/{key}")
+            record = await self.registry.get_json(dkey)
+            if isinstance(record, dict):
+                record["sleep"] = plan.to_json()
+                await self.registry.put_json(dkey, record)
+                self._sleep_written[key] = value
 
     def _version_limits(self, name: str, version: str) -> tuple[Limits, Slo]:
         """The version's Limits and Slo: its manifest's ``autoscale`` over the defaults (defaults, logged, when
@@ -302,6 +360,11 @@ class Autoscaler:
         """Write each decision's desired count, then the history (bounded)."""
         for d in decisions:
             value = {"count": d.desired, "ts": d.ts, "reason": d.reason, "by": self.cfg.controller_id}
+            plan = self.sleep_plans.get(d.target.split("/", 1)[1]) if d.target.startswith("worker/") else None
+            if plan is not None:
+                value["sleep"] = plan.to_json()
+                self._sleep_written[d.target.split("/", 1)[1]] = {k: v for k, v in value["sleep"].items()
+                                                                  if k != "reason"}
             await self.registry.put_json(desired_key_of(d.target), value)
             key = d.target.split("/", 1)[1] if d.target.startswith("worker/") else d.target
             self.state.desired[key] = Desired(d.desired, d.ts)

@@ -18,7 +18,8 @@ idle and resized, so a newcomer gets room. A version is evicted only when nothin
 forced after ``drain_bound_s``). The host's record ``/actorserve/hosts/{host_id}`` (leased) holds the budget,
 free bytes, resident versions with their bytes, and the counts of loads and evictions; ``/metrics`` has
 ``actorserve_worker_resident_bytes{model, kind}``, ``actorserve_host_evictions_total`` and
-``actorserve_host_loads_total``.
+``actorserve_host_loads_total``. A resident version told to sleep on its ``sleep_key`` frees its KV cache and
+lends the room to the other versions; its wake takes the room back (actors/worker/host_sleep.py, issue [28]).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.worker.host_measured import load_measured, save_measured
+from actors.worker.host_sleep import HostSleep
 from actors.worker.host_slot import Slot, close_slot, open_slot, pause, resume
 from actors.worker.residency import Demand, ResidencyConfig, ResidencyPolicy, VersionSpec
 from bus import subjects
@@ -70,6 +72,7 @@ class ModelHost:
         self.num_loads = self.num_evictions = self.num_failed_loads = 0
         self.num_forced = 0  # evictions that ended running requests (the drain bound passed)
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self.sleep = HostSleep(self)  # versions told to sleep lend their KV bytes (actors/worker/host_sleep.py)
         self.wake = asyncio.Event()
         self._n = 0
         self._lease = None
@@ -101,6 +104,8 @@ class ModelHost:
         if any(s.share_key == key for s in self.slots.values()):
             load_s = 0.1
         floor = self.args.kv_floor_bytes + self.extra_bytes(ref, key)  # the policy's per-version bytes beside weights
+        if ref in self.slots and self.sleep.asleep(self.slots[ref]):
+            floor = self.extra_bytes(ref, key)  # asleep: no KV cache; its room is lent (host_sleep.py)
         return VersionSpec(ref, weights, key, kv_floor_bytes=floor, pinned=ref in self.pinned,
                            slo_class=str(m.get("slo_class", "interactive")), load_cost_s=load_s)
 
@@ -199,7 +204,9 @@ class ModelHost:
                                       | set(self.slots) | self.pinned)
         specs = {r: self.spec(r) for r in refs}
         demand = {r: self.demand(r, now) for r in refs}
-        plan = self.policy.plan(self.budget, specs, demand, set(self.slots), now)
+        await self.sleep.wake_round(demand)
+        specs = {r: self.spec(r) for r in refs}  # a version woken or put to sleep above counts its KV floor or not
+        plan = self.policy.plan(self.budget, specs, demand, set(self.slots), now, asleep=self.sleep.asleep_refs())
         if plan.load or plan.evict or plan.drain:
             log.debug("host %s: plan %s; demand %s", self.host_id, plan.reasons, demand)
         for ref in plan.drain:
@@ -209,7 +216,8 @@ class ModelHost:
         for ref in plan.evict:
             await self._evict(ref, ref in plan.forced, plan.reasons[ref])
         for ref, slot in self.slots.items():  # a drain called off (wanted again); not one whose eviction waits
-            if slot.svc.draining and not slot.resize_to and ref not in plan.drain and ref not in plan.evict:
+            if slot.svc.draining and not slot.resize_to and ref not in plan.drain and ref not in plan.evict \
+                    and not self.sleep.held(ref):
                 await resume(slot)
         await self._resize(plan.kv_bytes)
         for ref in plan.load:
@@ -254,6 +262,8 @@ class ModelHost:
         """Versions whose KV cache is over their share (less their LoRA slots) by more than ``slack``: pause, and
         resize once idle; a paused version with its new size admits again."""
         for ref, slot in self.slots.items():
+            if self.sleep.asleep(slot):  # no KV cache to resize; a wake sizes it (host_sleep.py)
+                continue
             target = min(shares.get(ref, 0) - slot.extra_bytes, self.kv_cap())
             if target >= self.args.kv_floor_bytes and slot.kv_bytes > target * slack and not slot.resize_to:
                 slot.resize_to = target
@@ -287,6 +297,7 @@ class ModelHost:
             log.error("host %s: loading %s failed: %r", self.host_id, ref, exc)
             return
         self.slots[ref] = slot
+        self.sleep.follow(slot)
         self.extra_seen[spec.share_key] = slot.extra_bytes
         self.rates[ref] = [(time.monotonic(), 0)]  # its tokens/s counts from here
         self.asks.pop(ref, None)  # served now: its demand is what it serves (its scheduler asks again if paused)
@@ -326,7 +337,7 @@ class ModelHost:
                 "asked": sorted(r for r, (_, t) in self.asks.items() if time.monotonic() - t <= self.ask_ttl_s
                                 and r not in self.slots),
                 "loads": self.num_loads, "evictions": self.num_evictions, "forced_evictions": self.num_forced,
-                "failed_loads": self.num_failed_loads,
+                "failed_loads": self.num_failed_loads, **self.sleep.record(),
                 "ts": time.time()}
 
     async def publish_record(self, every_s: float = 5.0) -> None:
@@ -362,6 +373,11 @@ class ModelHost:
                                   for r in [s.row() for s in list(self.slots.values())] for k in ("weights", "kv")])
         observable_gauge("actorserve_worker_memory_budget_bytes", "Bytes this worker may hold for weights and KV "
                          "caches together.", "By", lambda: [(self.budget, {})])
+        observable_gauge("actorserve_worker_sleeping", "1 while a resident version sleeps (KV cache freed, weights "
+                         "kept; actors/worker/host_sleep.py).", "1",
+                         lambda: [(1 if self.sleep.asleep(s) else 0, {"model": s.ref}) for s in list(self.slots.values())])
+        observable_counter("actorserve_host_handbacks", "Sleeps of a resident version that handed memory back to a "
+                           "waking version.", "1", lambda: [(self.sleep.handbacks, {})])
         observable_counter("actorserve_host_evictions", "Model versions this host evicted.", "1",
                            lambda: [(self.num_evictions, {})])
         observable_counter("actorserve_host_loads", "Model versions this host loaded.", "1",

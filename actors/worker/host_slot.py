@@ -44,6 +44,7 @@ class Slot:
     load_s: float = 0.0  # seconds the load took (ready to serve)
     resize_to: int = 0  # > 0: admissions paused until idle, then the KV cache gets this many bytes
     generated: int = 0  # the engine's generated tokens at the previous demand sample
+    sleep: Any = None  # its SleepControl (actors/worker/host_sleep.py): a sleeping version holds no KV cache
 
     @property
     def weights_bytes(self) -> int:
@@ -65,7 +66,9 @@ class Slot:
 
     def row(self) -> dict:
         """The host record's row of this version."""
-        state = "paused" if self.resize_to else ("draining" if self.svc.draining else "serving")
+        asleep = self.sleep is not None and self.sleep.state.state == "sleeping"
+        state = "sleeping" if asleep else "paused" if self.resize_to else (
+            "draining" if self.svc.draining else "serving")
         return {"model": self.ref, "worker_id": self.worker_id, "weights_bytes": self.weights_bytes,
                 "kv_bytes": self.kv_bytes, "adapters_bytes": self.extra_bytes, "shared": self.shared,
                 "share_key": self.share_key, "quantization": self.info.get("quantization") or self.info.get("dtype"),

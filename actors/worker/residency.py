@@ -130,9 +130,10 @@ class ResidencyPolicy:
         return raw / (1.0 + spec.load_cost_s / self.cfg.load_cost_horizon_s)
 
     def plan(self, budget_bytes: int, specs: dict[str, VersionSpec], demand: dict[str, Demand],
-             resident: set[str], now: float) -> ResidencyPlan:
+             resident: set[str], now: float, asleep: set[str] = frozenset()) -> ResidencyPlan:
         """The plan for ``budget_bytes`` (bytes) given every known version's spec, its demand (missing: none)
-        and the refs resident now. ValueError for a resident ref without a spec."""
+        and the refs resident now; ``asleep``: resident refs that sleep (their specs' floors hold no KV; they get
+        no KV share: actors/worker/host_sleep.py). ValueError for a resident ref without a spec."""
         if missing := sorted(resident - set(specs)):
             raise ValueError(f"resident versions without a spec: {missing}")
         wanted = self._wanted(budget_bytes, specs, demand, resident)
@@ -142,7 +143,10 @@ class ResidencyPolicy:
         self._enter(out, budget_bytes, specs, wanted, resident, staying)
         after = staying | set(out.load)
         out.weights_bytes = _weights(specs, after)
-        out.kv_bytes = self.split_kv(budget_bytes - out.weights_bytes, [specs[r] for r in sorted(after)], demand)
+        lent = sum(specs[r].kv_floor_bytes for r in after & asleep)  # a sleeper's floor: its LoRA slots only
+        out.kv_bytes = self.split_kv(budget_bytes - out.weights_bytes - lent,
+                                     [specs[r] for r in sorted(after - asleep)], demand)
+        out.kv_bytes.update({r: 0 for r in after & asleep})
         return out
 
     def _wanted(self, budget: int, specs: dict[str, VersionSpec], demand: dict[str, Demand],

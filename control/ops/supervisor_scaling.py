@@ -71,6 +71,7 @@ class Desired:
     reason: str = ""
     by: str = ""
     ts: float = 0.0
+    sleep: dict | None = None  # the autoscaler's sleeping-tier plan (actors/autoscaler/sleep_tier.py), if any
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
@@ -82,8 +83,10 @@ class Desired:
         if not isinstance(value, Mapping):
             raise ValueError(f"not a JSON object: {value!r}")
         ts = value.get("ts", 0.0)
+        sleep = value.get("sleep")
         return cls(value.get("count"), str(value.get("reason", "")), str(value.get("by", "")),
-                   float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0)
+                   float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0,
+                   sleep if isinstance(sleep, Mapping) else None)
 
     def why(self) -> str:
         """``reason (by X)`` for the events."""
@@ -296,6 +299,8 @@ class ScalingReconciler:
                 self._note_ready(ready_records, now)
             changed = self._reap_leaving(now)
             changed |= self._preempt_due(notices or {}, now)
+            for (ref, pool), d in counts.workers.items():
+                self.sleep.set_plan(ref, pool, d.sleep)  # the autoscaler's sleep plans (supervisor_sleep.py)
             changed |= self._retire_sleepers(now)
             if self.ready():
                 self._note_skipped(counts)
@@ -451,8 +456,11 @@ class ScalingReconciler:
             self._note(target, "" if len(victims) == len(current) - want else
                        f"{target}: keeping {len(current) - want - len(victims)} worker(s) over the desired "
                        f"{want}: the last ready worker of {ref} is stopped only for a desired total of 0")
+            asleep = len(self._active(lambda a: a.kind == "worker" and a.model == ref and a.sleeping_since is not None
+                                      and (a.pool or self.cfg.pool) == pool))
             for name in victims:
-                if self.sleep.prefers_sleep():
+                if self.sleep.prefers_sleep(ref, pool, asleep):
+                    asleep += 1
                     self._sleep_replica(self.procs.actor(name), target, len(current), want, d, now)
                 else:
                     self._stop_replica(self.procs.actor(name), target, len(current), want, d, now)
@@ -506,10 +514,11 @@ class ScalingReconciler:
 
     def _retire_sleepers(self, now: float) -> bool:
         """Stop the sleepers asleep for the horizon (SIGTERM, as a scale-down). True when one was stopped."""
-        expired = self.sleep.expired(self._active(lambda a: a.kind == "worker"), now)
+        expired = self.sleep.expired(self._active(lambda a: a.kind == "worker"), now, self.cfg.pool)
         for a in expired:
+            d = Desired(0, reason=f"asleep {now - (a.sleeping_since or now):.0f} s (horizon "
+                        f"{self.sleep.horizon_s:.0f} s, or the autoscaler's sleep plan)", by="supervisor")
             a.sleeping_since = None
-            d = Desired(0, reason=f"asleep {self.sleep.horizon_s:.0f} s", by="supervisor")
             self._stop_replica(a, self._target_of(a), 0, 0, d, now)
         return bool(expired)
 

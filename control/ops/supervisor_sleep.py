@@ -33,17 +33,31 @@ class SleepTier:
             raise ValueError("horizon_s must be >= 0")
         self.horizon_s = float(horizon_s)
         self._commands: list[tuple[str, dict]] = []
+        self._plans: dict[tuple[str, str], Mapping[str, Any]] = {}  # (ref, pool) -> the autoscaler's plan
 
     @property
     def on(self) -> bool:
         """True when scale-downs may sleep."""
         return self.horizon_s > 0
 
-    def prefers_sleep(self) -> bool:
-        """Whether a scale-down sleeps its victims: while the tier is on. The capacity was wanted until this
-        scale-down, and the recent history this rule keeps is exactly the horizon: a sleeper not woken within it
-        exits (:meth:`expired`)."""
-        return self.on
+    def set_plan(self, ref: str, pool: str, plan: Mapping[str, Any] | None) -> None:
+        """The autoscaler's sleeping-tier plan of ``ref`` on ``pool`` (the ``sleep`` of its desired record:
+        ``keep``, ``horizon_s``, ``exit``; actors/autoscaler/sleep_tier.py), or None (a desired count written by
+        hand or by an older autoscaler: the horizon rule alone)."""
+        if plan is None:
+            self._plans.pop((ref, pool), None)
+        else:
+            self._plans[(ref, pool)] = plan
+
+    def prefers_sleep(self, ref: str = "", pool: str = "", asleep: int = 0) -> bool:
+        """Whether a scale-down of ``ref`` on ``pool`` (with ``asleep`` sleepers now) sleeps its victim: while
+        the tier is on and, with the autoscaler's plan, while fewer than its ``keep`` sleep (recent history or
+        the forecast wants the capacity again and a sleeper is worth its cost). Without a plan: always (the
+        capacity was wanted until this scale-down; a sleeper not woken within the horizon exits)."""
+        plan = self._plans.get((ref, pool))
+        if not self.on:
+            return False
+        return plan is None or asleep < int(plan.get("keep", 0) or 0)
 
     def sleep(self, a: ActorProcess, now: float) -> None:
         """Put worker ``a`` to sleep (command queued; ``a.sleeping_since`` set)."""
@@ -55,9 +69,17 @@ class SleepTier:
         a.sleeping_since = None
         self._commands.append(self._command(a.name, "wake"))
 
-    def expired(self, actors: Iterable[ActorProcess], now: float) -> list[ActorProcess]:
-        """Sleepers asleep for the horizon or longer: they exit."""
-        return [a for a in actors if a.sleeping_since is not None and now - a.sleeping_since >= self.horizon_s]
+    def expired(self, actors: Iterable[ActorProcess], now: float, default_pool: str = "") -> list[ActorProcess]:
+        """Sleepers that exit: asleep for the horizon or longer, or named in their pool's plan's ``exit``
+        (beyond the sleepers wanted again, or past the time their cost buys: sleep_tier.py)."""
+        out = []
+        for a in actors:
+            if a.sleeping_since is None:
+                continue
+            plan = self._plans.get((a.model or "", a.pool or default_pool)) or {}
+            if now - a.sleeping_since >= self.horizon_s or a.name in (plan.get("exit") or ()):
+                out.append(a)
+        return out
 
     def observe(self, records: Mapping[str, Any], actors: Iterable[ActorProcess]) -> list[ActorProcess]:
         """Take the sleep records read from etcd (key -> value): a sleeper whose record now says ``wake`` (a

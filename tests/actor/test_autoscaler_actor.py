@@ -249,3 +249,29 @@ async def test_a_pool_mix_starts_workers_where_the_mix_wants_them():
     assert all("scale from zero" in d.reason for d in made)
     assert scaler.snapshot["limits"]["m/1/od"]["ceiling"] == max(1, plan["od"])
     assert scaler.snapshot["pools"]["m/1/local"]["arrival_tokens_per_s"] == 0.0  # not in the mix
+
+
+async def test_carry_sleep_writes_sleep_and_wake_records_and_the_export_counts_running_plus_sleeping():
+    """Issue [28] without a supervisor (actors/autoscaler/sleep_carry.py): two awake workers for a desired count of
+    1 that recent history wanted at 2: the extra sleeps by record, the desired record gets the plan, and the
+    exported count (what KEDA follows) stays 2 -- no pod goes; a count of 2 again wakes the sleeper by record."""
+    from actors.autoscaler import export
+
+    reg = DictRegistry()
+    stack(reg, workers=("w0", "w1"))
+    reg.kv[names.desired_key("worker", "m", "1", "local")] = {"count": 1, "ts": time.time(), "reason": "idle"}
+    bus, scaler = await started(reg, carry_sleep=True)
+    scaler.sleep_policy.observe("m/1/local", time.time() - 30, 2)  # the pool ran 2 until the scale-down
+    await scaler.tick()
+    assert reg.kv[names.sleep_key("w1")]["want"] == "sleep" and names.sleep_key("w0") not in reg.kv
+    plan = reg.kv[names.desired_key("worker", "m", "1", "local")]["sleep"]
+    assert plan["keep"] == 1 and plan["exit"] == [] and plan["wanted_again"] == 1
+    assert dict((lab["target"], v) for v, lab in export.desired_samples(scaler))["worker/m/1/local"] == 2.0
+    reg.kv[names.worker_key("m", "1", "w1")]["sleep"] = {"state": "sleeping", "since": time.time(), "wake_s": 0.5}
+    await scaler.tick()
+    assert scaler.snapshot["pools"]["m/1/local"]["sleeping"] == 1 and scaler.sleep_commands == 1
+    assert dict((lab["target"], v) for v, lab in export.desired_samples(scaler))["worker/m/1/local"] == 2.0
+    reg.kv[names.desired_key("worker", "m", "1", "local")]["count"] = 2
+    await scaler.tick()
+    assert reg.kv[names.sleep_key("w1")]["want"] == "wake" and scaler.sleep_commands == 2
+    assert dict((lab["target"], v) for v, lab in export.desired_samples(scaler))["worker/m/1/local"] == 2.0

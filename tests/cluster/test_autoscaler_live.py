@@ -82,8 +82,9 @@ def _need_autoscaler() -> None:
 
 @contextlib.contextmanager
 def live_stack(state: Path, tiny: str, *, autoscaler: bool, env: dict | None = None,
-               policy: list[str] | None = None) -> Iterator[Any]:
-    """A supervised tiny-model stack (1 gateway, validator, worker), the autoscaler on or off."""
+               policy: list[str] | None = None, **cfg: Any) -> Iterator[Any]:
+    """A supervised tiny-model stack (1 gateway, validator, worker), the autoscaler on or off; ``cfg``: more
+    StackConfig fields (e.g. ``sleep_horizon_s``)."""
     from control.ops.supervisor import Supervisor
     from control.ops.stack_config import StackConfig
 
@@ -92,7 +93,7 @@ def live_stack(state: Path, tiny: str, *, autoscaler: bool, env: dict | None = N
         _need_autoscaler()
         args["autoscaler"] = ["--tick-s", "0.25", *[x for p in (policy or POLICY) for x in ("--policy-set", p)]]
     sup = Supervisor(StackConfig(state, port=0, supervise=True, model_file=tiny, model_name=MODEL, workers=1,
-                                 autoscaler=autoscaler, actor_args=args, env=env or {}))
+                                 autoscaler=autoscaler, actor_args=args, env=env or {}, **cfg))
     t0 = time.monotonic()
     sup.start()
     try:

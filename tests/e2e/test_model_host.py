@@ -115,3 +115,66 @@ def test_alternating_traffic_over_a_budget_for_one_evicts_and_reloads_without_fa
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_resident", r.text
         assert "budget" in r.json()["error"]["message"] and float(r.headers["retry-after"]) >= 1
 
+
+
+def put_sleep(sup, worker_id: str, want: str) -> None:
+    from control.state.names import sleep_key
+
+    async def put():
+        async with Registry.connect(sup.etcd_url) as reg:
+            await reg.put_json(sleep_key(worker_id), {"want": want, "by": "test", "ts": time.time()})
+    asyncio.run(put())
+
+
+def rows_when(sup, check, what: str, seconds: float = 30) -> dict:
+    t_end = time.monotonic() + seconds
+    while True:
+        rec = host_record(sup)
+        rows = {r["model"]: r for r in rec["resident"]}
+        if check(rows):
+            return rec
+        assert time.monotonic() < t_end, f"{what}: not within {seconds:.0f} s: {rec}"
+        time.sleep(0.2)
+
+
+def test_a_sleeping_versions_memory_is_lent_to_another_versions_load_and_handed_back(tmp_path, tiny_gguf):
+    """Issue [28] on a host: tiny@1 sleeps (its KV cache freed, weights kept); other@1, which would not fit beside
+    an awake tiny@1, loads into the room; a request for tiny@1 wakes it and other@1 sleeps to hand the room back;
+    alternating requests swap them again. Nothing is evicted or reloaded, and no request fails."""
+    from tests.engine_fixtures import write_tiny_llama_gguf
+
+    other = write_tiny_llama_gguf(str(tmp_path / "other.gguf"), seed=7)
+    floor = 4 * 2**20
+    budget = 2**20 + floor + floor // 2  # both weights and one KV cache; never two KV caches
+    args = {"worker": ENGINE + ["--kv-floor-bytes", str(floor), "--kv-cache-bytes", str(floor),
+                                "--memory-budget-bytes", str(budget)]}
+    with tiny_deployment(tmp_path / "state", tiny_gguf, args, multi_model=True) as sup:
+        assert chat(sup, "tiny").status_code == 200
+        one = host_record(sup)
+        row = one["resident"][0]
+        weights, kv = row["weights_bytes"], row["kv_bytes"]
+        assert kv >= floor and 2 * weights + kv <= budget < 2 * (weights + floor), (weights, kv, budget)
+
+        put_sleep(sup, row["worker_id"], "sleep")
+        asleep = rows_when(sup, lambda r: r["tiny@1"]["state"] == "sleeping", "tiny@1 asleep")
+        assert asleep["held_bytes"] <= one["held_bytes"] - kv + 2**16, (one, asleep)  # the KV cache was freed
+        assert asleep["resident"][0]["weights_bytes"] == weights  # the weights were kept
+
+        assert cli(sup, "models", "register", "other", "1", "--artifact", other).returncode == 0
+        assert served_within(sup, "other").status_code == 200  # loaded into tiny@1's room
+        lent = rows_when(sup, lambda r: set(r) == {"tiny@1", "other@1"}, "other@1 beside the sleeper")
+        rows = {r["model"]: r for r in lent["resident"]}
+        assert rows["tiny@1"]["state"] == "sleeping" and rows["other@1"]["kv_bytes"] >= floor
+        assert lent["evictions"] == 0 and lent["held_bytes"] <= budget
+
+        statuses = []
+        for model in ("tiny", "other", "tiny", "other", "tiny"):
+            r = chat(sup, model, timeout=120)
+            statuses.append((model, r.status_code, r.text[:200]))
+        assert all(code == 200 for _, code, _ in statuses), statuses
+        back = rows_when(sup, lambda r: r["tiny@1"]["state"] == "serving", "tiny@1 awake")
+        rows = {r["model"]: r for r in back["resident"]}
+        assert rows["other@1"]["state"] == "sleeping" and rows["tiny@1"]["kv_bytes"] >= floor, back
+        assert back["handbacks"] >= 3 and back["wakes"] >= 3, back  # each swap: one sleeps, the other wakes
+        assert back["evictions"] == 0 and back["loads"] == 2 and back["failed_loads"] == 0, back
+        assert back["held_bytes"] <= budget

@@ -209,3 +209,53 @@ def test_metrics_export_reads_the_last_snapshot():
             ' 3.0') in text
     assert 'actorserve_autoscaler_observed_replicas{target="validator"} 2.0' in text
     assert "actorserve_autoscaler_decisions_total 3.0" in text
+
+
+def test_worker_records_carry_the_sleep_and_the_host():
+    """Issue [28]: a sleeper's record gives when it fell asleep and its last wake; a host's version names its host
+    (the sleeping tier weighs a sleeper sharing its instance as free: actors/autoscaler/sleep_tier.py)."""
+    prefix = names.all_workers_prefix()
+    listing = {names.worker_key("m", "1", "h-v1"): {"host": "h", "sleep": {"state": "sleeping", "since": 100.5,
+                                                                           "wake_s": 0.4}},
+               names.worker_key("n", "1", "h-v2"): {"host": "h", "sleep": {"state": "running", "since": 99.0,
+                                                                           "wake_s": "bad"}}}
+    assert worker_records(prefix, listing, "local") == [
+        WorkerRecord("h-v1", "m", "1", "local", True, "h", 100.5, 0.4),
+        WorkerRecord("h-v2", "n", "1", "local", False, "h", 0.0, 0.0)]
+
+
+def test_the_autoscaler_plans_the_sleeping_tier_per_pool_with_shared_instances_free():
+    """The service's sleep plans (actors/autoscaler/service.py ``_sleep_plans``): a sleeper on a host where another
+    version is awake is shared (kept to the idle horizon), one alone exits at its break-even."""
+    from actors.autoscaler.service import Autoscaler, AutoscalerConfig
+    from actors.autoscaler.signals import PoolSignals
+    from actors.autoscaler.sleep_tier import SleepTierConfig
+
+    a = Autoscaler(None, None, AutoscalerConfig(sleep=SleepTierConfig(cold_start_s=52, history_s=10**6)))
+    a.sleep_policy.observe("m/1/local", 0.0, 3)
+    a.state.workers = [WorkerRecord("w0", "m", "1", "local"),
+                       WorkerRecord("h-v1", "m", "1", "local", True, "h", 1000.0, 1.0),
+                       WorkerRecord("w9", "m", "1", "local", True, "", 1000.0, 1.0),
+                       WorkerRecord("h-v2", "n", "1", "local", False, "h")]
+    pools = {"m/1/local": PoolSignals("m", "1", "local", replicas=1, sleeping=2)}
+    plan = a._sleep_plans(1000.0 + 600.0, pools)["m/1/local"]  # both asleep 600 s: over 10 x (52 - 1) s
+    assert plan.exit == ("w9",) and plan.keep == 2, plan  # h-v1 shares host h with n@1 awake: free, it stays
+    a.state.workers[3] = WorkerRecord("h-v2", "n", "1", "local", True, "h", 1000.0, 1.0)  # n@1 sleeps too
+    assert a._sleep_plans(1600.0, pools)["m/1/local"].exit == ("h-v1", "w9")
+
+
+def test_the_cli_sets_the_sleeping_tier_and_carry_sleep():
+    """Issue [28]: ``--policy-set sleep.FIELD=V`` tunes SleepTierConfig, ``--carry-sleep`` makes the autoscaler write
+    the sleep and wake records itself; off by default."""
+    from control.ops.cli import build_parser
+
+    args = build_parser().parse_args(["actor", "autoscaler", "--policy-set", "sleep.history_s=120",
+                                      "--policy-set", "sleep.cold_start_penalty=1", "--carry-sleep"])
+    cfg = entry.config_from_args(args)
+    assert (cfg.sleep.history_s, cfg.sleep.cold_start_penalty, cfg.carry_sleep) == (120.0, 1.0, True)
+    assert entry.config_from_args(build_parser().parse_args(["actor", "autoscaler"])).carry_sleep is False
+    with pytest.raises(argparse.ArgumentTypeError, match="no field 'nope'"):
+        entry.policy_set_arg("sleep.nope=1")
+    bad = build_parser().parse_args(["actor", "autoscaler", "--policy-set", "sleep.history_s=-5"])
+    with pytest.raises(SystemExit):
+        entry.config_from_args(bad)

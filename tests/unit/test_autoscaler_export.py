@@ -52,3 +52,20 @@ def test_bad_values_and_keys_are_skipped():
 def test_a_snapshot_without_state_uses_its_desired_counts():
     s = SimpleNamespace(is_leader=True, snapshot={"desired": {"m/2/local": 4}})
     assert export.desired_samples(s) == [(4.0, export.target_labels("m/2/local"))]
+
+
+def test_a_pools_count_is_running_plus_the_sleepers_that_stay():
+    """Issue [28]: sleepers are pods that stay, so KEDA sees running + sleeping; sleepers the plan lets exit are
+    not counted, workers told to sleep (record not yet changed) are."""
+    from actors.autoscaler.sleep_carry import SleepCarrier
+
+    s = scaler(desired={"m/1/local": Desired(2, 1.0)}, pools={"m/1/local": {"replicas": 2, "sleeping": 3}})
+    s.snapshot["sleep"] = {"m/1/local": {"keep": 2, "exit": ["w9"]}}
+    assert dict((lab["target"], v) for v, lab in export.desired_samples(s)) == {"worker/m/1/local": 4.0}
+    s.snapshot["sleep"] = {}
+    assert export.desired_samples(s)[0][0] == 5.0  # no plan: every sleeper stays
+    s.carrier = SleepCarrier()
+    s.carrier._sent["w3"] = ("sleep", 0.0, "m/1/local")
+    assert export.desired_samples(s)[0][0] == 6.0
+    s.is_leader = False
+    assert export.desired_samples(s) == []

@@ -48,11 +48,25 @@ def test_worker_states_pools_and_desired():
     desired = dd.desired_targets({f"{DP}worker/m/1/spot": {"count": 3, "reason": "r", "ts": 5.0},
                                   f"{DP}worker/m/1/od": {"count": 1}, f"{DP}validator": {"count": 2}}, DP)
     pools = {p["pool"]: p for p in dd.pools_of(by["m@1"], desired, "m@1")}
-    assert pools["spot"] == {"pool": "spot", "ready": 1, "preempting": 1, "no_stats": 0, "leaving": 0, "desired": 3}
+    assert pools["spot"] == {"pool": "spot", "ready": 1, "preempting": 1, "no_stats": 0, "leaving": 0, "sleeping": 0,
+                             "desired": 3}
     assert pools["od"]["desired"] == 1 and pools["od"]["ready"] == 0  # desired, none running yet
     assert pools["default"]["no_stats"] == 1 and pools["default"]["desired"] is None
     assert pools["?"]["leaving"] == 1  # statistics, no record: draining or lease lost
     assert desired["validator"]["count"] == 2
+
+
+def test_a_sleeping_worker_is_shown_asleep_and_counted_in_its_pool():
+    """Issue [28]: a worker whose record says it sleeps is ``sleeping`` (even with statistics heard: it still
+    reports), and its pool counts it apart from the ready ones."""
+    records = {f"{WP}m/1/w0": {"pool": "p", "sleep": {"state": "sleeping"}}, f"{WP}m/1/w1": {"pool": "p"},
+               f"{WP}m/1/w2": {"pool": "p", "sleep": {"state": "running"}}}
+    stats = [{"labels": {"model": "m@1", "worker": w}, "kv": 0.0, "running": 0, "waiting": 0, "gen_tps": 0.0}
+             for w in ("w0", "w1", "w2")]
+    by = dd.workers_by_version(records, WP, {}, NP, stats)
+    assert {w["worker"]: w["state"] for w in by["m@1"]} == {"w0": "sleeping", "w1": "serving", "w2": "serving"}
+    [pool] = dd.pools_of(by["m@1"], {}, "m@1")
+    assert (pool["ready"], pool["sleeping"]) == (2, 1)
 
 
 def test_decisions_newest_first_and_bounded():

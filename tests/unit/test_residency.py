@@ -101,3 +101,17 @@ def test_bad_inputs_name_the_field():
         ResidencyConfig(drain_bound_s=-1)
     with pytest.raises(ValueError, match="without a spec"):
         ResidencyPolicy().plan(GB, {}, {}, {"x@1"}, 0.0)
+
+
+def test_a_sleeping_version_lends_its_kv_room_and_gets_no_kv_share():
+    """Issue [28] on a host (actors/worker/host_sleep.py): the host gives a sleeper's spec no KV floor; the plan
+    keeps it resident beside a newcomer that would not fit beside it awake, and splits the KV room without it."""
+    pol = ResidencyPolicy()
+    demand = {"a@1": Demand(), "b@1": Demand(queue_len=1)}
+    awake = {"a@1": spec("a@1", weights=2 * GB), "b@1": spec("b@1", weights=2 * GB)}
+    plan = pol.plan(5 * GB + GB // 2, awake, demand, {"a@1"}, now=0.0)
+    assert (plan.evict, plan.load) == (["a@1"], ["b@1"])  # negative control: awake, a@1 is evicted for b@1
+    asleep = dict(awake, **{"a@1": spec("a@1", weights=2 * GB, kv=0)})
+    plan = ResidencyPolicy().plan(5 * GB + GB // 2, asleep, demand, {"a@1"}, now=0.0, asleep={"a@1"})
+    assert (plan.evict, plan.load) == ([], ["b@1"])
+    assert plan.kv_bytes == {"a@1": 0, "b@1": GB + GB // 2} and plan.weights_bytes == 4 * GB

@@ -384,3 +384,27 @@ def test_the_tier_off_stops_as_before(sup):
     sup.actor("worker-1").ready_at = 2001.0
     sup.scaling_round({key: rec(1)}, None, now=2010.0)
     assert sup.signals == [("worker-1", signal.SIGTERM)] and sup.scaling.take_commands() == []
+
+
+def test_the_autoscalers_sleep_plan_decides_whether_a_victim_sleeps_and_when_a_sleeper_exits(sleepy):
+    """The desired record's ``sleep`` (actors/autoscaler/sleep_tier.py): ``keep`` 0 stops the victim, ``keep`` 1
+    sleeps it, and a sleeper named in ``exit`` stops long before the horizon."""
+    sup, key = sleepy
+    w1 = sup.actor("worker-1")
+    nothing_wanted = dict(rec(1, "idle"), sleep={"keep": 0, "horizon_s": 500.0, "exit": []})
+    sup.scaling.round({key: nothing_wanted}, None, now=2010.0)
+    assert sup.signals == [("worker-1", signal.SIGTERM)] and w1.sleeping_since is None  # not worth sleeping
+    assert sup.scaling.take_commands() == []
+
+
+def test_a_sleeper_named_in_the_plans_exit_stops_before_the_horizon(sleepy):
+    sup, key = sleepy
+    w1 = sup.actor("worker-1")
+    sup.scaling.round({key: dict(rec(1, "idle"), sleep={"keep": 1, "horizon_s": 500.0, "exit": []})}, None,
+                      now=2010.0)
+    assert sup.signals == [] and w1.sleeping_since == 2010.0  # wanted again: it sleeps
+    sup.scaling.round({key: dict(rec(1), sleep={"keep": 1, "horizon_s": 500.0, "exit": []})}, None, now=2100.0)
+    assert sup.signals == []
+    sup.scaling.round({key: dict(rec(1), sleep={"keep": 0, "horizon_s": 500.0, "exit": ["worker-1"]})}, None,
+                      now=2101.0)
+    assert sup.signals == [("worker-1", signal.SIGTERM)] and w1.stopped_by == "autoscaler"  # 91 s < the 300 s horizon
