@@ -1,5 +1,13 @@
-"""One request held by a worker: its book-keeping (:class:`Live`) and the engine's request for it
+"""One request held by a worker: the worker's one record of it (:class:`Live`) and the engine's request for it
 (:func:`engine_request`), through which every dispatched request passes on its way into the engine.
+
+One record per request (docs/decisions/0050-one-record-per-request.md): everything the worker service keeps about
+a request it holds is a field of its ``Live`` (the wire request, stream position, timing, the pending add's
+placement, a cancel heard and not yet applied, a preemption asked for, the trace context, the tool-call parser,
+a hand-over's time), keyed by request id in ``WorkerService.live``; the engine keeps its own one record
+(engine/request_book.py ``RequestState``, which is also the iteration scheduler's sequence). Finishing
+(``Outbox.send`` of the final chunk), cancelling (:meth:`Live.request_abort`) and migrating
+(:meth:`Live.resume_state`, :meth:`Live.resume`) each read and write that one record.
 
 A migrated sequence (``GenerateRequest.resume``, actors/worker/migration_state.py) enters both the
 same way: the engine's request carries its generated tokens and RNG state, and :meth:`Live.resume`
@@ -14,26 +22,68 @@ from dataclasses import dataclass
 from actors.text.reasoning import ThinkTagsParser
 from actors.text.tool_calls import HermesParser, parse_step
 from actors.worker.engine.types import EngineRequest
-from actors.worker.migration_state import resume_of
+from actors.worker.migration_state import ResumeState, resume_of
 from bus.messages import GenerateRequest
 
 
 @dataclass
 class Live:
-    """Book-keeping of one request held by this worker."""
+    """The worker's one record of a request it holds (module docstring). Written on the service's event loop
+    only (the step thread touches the engine's record, never this one)."""
 
-    req: GenerateRequest
+    req: GenerateRequest  # the wire request (a failed hand-over replaces it by the one carrying its resume state)
     t_in: float  # when the worker accepted it (epoch s)
+    # stream position (the Outbox advances ``seq``; the step loop's collection sets the rest)
     seq: int = 0  # next chunk sequence number
     num_generated: int = 0  # tokens generated so far
     t_first: float = 0.0  # first token time (epoch s); 0 until then
-    aborted: str = ""  # abort reason once cancelled
     echo_pending: bool = True  # completions echo text not yet sent
+    # the pending add (WorkerService._adds holds the records queued for the engine)
+    front: bool = False  # added at the head of the engine's queue (it displaces a preempted request)
+    urgent: bool = False  # prefill priority (Dispatch.urgent, or a sequence taken back after a failed hand-over)
+    # cancelling and preempting, asked on the event loop, applied between steps
+    abort_pending: str = ""  # reason of an abort asked for and not yet applied ("" : none)
+    aborted: str = ""  # abort reason once applied (the engine dropped it; its end is reported next)
     cancel_step: int = -1  # worker step count when a cancel arrived (-1: none)
+    preempt: bool = False  # fair-share preemption asked for (applied after the adds of the same window)
     trace: object = None  # trace context of the dispatch (the scheduler's queue span); None when tracing is off
     tools: HermesParser | None = None  # tool-call parser of the output (GenerateRequest.tool_parser)
     thinking: ThinkTagsParser | None = None  # reasoning parser, before the tool-call one (reasoning_parser)
     handoff: float = 0.0  # a migrated sequence: when its previous worker gave it up (epoch s) until its next chunk
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.req.request_id
+
+    def request_abort(self, reason: str, step: int | None = None) -> None:
+        """Ask for this request's abort between steps for ``reason`` (the first reason asked wins); ``step``: the
+        worker's step count when a cancel arrived (kept from the first cancel, for ``max_cancel_steps``)."""
+        if step is not None and self.cancel_step < 0:
+            self.cancel_step = step
+        self.abort_pending = self.abort_pending or reason
+
+    def take_abort(self) -> str:
+        """The abort reason to apply now ("" when none, or when it is aborted already); marks it aborted."""
+        reason, self.abort_pending = self.abort_pending, ""
+        if not reason or self.aborted:
+            return ""
+        self.aborted = reason
+        return reason
+
+    @property
+    def migrations(self) -> int:
+        """Times this sequence moved between workers so far (0 for a request dispatched here fresh)."""
+        prev = resume_of(self.req.resume)
+        return prev.migrations if prev is not None else 0
+
+    def resume_state(self, worker_id: str, output_ids: tuple[int, ...], rng_state: bytes | None,
+                     now: float) -> ResumeState:
+        """What another worker needs to continue this sequence, given up by ``worker_id`` at ``now`` (epoch s)
+        with the engine's ``output_ids`` and sampler ``rng_state`` (``LLMEngine.detach_request``): this
+        record's stream position and times, its moves so far + 1."""
+        return ResumeState(worker_id, tuple(output_ids), self.seq, rng_state, self.t_in, self.t_first,
+                           self.echo_pending, self.migrations + 1, now)
 
     def resume(self, req: GenerateRequest, texts: list[str] | None) -> None:
         """Continue a migrated sequence's book-keeping from ``req.resume`` (no-op for a fresh request): next

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Protocol
 
 from actors.worker.live import Live
-from actors.worker.migration_state import MAX_MIGRATIONS, ResumeState, resume_of
+from actors.worker.migration_state import MAX_MIGRATIONS
 from actors.worker.outputs import Outbox
 from bus.errors import ServeError
 from bus import subjects
@@ -152,25 +152,22 @@ class Migrator:
             return
         self.wanted = False  # only now: ``evacuate`` waits while wanted or pending, so never in between
         for rid, lv in list(self.host.live.items()):
-            if not lv.aborted and rid not in self.pending:
+            if not lv.aborted and not lv.abort_pending and rid not in self.pending:  # a cancelled one ends here
                 self._start_handoff(rid, lv, now)
 
     def _retry_later(self, now: float) -> None:
         if self.deadline:  # only a notice retries; a drain that could not move a sequence lets it finish
             self.wanted, self.next_try = True, now + self.cfg.retry_s
 
-    def _start_handoff(self, rid: str, lv, now: float) -> None:
-        prev = resume_of(lv.req.resume)
-        if prev is not None and prev.migrations >= MAX_MIGRATIONS:
+    def _start_handoff(self, rid: str, lv: Live, now: float) -> None:
+        if lv.migrations >= MAX_MIGRATIONS:
             return
         detach = getattr(self.host.engine, "detach_request", None)
         got = detach(rid) if detach is not None else None
         if got is None:  # not in the engine (a test fault holds it): finishes here
             return
         output_ids, rng = got
-        state = ResumeState(self.host.worker_id, output_ids, lv.seq, rng, lv.t_in, lv.t_first, lv.echo_pending,
-                            (prev.migrations if prev else 0) + 1, now)
-        req = replace(lv.req, resume=state.to_json())
+        req = replace(lv.req, resume=lv.resume_state(self.host.worker_id, output_ids, rng, now).to_json())
         del self.host.live[rid]
         self.pending[rid] = asyncio.create_task(self._handoff(lv, req))
 

@@ -62,14 +62,11 @@ class WorkerService:
         self.bus, self.engine, self.cfg = bus, engine, config
         self.faults = faults  # test-only FaultInjector (actors/worker/faults.py), None in production
         self._fault_tasks: set[asyncio.Task] = set()
+        # the one record of each request held here (live.py); the engine keeps its own (engine/request_book.py)
         self.live: dict[str, Live] = {}
-        self._adds: list[GenerateRequest] = []
-        self._preempts: list[str] = []  # running requests to preempt before the next step (fair share)
-        self._front: set[str] = set()  # queued adds that displace a preempted request (added at the head)
-        self._urgent: set[str] = set()  # queued adds with prefill priority (Dispatch.urgent)
+        self._adds: list[Live] = []  # records to add to the engine before the next step, in arrival order
         self._served_sent: dict[str, list[int]] = {}  # engine's served counters at the previous heartbeat
         self._host_ms = 0.0  # EWMA of the step loop's own time per step, outside engine.step (ms)
-        self._aborts: list[tuple[str, str]] = []  # (request id, reason) to abort between steps
         self._early_cancels = RecentIds()  # cancel reasons of requests not (yet) here: a dispatch may follow
         self._wake, self._tasks, self._subs = asyncio.Event(), [], []
         self.draining = False
@@ -114,13 +111,12 @@ class WorkerService:
         """Take back ``lv`` after a failed hand-over, its request now ``req`` (carrying its resume state): it
         is added again at the next step, urgent; a cancel heard while it was away applies."""
         rid = req.request_id
-        lv.req = req
+        lv.req, lv.urgent, lv.front = req, True, False
         self.live[rid] = lv
-        self._urgent.add(rid)
-        self._adds.append(req)
+        self._adds.append(lv)
         reason = self._early_cancels.pop(rid)
         if reason is not None:
-            self._aborts.append((rid, reason))
+            lv.request_abort(reason)
         self._wake.set()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -145,8 +141,8 @@ class WorkerService:
         await self.migration.evacuate(t_end)
         while self.live and time.monotonic() < t_end:
             await asyncio.sleep(0.05)
-        for rid in list(self.live):
-            self._aborts.append((rid, "drain"))
+        for lv in list(self.live.values()):
+            lv.request_abort("drain")
         self._wake.set()
         while self.live and time.monotonic() < t_end + 2:
             await asyncio.sleep(0.05)
@@ -192,7 +188,7 @@ class WorkerService:
         requests are held (the bound on requests beyond the engine's slots)."""
         lv = self.live.get(victim)
         held = len(self.live) + len(self._adds)
-        return (not self.draining and lv is not None and not lv.aborted and victim not in self._preempts
+        return (not self.draining and lv is not None and not lv.aborted and not lv.abort_pending and not lv.preempt
                 and not (priority == "batch" and lv.req.priority != "batch")
                 and self.engine.is_running(victim) and held < self.engine.max_num_seqs + self.cfg.max_preempted)
 
@@ -211,26 +207,24 @@ class WorkerService:
         if msg.reply:
             await msg.respond(DispatchAck(ok, "" if ok else "no credit").encode())
         if ok:
-            lv = self.live[req.request_id] = Live(req, time.time(), trace=tracing.current())
+            lv = self.live[req.request_id] = Live(req, time.time(), trace=tracing.current(),
+                                                  urgent=dispatch.urgent)
             reason = self._early_cancels.pop(req.request_id)
             if reason is not None:  # cancelled while on its way here: end it "cancelled", never run it
-                lv.cancel_step = self.num_steps
-                self._aborts.append((req.request_id, reason))
+                lv.request_abort(reason, self.num_steps)
                 self._wake.set()
                 return
-            if dispatch.urgent:
-                self._urgent.add(req.request_id)
             if self.faults is not None:  # test-only fault injection: delays or fails it off the engine loop
                 t = asyncio.create_task(self.faults.admit(
                     lambda: self.live.get(req.request_id) is lv and not lv.aborted,
-                    lambda: (self._adds.append(req), self._wake.set()), lambda err: self._fail_one(lv, err)))
+                    lambda: (self._adds.append(lv), self._wake.set()), lambda err: self._fail_one(lv, err)))
                 self._fault_tasks.add(t)
                 t.add_done_callback(self._fault_tasks.discard)
                 return
             if displace:
-                self._preempts.append(dispatch.preempt)
-                self._front.add(req.request_id)
-            self._adds.append(req)
+                self.live[dispatch.preempt].preempt = True
+                lv.front = True
+            self._adds.append(lv)
             self._wake.set()
 
     async def _fail_one(self, lv: Live, err: dict) -> None:
@@ -242,15 +236,15 @@ class WorkerService:
         """Abort streams nobody receives any more (their gateway died): see ``probe_receiver``."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
-            now, pending = time.time(), {rid for rid, _ in self._aborts}  # pending: abort applied after the step
-            old = [lv for lv in self.live.values() if not lv.aborted and lv.req.request_id not in pending
+            now = time.time()  # an abort asked and not applied yet is left alone
+            old = [lv for lv in self.live.values() if not lv.aborted and not lv.abort_pending
                    and now - lv.t_in >= self.cfg.probe_interval_s]
             verdicts = await asyncio.gather(*(probe_receiver(self.bus, lv.req.reply, lv.req.request_id)
                                               for lv in old))
             for lv, alive in zip(old, verdicts):
-                if not alive and lv.req.request_id in self.live:
-                    log.warning("request %s has no receiver any more; aborting", lv.req.request_id)
-                    self._aborts.append((lv.req.request_id, "orphaned"))
+                if not alive and self.live.get(lv.request_id) is lv:
+                    log.warning("request %s has no receiver any more; aborting", lv.request_id)
+                    lv.request_abort("orphaned")
                     self._wake.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
@@ -260,15 +254,14 @@ class WorkerService:
             reason, tenant = cancel.reason, cancel.tenant
         except ValueError:
             reason, tenant = "client", ""
-        if tenant and rid in self.live and self.live[rid].req.tenant != tenant:
+        lv = self.live.get(rid)
+        if tenant and lv is not None and lv.req.tenant != tenant:
             log.warning("ignoring cancel of %s from tenant %s: not its tenant", rid, tenant)
             return
-        if rid not in self.live:  # not here (yet): the scheduler may be dispatching it to us right now
+        if lv is None:  # not here (yet): the scheduler may be dispatching it to us right now
             self._early_cancels.add(rid, reason)
         else:
-            if self.live[rid].cancel_step < 0:
-                self.live[rid].cancel_step = self.num_steps
-            self._aborts.append((rid, reason))
+            lv.request_abort(reason, self.num_steps)
             self._wake.set()
 
     # ---- step loop ---------------------------------------------------------------------------
@@ -276,38 +269,37 @@ class WorkerService:
         """Apply queued adds/aborts to the engine; returns requests that failed to be added."""
         failed = []
         adds, self._adds = self._adds, []
-        for req in adds:
-            front, urgent = req.request_id in self._front, req.request_id in self._urgent
-            self._front.discard(req.request_id)
-            self._urgent.discard(req.request_id)
+        for lv in adds:
+            if self.live.get(lv.request_id) is not lv:  # ended while queued (e.g. at a notice deadline)
+                continue
+            req, front = lv.req, lv.front
+            lv.front = False
             try:
-                lv = self.live[req.request_id]
                 lv.tools = make_parser(req.tool_parser, req.parallel_tool_calls, req.tool_calls_forced)
                 lv.thinking = reasoning.make_parser(req.reasoning_parser, req.reasoning_state)
-                lv.resume(req, self.engine.add_request(engine_request(req, urgent), front=front))
+                lv.resume(req, self.engine.add_request(engine_request(req, lv.urgent), front=front))
             except ValueError as exc:
-                failed.append((self.live[req.request_id], str(exc)))
-        preempts, self._preempts = self._preempts, []
-        for rid in preempts:  # after the adds: each victim waits behind everything accepted with it
-            if rid in self.live and self.engine.preempt_request(rid):
-                log.info("preempted %s (fair share)", rid)
+                failed.append((lv, str(exc)))
+        for rid, lv in list(self.live.items()):  # after the adds: each victim waits behind everything accepted with it
+            if lv.preempt:
+                lv.preempt = False
+                if self.engine.preempt_request(rid):
+                    log.info("preempted %s (fair share)", rid)
         self._apply_aborts()
         return failed
 
     def _apply_aborts(self) -> None:
         """Abort queued cancels in the engine (marking them ``aborted``). Also called right after a step,
         so a request cancelled while that step ran ends "cancelled" even when the step finished it."""
-        aborts, self._aborts = self._aborts, []
-        for rid, reason in aborts:
-            if rid in self.live and not self.live[rid].aborted:
-                self.live[rid].aborted = reason
+        for rid, lv in list(self.live.items()):
+            if lv.abort_pending and lv.take_abort():
                 self.engine.abort_request(rid)
 
     def _expire_deadlines(self) -> None:
         now = time.time()
-        for rid, lv in self.live.items():
+        for lv in self.live.values():
             if lv.req.deadline and now > lv.req.deadline and not lv.aborted:
-                self._aborts.append((rid, "deadline"))
+                lv.request_abort("deadline")
 
     async def _step_loop(self) -> None:
         """Apply queued work, run one engine step on the engine thread, repeat. The outputs of step N are

@@ -211,12 +211,13 @@ def _add_up_command(sub: Any) -> None:
     up.add_argument("--gateways", type=_positive_int, default=1, metavar="N", help="number of gateways (default: 1)")
     up.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="number of workers (default: 1)")
     up.add_argument("--model-file", metavar="PATH", default=None,
-                    help="GGUF to serve instead of the shipped SmolLM2-135M-Instruct Q4_1")
+                    help="GGUF file or Hugging Face directory (config.json, *.safetensors, tokenizer.json) to serve "
+                    "instead of the shipped SmolLM2-135M-Instruct Q4_1; format inferred as `models register` does")
     up.add_argument("--model-name", default="smollm2-135m-instruct", metavar="NAME",
                     help="model name to register (default: smollm2-135m-instruct)")
     up.add_argument("--context-length", type=_positive_int, default=None, metavar="N",
                     help="override the registered context length (default: 8192 for the shipped model, "
-                    "else from the GGUF)")
+                    "else from the GGUF or config.json)")
     up.add_argument("--ready-timeout", type=float, default=180.0, metavar="S",
                     help="seconds to wait for the gateway's /readyz (default: 180)")
     for kind in ACTOR_MODULES:

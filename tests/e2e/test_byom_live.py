@@ -27,12 +27,12 @@ TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}
 
 
-def _models(tmp: Path) -> dict[str, str]:
+def _models(tmp: Path, which=(("qwen3", "hf"), ("llama3", "gguf"))) -> dict[str, str]:
     """{"qwen3": HF directory, "llama3": GGUF file} of tiny models with a 4096-position context."""
     from tests import family_models as fm
 
     out = {}
-    for name, fmt in (("qwen3", "hf"), ("llama3", "gguf")):
+    for name, fmt in which:
         variant = fm.VARIANTS[name]
         long = fm.Variant(variant.family, {**variant.config, "max_position_embeddings": 4096}, variant.gguf)
         fm.VARIANTS[f"{name}-long"] = long
@@ -97,3 +97,24 @@ def test_a_qwen3_directory_and_a_llama3_gguf_registered_live_answer(tmp_path, ti
             assert call.choices[0].finish_reason == "tool_calls", call.choices[0]
             [tc] = call.choices[0].message.tool_calls
             assert tc.function.name == "pick" and json.loads(tc.function.arguments)["colour"] in ("red", "blue")
+
+
+def test_up_serves_a_hugging_face_directory_given_as_its_model_file(tmp_path):
+    """``up --model-file DIR`` (Supervisor ``model_file``): the format is inferred (hf), the directory checked as
+    ``models register`` checks it, and the version answers chat (streamed and not, with the directory's own
+    ``chat_template.jinja``) and completions through the official client."""
+    qwen3 = _models(tmp_path, (("qwen3", "hf"),))["qwen3"].rstrip("/")
+    (Path(qwen3) / "chat_template.jinja").write_text(TEMPLATE)
+    with tiny_deployment(tmp_path / "state", qwen3, WORKER_ARGS) as sup:
+        assert (sup.manifest["format"], sup.manifest["tokenizer"], sup.manifest["context_length"]) == ("hf", "hf", 4096)
+        client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
+        assert {"tiny", "tiny@1"} <= {m.id for m in client.models.list().data}
+        msgs = [{"role": "user", "content": "Say something."}]
+        full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+        assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens >= 1
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert text == (full.choices[0].message.content or "")
+        # the directory's template was rendered: its ChatML markers count in the prompt
+        plain = client.completions.create(model="tiny", prompt="Say something.", max_tokens=4, temperature=0)
+        assert full.usage.prompt_tokens > plain.usage.prompt_tokens + 5 and plain.usage.completion_tokens >= 1

@@ -286,3 +286,45 @@ def test_register_refuses_a_model_the_engine_cannot_account_for(tmp_path):
     save_file(weights, f"{built['hf']}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(RegistryCommandError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         build_manifest(_parse("models", "register", "m", "1", "--artifact", built["hf"]))
+
+
+def test_up_model_file_takes_a_directory_or_a_gguf_checked_as_register_checks_them(tmp_path):
+    """``up --model-file`` / ``register-default --model-file`` (deploy.model_manifest) infer the format from the
+    path and check the artifact through the same code as ``models register`` (control/ops/artifacts.py)."""
+    import shutil
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from control.ops.deploy import model_manifest
+    from control.state.registry import ModelManifest
+    from tests import family_models as fm
+
+    built = fm.build("qwen2", tmp_path)
+    m = model_manifest("q", "1", built["hf"])
+    ModelManifest.from_dict(m)  # valid for the registry
+    assert (m["format"], m["tokenizer"], m["chat_template"], m["quantization"]) == ("hf", "hf", "gguf", None)
+    assert m["artifact"] == os.path.abspath(built["hf"]) and m["context_length"] == 128
+    reg = build_manifest(_parse("models", "register", "q", "1", "--artifact", built["hf"]))
+    for key in ("artifact", "format", "tokenizer", "context_length", "memory_bytes", "quantization"):
+        assert m[key] == reg[key], key  # the same facts as `models register`
+    assert model_manifest("q", "1", built["hf"], context_length=64)["context_length"] == 64
+    g = model_manifest("q", "1", built["gguf"])
+    assert (g["format"], g["tokenizer"], g["memory_bytes"]) == ("gguf", "gguf", os.path.getsize(built["gguf"]))
+    # refusals name the tensor or file, as at registration
+    extra = fm.write_gguf(built["model"], str(tmp_path / "extra.gguf"),
+                          extra_tensors={"blk.0.attn_extra.weight": np.zeros((4, 4), np.float32)})
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_extra\.weight"):
+        model_manifest("q", "1", extra)
+    no_tok = tmp_path / "no-tok"
+    shutil.copytree(built["hf"], no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        model_manifest("q", "1", no_tok)
+    weights = load_file(f"{built['hf']}/model.safetensors")
+    del weights["model.layers.0.self_attn.q_proj.bias"]
+    save_file(weights, f"{built['hf']}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias"):
+        model_manifest("q", "1", built["hf"])
+    with pytest.raises(FileNotFoundError):
+        model_manifest("q", "1", tmp_path / "nowhere")

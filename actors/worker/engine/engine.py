@@ -170,20 +170,16 @@ class LLMEngine:
         random state continues from ``rng_state``, and its detokenizer, stop matcher and grammar matcher are
         replayed through them. Returns the text each resumed token released (already sent; [] otherwise)."""
         self._validate(req)
-        n, done = len(req.prompt_token_ids), list(req.resumed_output_ids)
         self.runner.check_adapter(req.adapter, req.adapter_path, self.book.adapters_in_use())
         grammar = self._grammar(req)
-        r = RequestState(req, [*req.prompt_token_ids, *done], self.runner.new_rng(req.params.seed, req.rng_state),
-                         IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
-                         output_ids=done, grammar=grammar,
-                         prompt_served=n if done else 0)  # a resumed prompt was served (and counted) elsewhere
-        texts = replay(r.detok, r.stop, done)
-        for t in done if grammar is not None else ():
+        r = RequestState.of(req, self.runner.new_rng(req.params.seed, req.rng_state),
+                            IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.params.stop),
+                            adapter_salt(req.cache_salt, req.adapter), grammar)
+        texts = replay(r.detok, r.stop, r.output_ids)
+        for t in r.output_ids if grammar is not None else ():
             grammar.consume(t)
         self.book.add(r)
-        self.scheduler.add(req.request_id, len(r.token_ids), r.token_ids, front=front, urgent=req.urgent,
-                           priority=req.priority, tenant=req.tenant, weight=req.tenant_weight,
-                           salt=adapter_salt(req.cache_salt, req.adapter), adapter=req.adapter or "")
+        self.scheduler.enqueue(r, front)  # the same record: the book and the scheduler share it
         return texts
 
     def _validate(self, req: EngineRequest) -> None:
@@ -226,10 +222,9 @@ class LLMEngine:
         """Take a request out to migrate it (between steps): its blocks are freed (full ones stay in the
         prefix cache) and no output is reported for it. Returns (tokens generated so far, random state
         bytes of the runner), None when unknown."""
-        r = self.book.pop(request_id)
+        r = self._release(request_id)
         if r is None:
             return None
-        self.scheduler.remove(request_id)
         return tuple(r.output_ids), self.runner.rng_state(r.rng)
 
     def preempt_request(self, request_id: str) -> bool:
@@ -249,8 +244,17 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its blocks; next ``step()`` reports it finished ("abort")."""
-        if self.book.abort(request_id):
+        r = self._release(request_id)
+        if r is not None:
+            self.book.report_abort(r)
+
+    def _release(self, request_id: str) -> RequestState | None:
+        """Take ``request_id``'s record out of the book and the scheduler (its blocks freed, full ones kept in the
+        prefix cache): the one exit of a request, finished, aborted or detached. None when unknown."""
+        r = self.book.pop(request_id)
+        if r is not None:
             self.scheduler.remove(request_id)
+        return r
 
     def has_unfinished(self) -> bool:
         """True while a request waits, runs, or has an abort still to report."""
@@ -295,8 +299,7 @@ class LLMEngine:
         self.scheduler.append_token(rid)
         cached = self.scheduler.cached_prompt_tokens(rid) if reason else 0
         if reason:
-            self.scheduler.remove(rid)
-            self.book.pop(rid)
+            self._release(rid)
         return StepOutput(rid, (token,), text, reason is not None, reason, r.num_prompt, len(r.output_ids),
                           None if logprob is None else (logprob,), cached)
 

@@ -141,14 +141,19 @@ class IterationScheduler:
         ``weight``: its tenant and fair-share weight (KV share under contention, kv_share.py); ``salt``: its
         prefix-cache salt (actors/cache_salt.py); ``adapter``: its LoRA adapter ("" = none; see ``admit_gate``).
         """
-        if seq_id in self._seqs:
-            raise ValueError(f"duplicate sequence id {seq_id!r}")
-        seq = SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids, batch=priority == "batch", urgent=urgent,
-                       tenant=tenant, weight=weight, salt=salt, adapter=adapter)
-        self._seqs[seq_id] = seq
+        self.enqueue(SchedSeq(seq_id, num_prompt_tokens, token_ids=token_ids, batch=priority == "batch",
+                              urgent=urgent, tenant=tenant, weight=weight, salt=salt, adapter=adapter), front)
+
+    def enqueue(self, seq: SchedSeq, front: bool = False) -> None:
+        """Queue ``seq`` itself (the engine's request record is one, engine/request_book.py): at the waiting
+        tail, at its head with ``front``, or behind the urgent sequences at the head when ``seq.urgent``.
+        ValueError when its id is taken."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"duplicate sequence id {seq.seq_id!r}")
+        self._seqs[seq.seq_id] = seq
         if front:
             self.waiting.appendleft(seq)
-        elif urgent:
+        elif seq.urgent:
             self.waiting.insert(self._num_urgent_head(), seq)
         else:
             self.waiting.append(seq)

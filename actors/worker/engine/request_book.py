@@ -1,5 +1,10 @@
-"""The engine's request book: the state of every live request and the aborts still to report (one part of
-``LLMEngine``, engine.py). Pure module (no torch): a request's random state is the runner's opaque object."""
+"""The engine's request book: the one record of every live request and the aborts still to report (one part of
+``LLMEngine``, engine.py). Pure module (no torch): a request's random state is the runner's opaque object.
+
+One record per request (docs/decisions/0050-one-record-per-request.md): a :class:`RequestState` *is* the
+iteration scheduler's ``SchedSeq`` (token counters, preemptions, its scheduling keys) extended by what the engine
+keeps (the request as added, random state, detokenizer, stop matcher, grammar, output ids), so the book and the
+scheduler hold the same object, as nano-vllm's ``Sequence`` is held by its block manager and scheduler."""
 
 from __future__ import annotations
 
@@ -7,21 +12,37 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .iteration_scheduler import SchedSeq
 from .types import EngineRequest, StepOutput
 
 
-@dataclass
-class RequestState:
-    """Engine-side state of one request."""
+@dataclass(kw_only=True)
+class RequestState(SchedSeq):
+    """The engine's one record of a request: the scheduler's view (``SchedSeq``: ``seq_id``, ``num_tokens``,
+    ``num_computed_tokens``, preemptions, ``token_ids`` = prompt + generated, and the scheduling keys derived
+    from the request once, by :meth:`of`) plus the engine's state of it. Build it with :meth:`of`."""
 
-    req: EngineRequest  # the request as added
-    token_ids: list[int]  # [prompt + generated] every token (the scheduler's prefix cache reads this list)
+    req: EngineRequest  # the request as added (immutable; its sampling parameters are the wire message's)
     rng: Any  # the runner's random state of the request (ModelRunner.new_rng)
     detok: IncrementalDetokenizer  # generated ids -> text deltas
     stop: StopStringMatcher  # stop strings over the text
     output_ids: list[int] = field(default_factory=list)  # [generated] tokens generated so far
     grammar: Any = None  # structured.GrammarState when params.grammar is set, else None
     prompt_served: int = 0  # prompt positions computed at least once (recomputation is not service; tokens)
+
+    @classmethod
+    def of(cls, req: EngineRequest, rng: Any, detok: IncrementalDetokenizer, stop: StopStringMatcher,
+           salt: bytes, grammar: Any = None) -> "RequestState":
+        """The record of ``req``: ``token_ids`` = prompt + ``req.resumed_output_ids`` (a migrated sequence starts
+        with those generated, its prompt counted as served elsewhere); the scheduling keys from ``req``
+        (``batch`` from its priority class, ``urgent``, ``tenant``, ``weight``, ``adapter``) and ``salt`` (the
+        prefix-cache salt, engine.adapter_salt of the request's salt and adapter)."""
+        done = list(req.resumed_output_ids)
+        tokens = [*req.prompt_token_ids, *done]
+        return cls(req.request_id, len(tokens), token_ids=tokens, batch=req.priority == "batch", urgent=req.urgent,
+                   tenant=req.tenant, weight=req.tenant_weight, salt=salt, adapter=req.adapter or "",
+                   req=req, rng=rng, detok=detok, stop=stop, output_ids=done, grammar=grammar,
+                   prompt_served=len(req.prompt_token_ids) if done else 0)
 
     @property
     def num_prompt(self) -> int:
@@ -60,13 +81,9 @@ class RequestBook:
         """Take ``request_id`` out of the book (finished, detached); None when unknown."""
         return self._requests.pop(request_id, None)
 
-    def abort(self, request_id: str) -> bool:
-        """Take ``request_id`` out and queue its "abort" output; False when unknown."""
-        r = self._requests.pop(request_id, None)
-        if r is None:
-            return False
-        self._aborted.append(StepOutput(request_id, (), "", True, "abort", r.num_prompt, len(r.output_ids)))
-        return True
+    def report_abort(self, r: RequestState) -> None:
+        """Queue the "abort" output of ``r`` (already taken out) for the next step."""
+        self._aborted.append(StepOutput(r.req.request_id, (), "", True, "abort", r.num_prompt, len(r.output_ids)))
 
     def take_aborted(self) -> list[StepOutput]:
         """The abort outputs queued since the last call (and forget them)."""
