@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .arch_spec import ModelConfig, UnsupportedModel, check_tensors, from_hf_config
+from .arch_spec import FUSED, ModelConfig, UnsupportedModel, check_tensors, from_hf_config, split_fused, unfuse_found
 
 log = logging.getLogger("actorserve.engine")
 
@@ -42,6 +42,8 @@ _LAYER = {  # Hugging Face per-layer name (after "model.layers.{i}.") -> ours
     "mlp.gate_proj.weight": "w_gate",
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
+    "self_attn.qkv_proj.weight": "wqkv",  # phi3: fused, split at load (arch_spec.FUSED)
+    "mlp.gate_up_proj.weight": "w_gate_up",
 }
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 _DERIVED = ".self_attn.rotary_emb.inv_freq"  # recomputed from the spec
@@ -118,7 +120,18 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
                 if ours in where:
                     raise UnsupportedModel(f"{path}: tensor {name!r} appears twice ({where[ours][0].name}, {file.name})")
                 where[ours] = (file, name)
-                found[ours] = (tuple(f.get_slice(name).get_shape()), name)
+                shape = tuple(f.get_slice(name).get_shape())
+                if ours.rsplit(".", 1)[-1] in FUSED:  # phi3's qkv_proj / gate_up_proj: checked as their parts
+                    if config.architecture != "phi3":
+                        raise UnsupportedModel(f"{path}: fused tensor {name!r} is not a {config.architecture} weight")
+                    parts = unfuse_found(config, ours, shape, name)
+                    if any(p in found for p in parts):
+                        raise UnsupportedModel(f"{path}: tensor {name!r} beside its unfused parts")
+                    found.update(parts)
+                    continue
+                if ours in found:
+                    raise UnsupportedModel(f"{path}: tensor {name!r} beside a fused tensor holding it")
+                found[ours] = (shape, name)
     check_tensors(config, found, path, hf_name)
     return where
 
@@ -156,6 +169,8 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for ours, name in pairs:
                 weights[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if ours.rsplit(".", 1)[-1] in FUSED:
+                    weights.update(split_fused(config, ours, weights.pop(ours)))
     weights.setdefault("lm_head", weights["embed"])
     return config, weights
 
