@@ -319,3 +319,18 @@ def test_longrope_attention_factor_default_is_the_paper_s(models):
 
     cfg = read_config(models["phi3"]["hf"])
     assert cfg.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(128 / ORIG_MAX) / math.log(ORIG_MAX)))
+
+
+@pytest.mark.parametrize("variant", list(WINDOW_VARIANTS))
+def test_two_ranks_equal_one(models, engines, variant):
+    """The window and the LongRoPE table on every rank; Phi-3's split projections shard as Llama's."""
+    one = engines(variant, "hf")
+    two = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32", kv_cache_bytes=8 * 2**20,
+                                 max_loras=0, tensor_parallel=2))
+    try:
+        assert (prefill_logits(two, LONG[0]) - prefill_logits(one, LONG[0])).abs().max().item() <= LOGIT_ATOL
+        two.add_request(EngineRequest("t", tuple(LONG[1]), greedy(8)))
+        one.add_request(EngineRequest("t", tuple(LONG[1]), greedy(8)))
+        assert run_all(two)["t"] == run_all(one)["t"]
+    finally:
+        two.close()
