@@ -334,3 +334,26 @@ def test_two_ranks_equal_one(models, engines, variant):
         assert run_all(two)["t"] == run_all(one)["t"]
     finally:
         two.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_blocks_before_the_window_are_released_and_generation_still_matches(models, engines, native):
+    """Decision 0046: a Mistral sequence holds the blocks of its window, not of its whole context (48 + 32 tokens
+    in blocks of 16 would be 5; the window of 16 needs at most 3), on the native kernels and on the torch path
+    (which reads released entries' stand-ins and masks them), and the second request, whose prompt blocks come
+    from the prefix cache, generates the same tokens."""
+    eng = engines("mistral", "hf", native=native)
+    model, prompt = models["mistral"]["model"], LONG[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=2)[0, len(prompt):].tolist()
+    for rid in ("w1", "w2"):
+        eng.add_request(EngineRequest(rid, tuple(prompt), greedy(GEN_TOKENS)))
+        out, held = [], []
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.extend(o.new_token_ids)
+            if eng.block_manager.has_seq(rid):
+                held.append(eng.block_manager.num_held(rid))
+        assert out == ref, rid
+        assert held and max(held) <= -(-WINDOW // eng.config.block_size) + 2, held
