@@ -186,9 +186,10 @@ def test_native_kernels_run_these_models_and_match_the_torch_path(engines, varia
 # --------------------------------------------------------------------------------------- the kernel's window
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hd", [16, 24])  # 16: the AVX-512 path where built; 24: the portable one
 @pytest.mark.parametrize("window", [1, 5, 16, 37, 500])
-def test_decode_kernel_window_against_sdpa(hd, window):
+def test_decode_kernel_window_against_sdpa(hd, window, dtype):
     """The native decode kernel's window: keys at positions >= len - window, for windows within a block, on a
     block edge, across blocks and wider than the context."""
     import torch.nn.functional as F
@@ -200,20 +201,22 @@ def test_decode_kernel_window_against_sdpa(hd, window):
         pytest.skip("no C++ compiler here: only the torch path exists")
     torch.manual_seed(0)
     bs, nb, H, Hkv = 16, 40, 4, 2
-    kc, vc = torch.randn(nb, bs, Hkv, hd), torch.randn(nb, bs, Hkv, hd)
+    kc, vc = torch.randn(nb, bs, Hkv, hd, dtype=dtype), torch.randn(nb, bs, Hkv, hd, dtype=dtype)
     lens = torch.tensor([1, 17, 200, 64, 33], dtype=torch.int32)
     tables = torch.stack([torch.randperm(nb)[:13] for _ in lens]).to(torch.int32)
     rows = torch.tensor([4, 0, 2, 6, 5], dtype=torch.int32)
-    q = torch.randn(7, H, hd)
-    out = torch.zeros(7, H, hd)
+    q = torch.randn(7, H, hd, dtype=dtype)
+    out = torch.zeros(7, H, hd, dtype=dtype)
     kernels.paged_decode_attention(q, out, kc, vc, rows, tables, lens, hd ** -0.5, window)
     for s in range(5):
         n = int(lens[s])
         k = kc.index_select(0, tables[s].long()).reshape(-1, Hkv, hd)[:n].transpose(0, 1)
         v = vc.index_select(0, tables[s].long()).reshape(-1, Hkv, hd)[:n].transpose(0, 1)
         lo = max(0, n - window)
-        ref = F.scaled_dot_product_attention(q[int(rows[s])].reshape(Hkv, 2, hd), k[:, lo:], v[:, lo:])
-        torch.testing.assert_close(out[int(rows[s])], ref.reshape(H, hd), atol=2e-5, rtol=1e-5)
+        ref = F.scaled_dot_product_attention(q[int(rows[s])].reshape(Hkv, 2, hd).float(), k[:, lo:].float(),
+                                             v[:, lo:].float())
+        tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)  # test_cpu_kernels
+        torch.testing.assert_close(out[int(rows[s])].float(), ref.reshape(H, hd), **tol)
 
 
 # --------------------------------------------------------------------------------------- negative controls
