@@ -70,9 +70,26 @@ WINDOW_VARIANTS = {
 }
 
 
+# Gemma 2 / 3 text (issue [22] item 1, directories only; tests/unit/test_engine_gemma.py): a window shorter than
+# the prompts on one of two layers, caps low enough to bind, query_pre_attn_scalar unlike head_dim; Gemma 3 with
+# q/k norms and a local RoPE base apart from the full layers' (scaled) one.
+_GEMMA = {"max_position_embeddings": 128, "sliding_window": WINDOW, "query_pre_attn_scalar": 32, "head_dim": 16,
+          "hidden_activation": "gelu_pytorch_tanh", "layer_types": ["sliding_attention", "full_attention"]}
+GEMMA_VARIANTS = {
+    "gemma2": Variant("gemma2", {**_GEMMA, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}, gguf=False),
+    "gemma3": Variant("gemma3_text", {**_GEMMA, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, gguf=False),
+}
+
+
 def variant_of(name: str) -> Variant:
-    """The variant ``name`` of VARIANTS or WINDOW_VARIANTS (looked up at call time: tests add variants)."""
-    return VARIANTS[name] if name in VARIANTS else WINDOW_VARIANTS[name]
+    """The variant ``name`` of VARIANTS, WINDOW_VARIANTS or GEMMA_VARIANTS (looked up at call time: tests add
+    variants)."""
+    for table in (VARIANTS, WINDOW_VARIANTS, GEMMA_VARIANTS):
+        if name in table:
+            return table[name]
+    raise KeyError(name)
 
 
 GGUF_ARCH = {"mistral": "llama"}  # llama.cpp writes MistralForCausalLM as llama (convert_hf_to_gguf.py)
@@ -126,7 +143,8 @@ def hf_model(name: str, seed: int = 0):
     variant = variant_of(name)
     cfg = _hf_config(variant)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    eager = {"attn_implementation": "eager"} if cfg.model_type.startswith("gemma") else {}  # SDPA has no soft-cap
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **eager).eval()
     _scale(model, seed)
     if cfg.tie_word_embeddings:
         model.tie_weights()

@@ -69,9 +69,16 @@ class ModelConfig:
     rope_short_factors: tuple[float, ...] | None = None  # longrope: inv_freq divisors within the original length
     rope_long_factors: tuple[float, ...] | None = None  # longrope: divisors beyond it
     rope_attention_factor: float = 1.0  # longrope: cos / sin multiplied by it
+    # Gemma 2 / 3 (gemma.py)
+    layer_windows: tuple[int, ...] | None = None  # per layer: its sliding window (tokens) or 0 (full attention)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim)
+    attn_softcap: float | None = None  # attention logits -> cap * tanh(s / cap)
+    final_softcap: float | None = None  # final logits likewise
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (plain RoPE)
 
     def __post_init__(self) -> None:  # JSON (the weights cache) gives lists: keep the dataclass hashable
-        for name in ("rope_freq_factors", "generation_eos_ids", "rope_short_factors", "rope_long_factors"):
+        for name in ("rope_freq_factors", "generation_eos_ids", "rope_short_factors", "rope_long_factors",
+                     "layer_windows"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -90,6 +97,8 @@ def native_unsupported(config: ModelConfig) -> str | None:
     """Why the native CPU kernels (cpu_kernels.py: fused RMSNorm + RoPE + K/V write, paged decode attention)
     cannot run this model, or None when they can. Their RoPE reads one static cos/sin table by position, and
     their fused projection-to-cache step has no place for a per-head norm."""
+    if config.architecture in ("gemma2", "gemma3_text"):
+        return "Gemma's sandwich norms, GeGLU, soft-capping and per-layer windows are not in the native kernels"
     if config.qk_norm:
         return "q/k RMSNorm (qwen3) is not in the native kernels"
     if config.rope_scaling == "dynamic":
@@ -176,6 +185,8 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
         if config.qk_norm:
             out.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
+        if config.architecture in ("gemma2", "gemma3_text"):  # sandwich norms (gemma.py)
+            out.update({p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)})
     return out
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from .arch_spec import FUSED, ModelConfig, UnsupportedModel, check_tensors, from_hf_config, split_fused, unfuse_found
+from .gemma import GEMMA_FAMILIES, fold_norms
+from .gemma import from_hf_config as gemma_from_hf_config
 
 log = logging.getLogger("actorserve.engine")
 
@@ -73,6 +75,25 @@ def hf_name(ours: str) -> str:
     return f"model.layers.{i}.{next(k for k, v in _LAYER.items() if v == short)}"
 
 
+# Gemma 2 / 3 (gemma.py): HF's post_attention_layernorm follows attention; the MLP has its own pre and post norms
+_GEMMA_LAYER = {"post_attention_layernorm.weight": "post_attn_norm", "pre_feedforward_layernorm.weight": "ffn_norm",
+                "post_feedforward_layernorm.weight": "post_ffn_norm"}
+
+
+def _gemma_name(hf: str) -> str | None:
+    """Our name of a Gemma tensor (its norms named as ``_GEMMA_LAYER``, the rest as Llama's)."""
+    parts = hf.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _GEMMA_LAYER:
+        return f"layers.{parts[2]}.{_GEMMA_LAYER[parts[3]]}"
+    return our_name(hf)
+
+
+def _gemma_hf_name(ours: str) -> str:
+    inverse = {v: k for k, v in _GEMMA_LAYER.items()}
+    short = ours.rsplit(".", 1)[-1]
+    return f"model.layers.{ours.split('.')[1]}.{inverse[short]}" if short in inverse else hf_name(ours)
+
+
 def read_config(path: str) -> ModelConfig:
     """The spec of the directory at ``path`` (``config.json``, ``generation_config.json`` when present)."""
     d = Path(path)
@@ -83,6 +104,8 @@ def read_config(path: str) -> ModelConfig:
     gen = None
     if (d / "generation_config.json").is_file():
         gen = json.loads((d / "generation_config.json").read_text())
+    if cfg.get("model_type") in GEMMA_FAMILIES:
+        return gemma_from_hf_config(cfg, gen)
     return from_hf_config(cfg, gen)
 
 
@@ -113,7 +136,7 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
             for name in f.keys():
                 if name.endswith(_DERIVED):
                     continue
-                ours = our_name(name)
+                ours = _gemma_name(name) if config.architecture in GEMMA_FAMILIES else our_name(name)
                 if ours is None:
                     raise UnsupportedModel(f"{path}: unknown tensor {name!r} in {file.name} (not a "
                                            f"{config.architecture} weight)")
@@ -132,7 +155,7 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
                 if ours in found:
                     raise UnsupportedModel(f"{path}: tensor {name!r} beside a fused tensor holding it")
                 found[ours] = (shape, name)
-    check_tensors(config, found, path, hf_name)
+    check_tensors(config, found, path, _gemma_hf_name if config.architecture in GEMMA_FAMILIES else hf_name)
     return where
 
 
@@ -171,6 +194,8 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 weights[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
                 if ours.rsplit(".", 1)[-1] in FUSED:
                     weights.update(split_fused(config, ours, weights.pop(ours)))
+    if config.architecture in GEMMA_FAMILIES:
+        fold_norms(config, weights)  # 1 + w, before lm_head may alias the embedding
     weights.setdefault("lm_head", weights["embed"])
     return config, weights
 
