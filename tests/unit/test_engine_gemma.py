@@ -127,3 +127,9 @@ def test_gemma_norms_are_offsets(models):
     art = read_artifact(models["gemma2"]["hf"], torch.float32)
     raw = models["gemma2"]["model"].model.layers[0].input_layernorm.weight
     assert torch.equal(art.weights["layers.0.attn_norm"], raw + 1.0)
+
+
+def test_an_adapter_is_refused_by_name_before_any_step(engines):
+    eng = engines("gemma2")
+    with pytest.raises(ValueError, match="not supported for Gemma"):
+        eng.runner.check_adapter("a", "/nonexistent", set())

@@ -1,7 +1,8 @@
 """The architecture spec of a model (``ModelConfig``), resolved once at load time from a Hugging Face
 ``config.json`` or from GGUF metadata (decision 0041).
 
-Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3). The
+Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3), ``mistral``
+(sliding window), ``phi3`` (fused projections, LongRoPE: decision 0046; Gemma 2 / 3 text: gemma.py). The
 features that set them apart are fields of the spec, and the torch model (model.py) turns them into its
 module structure when it is built, so the llama decode path carries no per-call test for them:
 
@@ -12,11 +13,13 @@ module structure when it is built, so the llama decode path carries no per-call 
 * RoPE scaling ``rope_scaling``: None, ``"linear"`` (positions divided by ``rope_factor``), ``"dynamic"``
   (NTK-aware base, recomputed for a sequence longer than ``rope_original_max_positions``, as transformers'
   ``dynamic_rope_update``) or ``"llama3"`` (frequency bands, ``rope_low_freq_factor`` /
-  ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor).
+  ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor) or
+  ``"longrope"`` (Phi-3: short / long factors and an attention factor, rope.py);
+* ``sliding_window``: a query at position p attends to keys p - window + 1 .. p (Mistral, Phi-3).
 
 Anything else is refused (``UnsupportedModel``, a ValueError naming the field or tensor): an unknown
 ``model_type`` / ``general.architecture``, a RoPE type, an activation other than SiLU, attention or MLP bias
-where the family has none, sliding-window attention, partial rotary dimensions. A model is never served
+where the family has none, Qwen2's per-layer sliding windows, partial rotary dimensions. A model is never served
 with a feature silently left out.
 """
 

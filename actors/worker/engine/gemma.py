@@ -103,7 +103,9 @@ def fold_norms(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
 
 class GemmaModel(LlamaModel):
     """Gemma 2 / 3 text over the paged KV cache, torch path (module docstring). ``forward`` as LlamaModel's;
-    LoRA adapters are refused (ValueError)."""
+    LoRA adapters are refused (``lora_off_reason``: the runner gives the model no adapter slots and names it)."""
+
+    lora_off_reason = "LoRA adapters are not supported for Gemma models"
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  make_linear=None, native_kernels: bool = True) -> None:

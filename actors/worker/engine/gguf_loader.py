@@ -1,6 +1,7 @@
 """GGUF loader: the architecture spec (``ModelConfig``, arch_spec.py) and dequantized weights as torch tensors.
 
-Families ``llama``, ``qwen2``, ``qwen3`` (``general.architecture``), with llama.cpp's conventions per
+Families ``llama`` (Mistral too), ``qwen2``, ``qwen3``, ``phi3`` (fused ``attn_qkv`` / ``ffn_up`` split at load,
+LongRoPE factor tensors read into the spec) (``general.architecture``), with llama.cpp's conventions per
 architecture (``convert_hf_to_gguf.py``). Reads the file with ``gguf.GGUFReader`` (memory-mapped) and
 dequantizes each tensor with ``gguf.quants.dequantize`` (numpy float32), then converts to the requested dtype.
 

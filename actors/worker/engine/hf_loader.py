@@ -1,7 +1,8 @@
 """Hugging Face directory loader: ``config.json`` (+ ``generation_config.json``) -> the architecture spec
 (arch_spec.from_hf_config), ``model.safetensors`` or a sharded ``model.safetensors.index.json`` -> weights.
 
-Families ``llama``, ``qwen2``, ``qwen3`` (``model_type``). Tensors are read with ``safetensors.safe_open``
+Families ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``phi3`` (fused ``qkv_proj`` / ``gate_up_proj``, split
+at load), ``gemma2``, ``gemma3_text`` (norm weights folded to ``1 + w``: gemma.py) (``model_type``). Tensors are read with ``safetensors.safe_open``
 (memory-mapped: a tensor is materialized only when converted, never a whole file copied), in the Hugging
 Face layout the model uses (no Q/K permutation). Every tensor of every shard is accounted for before any is
 converted: an unknown name, a missing weight, a misshapen one, an ``lm_head.weight`` beside
