@@ -2,7 +2,8 @@
 Phi-3 Hugging Face directory (fused projections, LongRoPE), built at test time with transformers
 (tests/family_models.py), registered through ``actorserve models register`` beside the running default model on
 real NATS and etcd, answer chat (streamed and not) through the official ``openai`` client, past the window and past
-LongRoPE's original length.
+LongRoPE's original length; and a tiny Gemma 3 text directory (issue [22] item 1: sandwich norms, GeGLU, q/k norms,
+a sliding and a full layer, torch path).
 
 The Mistral GGUF carries bench/tiny_model.py's byte-level BPE vocabulary (``tokenizer.ggml.model = gpt2``), not
 a SentencePiece one: SentencePiece GGUF vocabularies are issue [21] item 3, not in this branch.
@@ -23,14 +24,16 @@ PROMPT = "Tell me a long story about a red fox, a blue bird and a green frog who
 
 
 def _models(tmp: Path) -> dict[str, str]:
-    """{"mistral": GGUF file, "phi3": HF directory} of tiny models with a 4096-position context."""
+    """{"mistral": GGUF file, "phi3": HF directory, "gemma3": HF directory} of tiny models with a 4096-position
+    context."""
     from tests import family_models as fm
 
     out = {}
-    for name, fmt in (("mistral", "gguf"), ("phi3", "hf")):
-        variant = fm.WINDOW_VARIANTS[name]
+    for name, fmt in (("mistral", "gguf"), ("phi3", "hf"), ("gemma3", "hf")):
+        variant = fm.variant_of(name)
         fm.WINDOW_VARIANTS[f"{name}-long"] = fm.Variant(variant.family,
-                                                        {**variant.config, "max_position_embeddings": 4096})
+                                                        {**variant.config, "max_position_embeddings": 4096},
+                                                        variant.gguf)
         try:
             built = fm.build(f"{name}-long", tmp, seed=5)
         finally:
@@ -39,7 +42,7 @@ def _models(tmp: Path) -> dict[str, str]:
     return out
 
 
-def test_a_mistral_gguf_and_a_phi3_directory_registered_live_answer(tmp_path, tiny_gguf):
+def test_a_mistral_gguf_and_phi3_and_gemma3_directories_registered_live_answer(tmp_path, tiny_gguf):
     models = _models(tmp_path)
     with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
         for name, artifact in models.items():
