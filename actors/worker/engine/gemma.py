@@ -14,9 +14,10 @@ What sets them apart from Llama (Gemma Team 2024, "Gemma 2: Improving Open Langu
   alternating, Gemma 3 five to one); Gemma 3 rotates sliding layers with its local RoPE base and full ones with
   ``rope_theta`` and its scaling, and normalises q and k per head (``1 + w``) before RoPE.
 
-Attention here is explicit per sequence (gathered K/V from the paged cache, soft-cap, mask, float32 softmax): SDPA
-cannot soft-cap. It is the correct path, not yet a measured one (no kernel; [22] asks for one). The native
-kernels do not run these models (arch_spec.native_unsupported says why).
+Attention (``_attend``): the step's decodes together, each prefill chunk alone, K/V gathered from the paged cache;
+a soft-capped layer computes its scores explicitly (scale, cap, mask, float32 softmax: SDPA cannot soft-cap), an
+uncapped one runs SDPA with the same mask and scale. bench/softcap_bench.py measures the capped decode against the
+same model with the caps removed. The native kernels do not run these models (arch_spec.native_unsupported).
 """
 
 from __future__ import annotations
@@ -161,30 +162,63 @@ class GemmaModel(LlamaModel):
         return logits
 
     def _attend(self, q: torch.Tensor, meta: BatchMetadata, tables, cache: torch.Tensor, window: int) -> torch.Tensor:
-        """Causal attention of every sequence's chunk over its cached keys: q [T, H, hd] -> [T, H, hd]; scores
-        scaled, soft-capped (``attn_softcap``), masked to the causal ``window`` (0 = none), softmax in float32."""
-        cfg = self.config
-        Hkv, hd, G, cap = cfg.num_kv_heads, cfg.head_dim, self.num_groups, cfg.attn_softcap
-        bs = cache.shape[2]
+        """Causal attention of every sequence's chunk over its cached keys: q [T, H, hd] -> [T, H, hd]. Scores
+        scaled by ``query_pre_attn_scalar ** -0.5``, soft-capped (``attn_softcap``), masked to the causal
+        ``window`` (0 = none), softmax in float32 (transformers' eager attention). The step's one-token decodes
+        go together (their blocks gathered, padded to the longest, masked); uncapped layers (Gemma 3) run SDPA
+        with the same mask and scale instead of the explicit product."""
         out = torch.empty_like(q)
-        start = 0
-        for s, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            blocks = torch.tensor(tables[s][: -(-ctx // bs)], device=q.device)
-            k = cache[0].index_select(0, blocks).view(-1, Hkv, hd)[:ctx].to(q.dtype)  # [ctx, Hkv, hd]
-            v = cache[1].index_select(0, blocks).view(-1, Hkv, hd)[:ctx].to(q.dtype)
-            qs = q[start : start + n].reshape(n, Hkv, G, hd)
-            scores = torch.einsum("nkgd,ckd->kgnc", qs, k).float() * self.scale  # [Hkv, G, n, ctx]
-            if cap is not None:
-                scores = torch.tanh(scores / cap) * cap
-            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-            keys = torch.arange(ctx, device=q.device).unsqueeze(0)
+        bs, starts, start = cache.shape[2], [], 0
+        for n in meta.query_lens:
+            starts.append(start)
+            start += n
+        dec = [s for s, n in enumerate(meta.query_lens) if n == 1]
+        if dec:
+            lens = [meta.context_lens[s] for s in dec]
+            nblk = -(-max(lens) // bs)
+            blocks = torch.tensor([tables[s][: -(-c // bs)] + [tables[s][0]] * (nblk - -(-c // bs))
+                                   for s, c in zip(dec, lens)], device=q.device)
+            rows = torch.tensor([starts[s] for s in dec], device=q.device)
+            ctx = torch.tensor(lens, device=q.device).unsqueeze(1)
+            keys = torch.arange(nblk * bs, device=q.device).unsqueeze(0)
+            allowed = keys < ctx
+            if window:
+                allowed &= keys >= ctx - window
+            out[rows] = self._scores(q[rows].unsqueeze(1), blocks, cache, allowed.unsqueeze(1)).squeeze(1)
+        for s, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            if n == 1:
+                continue
+            blocks = torch.tensor([tables[s][: -(-c // bs)]], device=q.device)
+            q_pos = torch.arange(c - n, c, device=q.device).unsqueeze(1)
+            keys = torch.arange(blocks.shape[1] * bs, device=q.device).unsqueeze(0)
             allowed = keys <= q_pos
             if window:
                 allowed &= keys > q_pos - window
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(q.dtype)
-            out[start : start + n] = torch.einsum("kgnc,ckd->nkgd", probs, v).reshape(n, Hkv * G, hd)
-            start += n
+            out[starts[s] : starts[s] + n] = self._scores(q[starts[s] : starts[s] + n].unsqueeze(0), blocks, cache,
+                                                         allowed.unsqueeze(0))[0]
         return out
+
+    def _scores(self, q: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q [B, n, H, hd] over the K/V of ``blocks`` [B, nblk] (``allowed`` bool [B, n, nblk * bs]) -> [B, n, H, hd]."""
+        cfg = self.config
+        Hkv, hd, G, cap = cfg.num_kv_heads, cfg.head_dim, self.num_groups, cfg.attn_softcap
+        B, n = q.shape[:2]
+        L = blocks.shape[1] * cache.shape[2]
+        k = cache[0].index_select(0, blocks.view(-1)).view(B, L, Hkv, hd).to(q.dtype)
+        v = cache[1].index_select(0, blocks.view(-1)).view(B, L, Hkv, hd).to(q.dtype)
+        qg = q.reshape(B, n, Hkv, G, hd).permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * G, hd)  # query rows n-major
+        mask = allowed.repeat_interleave(G, 1).unsqueeze(1)  # [B, 1, n * G, L]
+        if cap is None:
+            o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                               scale=self.scale)
+        else:  # one KV head at a time: its K / V rows are strided matrices bmm reads in place (no [B,Hkv,L,hd] copy)
+            o = torch.empty_like(qg)
+            for h in range(Hkv):
+                scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).float() * self.scale  # [B, n * G, L]
+                scores = torch.tanh(scores / cap) * cap
+                probs = scores.masked_fill_(~mask[:, 0], float("-inf")).softmax(-1).to(q.dtype)
+                o[:, h] = torch.bmm(probs, v[:, :, h])
+        return o.view(B, Hkv, n, G, hd).permute(0, 2, 1, 3, 4).reshape(B, n, Hkv * G, hd)
 
 
 def dataclasses_replace_qk(config: ModelConfig) -> ModelConfig:
