@@ -55,6 +55,45 @@ VARIANTS = {
     "llama-plain": Variant("llama", {"tie_word_embeddings": False, "max_position_embeddings": 128}),
 }
 
+# Issue [21] (decision 0046), kept apart from VARIANTS (their tests: tests/unit/test_engine_windows_longrope.py):
+# Mistral with a sliding window of WINDOW tokens (prompts are longer); Phi-3 with fused projections and LongRoPE
+# (original length ORIG_MAX, served up to 128: short and long factors both far from 1 so either matters).
+WINDOW = 16
+_HALF = 8  # head_dim 16 / 2
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(_HALF)],
+            "long_factor": [1.0 + 2.5 * i for i in range(_HALF)]}
+WINDOW_VARIANTS = {
+    "mistral": Variant("mistral", {"tie_word_embeddings": False, "max_position_embeddings": 128,
+                                   "sliding_window": WINDOW}),
+    "phi3": Variant("phi3", {"tie_word_embeddings": False, "max_position_embeddings": 128,
+                             "original_max_position_embeddings": ORIG_MAX, "rope_scaling": dict(LONGROPE)}),
+}
+
+
+# Gemma 2 / 3 text (issue [22] item 1, directories only; tests/unit/test_engine_gemma.py): a window shorter than
+# the prompts on one of two layers, caps low enough to bind, query_pre_attn_scalar unlike head_dim; Gemma 3 with
+# q/k norms and a local RoPE base apart from the full layers' (scaled) one.
+_GEMMA = {"max_position_embeddings": 128, "sliding_window": WINDOW, "query_pre_attn_scalar": 32, "head_dim": 16,
+          "hidden_activation": "gelu_pytorch_tanh", "layer_types": ["sliding_attention", "full_attention"]}
+GEMMA_VARIANTS = {
+    "gemma2": Variant("gemma2", {**_GEMMA, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}, gguf=False),
+    "gemma3": Variant("gemma3_text", {**_GEMMA, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, gguf=False),
+}
+
+
+def variant_of(name: str) -> Variant:
+    """The variant ``name`` of VARIANTS, WINDOW_VARIANTS or GEMMA_VARIANTS (looked up at call time: tests add
+    variants)."""
+    for table in (VARIANTS, WINDOW_VARIANTS, GEMMA_VARIANTS):
+        if name in table:
+            return table[name]
+    raise KeyError(name)
+
+
+GGUF_ARCH = {"mistral": "llama"}  # llama.cpp writes MistralForCausalLM as llama (convert_hf_to_gguf.py)
+
 # Scaled RoPE variants (feature: rope type) and the features each variant's negative control switches off.
 FEATURES = {"llama2": ("rope",), "llama3": ("rope", "tie"), "llama-dynamic": ("rope",),
             "qwen2": ("qkv_bias", "tie"), "qwen3": ("qk_norm", "tie"), "llama-plain": ("tie",)}
@@ -86,6 +125,11 @@ def _scale(model, seed: int) -> None:
                 p.copy_(rnd(p, 0.5))
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.copy_(rnd(p, 2.0 / d ** 0.5))
+            elif name.endswith("qkv_proj.weight"):  # phi3: Q and K rows sharp as above, V rows as any projection
+                qk = (model.config.num_attention_heads + model.config.num_key_value_heads) * (d // model.config.num_attention_heads)
+                w = rnd(p, 1.0 / d ** 0.5)
+                w[:qk] *= 2.0
+                p.copy_(w)
             elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 p.copy_(rnd(p, 0.4))
             else:
@@ -96,10 +140,11 @@ def hf_model(name: str, seed: int = 0):
     """The transformers model of variant ``name`` (float32, eval)."""
     import transformers
 
-    variant = VARIANTS[name]
+    variant = variant_of(name)
     cfg = _hf_config(variant)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    eager = {"attn_implementation": "eager"} if cfg.model_type.startswith("gemma") else {}  # SDPA has no soft-cap
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **eager).eval()
     _scale(model, seed)
     if cfg.tie_word_embeddings:
         model.tie_weights()
@@ -116,7 +161,7 @@ def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
     model.generation_config.save_pretrained(hf_dir)
     write_tokenizer_json(str(hf_dir / "tokenizer.json"))
     gguf_path = None
-    if VARIANTS[name].gguf:
+    if variant_of(name).gguf:
         gguf_path = str(folder / f"{name}.gguf")
         write_gguf(model, gguf_path)
     return {"model": model, "hf": str(hf_dir), "gguf": gguf_path}
@@ -149,13 +194,14 @@ _GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
                "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
                "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+               "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}  # phi3
 
 
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     """llama.cpp-named float32 tensors of ``model`` (module docstring)."""
     cfg = model.config
-    arch = cfg.model_type
+    arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
     sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
@@ -173,16 +219,17 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple = (), rope_type: str | None = None) -> str:
+def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple = (), rope_type: str | None = None,
+               extra_uint32: dict | None = None) -> str:
     """A GGUF of ``model``'s weights with llama.cpp's conventions; ``extra_tensors`` / ``drop`` / ``rope_type``
-    (a ``rope.scaling.type`` string) make broken files for the refusal tests."""
+    (a ``rope.scaling.type`` string) / ``extra_uint32`` ({key: value}) make broken files for the refusal tests."""
     import gguf
 
     from actors.worker.engine import arch_spec
     from bench.tiny_model import _add_tokenizer
 
     cfg = model.config
-    arch = cfg.model_type
+    arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -207,8 +254,18 @@ def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple 
     elif kind == "llama3":  # llama.cpp: the per-frequency divisors as a tensor, no scaling type
         spec = arch_spec.from_hf_config(cfg.to_dict())
         tensors["rope_freqs.weight"] = np.array(arch_spec.llama3_freq_factors(spec), dtype=np.float32)
+    elif kind == "longrope":  # llama.cpp's conversion/phi.py: factor tensors, original length, attention factor
+        spec = arch_spec.from_hf_config(cfg.to_dict())
+        tensors["rope_factors_long.weight"] = np.array(spec.rope_long_factors, dtype=np.float32)
+        tensors["rope_factors_short.weight"] = np.array(spec.rope_short_factors, dtype=np.float32)
+        w.add_rope_scaling_orig_ctx_len(spec.rope_original_max_positions)
+        w.add_rope_scaling_attn_factors(spec.rope_attention_factor)
     elif kind != "default":
         raise ValueError(f"no llama.cpp convention for rope type {kind!r}")
+    if getattr(cfg, "sliding_window", None) and cfg.model_type in ("mistral", "phi3"):
+        w.add_sliding_window(cfg.sliding_window)  # {arch}.attention.sliding_window (llama.cpp writes none for Mistral)
+    for key, value in (extra_uint32 or {}).items():
+        w.add_uint32(key, value)
     if rope_type is not None:
         w.add_string(f"{arch}.rope.scaling.type", rope_type)
     _add_tokenizer(w)

@@ -90,3 +90,38 @@ def test_module_is_pure():
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(x.split(".")[0] in ("torch", "nats") for x in names)
+
+
+# --------------------------------------------------------------------------------------- sliding windows
+
+
+def test_release_before_window_frees_leading_blocks_and_keeps_positions():
+    """Decision 0046: with window 16 and blocks of 4, after 30 computed tokens a query at position >= 30 reads
+    keys > 14: blocks 0..2 (tokens 0..11) are done with, block 3 (12..15) is not."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    table = list(bm.allocate("a", 30))
+    assert bm.num_free_blocks == 2
+    assert bm.release_before_window("a", 30, 16) == 3
+    assert bm.num_free_blocks == 5 and bm.num_held("a") == 5
+    t = bm.block_table("a")
+    assert len(t) == 8 and t[3:] == table[3:] and t[:3] == [table[3]] * 3  # stand-ins: the first kept block
+    assert bm.release_before_window("a", 30, 16) == 0  # idempotent
+    assert bm.release_before_window("a", 31, 16) == 1  # the next query, at 31, reads keys > 15: block 3 goes
+    assert bm.release_before_window("a", 32, 16) == 0
+    assert bm.free("a") == 4 and bm.num_free_blocks == 10  # only what it held, each block once
+
+
+def test_release_before_window_keeps_one_block_and_shared_blocks_stay_with_their_owners():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    ids = list(range(17))
+    bm.allocate("a", 17, ids)
+    bm.cache_blocks("a", ids, 17)
+    bm.allocate("b", 17, ids)  # shares a's four full blocks
+    shared = bm.block_table("b")[:4]
+    assert bm.release_before_window("a", 17, 1) == 4  # window 1: all but the last block
+    assert all(bm.ref_count(b) == 1 for b in shared)  # still b's
+    assert bm.num_held("a") == 1
+    bm.free("b")
+    assert all(bm.ref_count(b) == 0 for b in shared) and bm.cached_prefix_tokens(ids) == 16  # cached, evictable
+    bm.free("a")
+    assert bm.num_free_blocks == 8

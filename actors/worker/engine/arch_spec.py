@@ -1,7 +1,8 @@
 """The architecture spec of a model (``ModelConfig``), resolved once at load time from a Hugging Face
 ``config.json`` or from GGUF metadata (decision 0041).
 
-Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3). The
+Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3), ``mistral``
+(sliding window), ``phi3`` (fused projections, LongRoPE: decision 0046; Gemma 2 / 3 text: gemma.py). The
 features that set them apart are fields of the spec, and the torch model (model.py) turns them into its
 module structure when it is built, so the llama decode path carries no per-call test for them:
 
@@ -12,11 +13,13 @@ module structure when it is built, so the llama decode path carries no per-call 
 * RoPE scaling ``rope_scaling``: None, ``"linear"`` (positions divided by ``rope_factor``), ``"dynamic"``
   (NTK-aware base, recomputed for a sequence longer than ``rope_original_max_positions``, as transformers'
   ``dynamic_rope_update``) or ``"llama3"`` (frequency bands, ``rope_low_freq_factor`` /
-  ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor).
+  ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor) or
+  ``"longrope"`` (Phi-3: short / long factors and an attention factor, rope.py);
+* ``sliding_window``: a query at position p attends to keys p - window + 1 .. p (Mistral, Phi-3).
 
 Anything else is refused (``UnsupportedModel``, a ValueError naming the field or tensor): an unknown
 ``model_type`` / ``general.architecture``, a RoPE type, an activation other than SiLU, attention or MLP bias
-where the family has none, sliding-window attention, partial rotary dimensions. A model is never served
+where the family has none, Qwen2's per-layer sliding windows, partial rotary dimensions. A model is never served
 with a feature silently left out.
 """
 
@@ -27,8 +30,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")
-ROPE_SCALINGS = (None, "linear", "dynamic", "llama3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+ROPE_SCALINGS = (None, "linear", "dynamic", "llama3", "longrope")
 
 
 class UnsupportedModel(ValueError):
@@ -64,15 +67,27 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3
     rope_freq_factors: tuple[float, ...] | None = None  # llama3 from GGUF ``rope_freqs``: inv_freq divisors
     generation_eos_ids: tuple[int, ...] = ()  # extra stop ids of generation_config.json
+    # decision 0046: a query at position p attends to keys at positions > p - sliding_window (Mistral, Phi-3)
+    sliding_window: int | None = None  # tokens; None = full causal attention
+    rope_short_factors: tuple[float, ...] | None = None  # longrope: inv_freq divisors within the original length
+    rope_long_factors: tuple[float, ...] | None = None  # longrope: divisors beyond it
+    rope_attention_factor: float = 1.0  # longrope: cos / sin multiplied by it
+    # Gemma 2 / 3 (gemma.py)
+    layer_windows: tuple[int, ...] | None = None  # per layer: its sliding window (tokens) or 0 (full attention)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim)
+    attn_softcap: float | None = None  # attention logits -> cap * tanh(s / cap)
+    final_softcap: float | None = None  # final logits likewise
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (plain RoPE)
 
     def __post_init__(self) -> None:  # JSON (the weights cache) gives lists: keep the dataclass hashable
-        for name in ("rope_freq_factors", "generation_eos_ids"):
+        for name in ("rope_freq_factors", "generation_eos_ids", "rope_short_factors", "rope_long_factors",
+                     "layer_windows"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
         if self.rope_scaling not in ROPE_SCALINGS:
             raise UnsupportedModel(f"rope_scaling type {self.rope_scaling!r} is not supported (supported: "
-                                   "linear, dynamic, llama3)")
+                                   "linear, dynamic, llama3, longrope)")
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
@@ -85,6 +100,8 @@ def native_unsupported(config: ModelConfig) -> str | None:
     """Why the native CPU kernels (cpu_kernels.py: fused RMSNorm + RoPE + K/V write, paged decode attention)
     cannot run this model, or None when they can. Their RoPE reads one static cos/sin table by position, and
     their fused projection-to-cache step has no place for a per-head norm."""
+    if config.architecture in ("gemma2", "gemma3_text"):
+        return "Gemma's sandwich norms, GeGLU, soft-capping and per-layer windows are not in the native kernels"
     if config.qk_norm:
         return "q/k RMSNorm (qwen3) is not in the native kernels"
     if config.rope_scaling == "dynamic":
@@ -171,6 +188,8 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
         if config.qk_norm:
             out.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
+        if config.architecture in ("gemma2", "gemma3_text"):  # sandwich norms (gemma.py)
+            out.update({p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)})
     return out
 
 
@@ -213,6 +232,7 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         raise UnsupportedModel("config.json: attention_bias true is not supported (bias on the output projection)")
     if cfg.get("use_sliding_window"):
         raise UnsupportedModel("config.json: use_sliding_window true is not supported")
+    extra = _sliding_window_hf(cfg) if arch in ("mistral", "phi3") else {}
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -225,6 +245,8 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
     scaling: dict = {}
     if kind == "default":
         pass
+    elif kind in ("longrope", "su") and arch == "phi3":  # rope.py; transformers 4.x "su" is LongRoPE
+        scaling = longrope_hf(cfg, rope, head_dim, max_pos)
     elif kind in ("linear", "dynamic", "llama3"):
         if "factor" not in rope:
             raise UnsupportedModel(f"config.json: rope scaling {kind!r} without 'factor'")
@@ -238,7 +260,7 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
                            rope_high_freq_factor=float(rope["high_freq_factor"]))
     else:
         raise UnsupportedModel(f"config.json: rope_scaling type {kind!r} is not supported "
-                               "(supported: default, linear, dynamic, llama3)")
+                               "(supported: default, linear, dynamic, llama3; longrope for phi3)")
     gen = generation or {}
     eos = cfg.get("eos_token_id") if gen.get("eos_token_id") is None else gen.get("eos_token_id")
     eos_list = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
@@ -251,10 +273,119 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos), eos_token_id=eos_list[0] if eos_list else None,
         architecture=arch, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),  # the three classes' default
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")), qk_norm=arch == "qwen3",
-        generation_eos_ids=tuple(eos_list[1:]), **scaling)
+        generation_eos_ids=tuple(eos_list[1:]), **scaling, **extra)
+
+
+def _sliding_window_hf(cfg: dict) -> dict:
+    """``sliding_window`` of a Mistral / Phi-3 ``config.json`` (transformers applies it whenever it is not null:
+    ``masking_utils.sliding_window_overlay``, keys at positions > p - window)."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return {}
+    if int(window) < 1:
+        raise UnsupportedModel(f"config.json: sliding_window {window!r} is not a positive number of tokens")
+    return {"sliding_window": int(window)}
+
+
+def longrope_hf(cfg: dict, rope: dict, head_dim: int, max_pos: int) -> dict:
+    """The LongRoPE fields of a Phi-3 ``config.json`` (transformers' ``_compute_longrope_parameters``:
+    ``original_max_position_embeddings`` at the top level wins over the rope dict's; ``factor`` defaults to
+    max / original; ``attention_factor`` defaults to sqrt(1 + ln(factor) / ln(original)), 1 for factor <= 1).
+    UnsupportedModel names a missing or misshapen field."""
+    orig = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    if not orig:
+        raise UnsupportedModel("config.json: longrope without original_max_position_embeddings")
+    orig = int(orig)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = rope.get(key)
+        if not isinstance(value, list) or len(value) != head_dim // 2:
+            raise UnsupportedModel(f"config.json: rope scaling longrope {key} must be a list of {head_dim // 2} "
+                                   f"numbers (head_dim {head_dim})")
+        factors[key] = tuple(float(x) for x in value)
+    factor = float(rope.get("factor") or max_pos / orig)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return {"rope_scaling": "longrope", "rope_factor": factor, "rope_original_max_positions": orig,
+            "rope_short_factors": factors["short_factor"], "rope_long_factors": factors["long_factor"],
+            "rope_attention_factor": float(attention)}
+
+
+# ------------------------------------------------------------------------------------------------ fused
+
+
+# Phi-3 packs Q/K/V and gate/up into one tensor each (HF ``qkv_proj`` / ``gate_up_proj``, GGUF ``attn_qkv`` /
+# ``ffn_up``): the loaders account for and split them into our names; the model fuses them again (model.py).
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def _fused_rows(config: ModelConfig, short: str) -> list[int]:
+    q, kv, f = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.ffn_size
+    return [q, kv, kv] if short == "wqkv" else [f, f]
+
+
+def unfuse_found(config: ModelConfig, ours: str, shape: tuple[int, ...], file_name: str) -> dict:
+    """``{part name: (shape, file name)}`` of the fused tensor ``ours`` (``layers.{i}.wqkv`` / ``w_gate_up``) of
+    ``shape`` (for check_tensors); UnsupportedModel naming the tensor when its rows do not split as the config
+    says."""
+    prefix, short = ours.rsplit(".", 1)
+    rows = _fused_rows(config, short)
+    if len(shape) != 2 or shape[0] != sum(rows) or shape[1] != config.hidden_size:
+        raise UnsupportedModel(f"tensor {file_name!r} has shape {list(shape)}, the config needs "
+                               f"[{sum(rows)}, {config.hidden_size}]")
+    return {f"{prefix}.{part}": ((r, shape[1]), file_name) for part, r in zip(FUSED[short], rows)}
+
+
+def split_fused(config: ModelConfig, ours: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The parts (our names, row blocks of ``tensor`` [rows, d], each its own storage) of a fused tensor."""
+    prefix, short = ours.rsplit(".", 1)
+    parts = torch.split(tensor, _fused_rows(config, short))
+    return {f"{prefix}.{name}": part.clone() for name, part in zip(FUSED[short], parts)}
 
 
 # ------------------------------------------------------------------------------------------------ GGUF
+
+
+# GGUF general.architecture values (llama.cpp writes Mistral as ``llama``: convert_hf_to_gguf.py registers
+# MistralForCausalLM with LlamaModel and writes no sliding window for it; decision 0046)
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # llama.cpp's Phi-3 LongRoPE
+
+
+def _gguf_window_and_longrope(reader, arch: str, names: dict, ctx: int, head_dim: int) -> dict:
+    """``{arch}.attention.sliding_window`` (> 0: a window; 0 or absent: none) and Phi-3's LongRoPE (the
+    ``rope_factors_long`` / ``rope_factors_short`` tensors, ``rope.scaling.original_context_length``,
+    ``rope.scaling.attn_factor``: llama.cpp's conversion/phi.py). UnsupportedModel names a key or tensor."""
+    p, out = arch + ".", {}
+    window = _field(reader, p + "attention.sliding_window")
+    if window is not None and int(window) > 0:
+        if arch not in ("llama", "phi3"):
+            raise UnsupportedModel(f"GGUF {p}attention.sliding_window {window} is not supported for {arch}")
+        out["sliding_window"] = int(window)
+    present = [n for n in LONGROPE_TENSORS if n in names]
+    if not present:
+        return out
+    if arch != "phi3" or len(present) != 2:
+        raise UnsupportedModel(f"GGUF tensor {present[0]!r}: LongRoPE needs phi3 and both rope_factors_long and "
+                               f"rope_factors_short ({arch}, found {present})")
+    from gguf.quants import dequantize
+
+    long_f, short_f = (tuple(float(x) for x in dequantize(names[n].data, names[n].tensor_type).reshape(-1))
+                       for n in LONGROPE_TENSORS)
+    if len(long_f) != head_dim // 2 or len(short_f) != head_dim // 2:
+        raise UnsupportedModel(f"GGUF rope_factors_long / short have {len(long_f)} / {len(short_f)} entries, "
+                               f"head_dim {head_dim} needs {head_dim // 2}")
+    orig = _field(reader, p + "rope.scaling.original_context_length")
+    if not orig:
+        raise UnsupportedModel(f"GGUF LongRoPE without {p}rope.scaling.original_context_length")
+    factor = ctx / int(orig)
+    attn = _field(reader, p + "rope.scaling.attn_factor")
+    if attn is None:  # llama.cpp's formula (conversion/phi.py), as transformers' default
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(int(orig)))
+    out.update(rope_scaling="longrope", rope_factor=factor, rope_original_max_positions=int(orig),
+               rope_long_factors=long_f, rope_short_factors=short_f, rope_attention_factor=float(attn))
+    return out
 
 
 def _field(reader, key: str, default=None):
@@ -266,9 +397,9 @@ def from_gguf(reader) -> ModelConfig:
     """The spec of an open ``gguf.GGUFReader`` (llama.cpp's keys ``{arch}.*``; ``rope_freqs`` read here for
     llama3 scaling). UnsupportedModel names the key."""
     arch = _field(reader, "general.architecture")
-    if arch not in FAMILIES:
+    if arch not in GGUF_FAMILIES:
         raise UnsupportedModel(f"GGUF general.architecture {arch!r} is not supported (supported: "
-                               f"{', '.join(FAMILIES)})")
+                               f"{', '.join(GGUF_FAMILIES)})")
     p = arch + "."
     hidden, heads = int(_field(reader, p + "embedding_length")), int(_field(reader, p + "attention.head_count"))
     head_dim = int(_field(reader, p + "attention.key_length", 0) or _field(reader, p + "rope.dimension_count", 0)
@@ -301,6 +432,9 @@ def from_gguf(reader) -> ModelConfig:
         scaling = {"rope_scaling": "llama3", "rope_freq_factors": tuple(float(x) for x in factors),
                    "rope_factor": float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)}
     ctx = int(_field(reader, p + "context_length", 2048))
+    extra = _gguf_window_and_longrope(reader, arch, names, ctx, head_dim)
+    if scaling and "rope_scaling" in extra:
+        raise UnsupportedModel(f"GGUF {p}rope.scaling.type {kind!r} beside LongRoPE factors is not supported")
     return ModelConfig(
         num_layers=int(_field(reader, p + "block_count")), hidden_size=hidden, num_heads=heads,
         num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)), head_dim=head_dim,
@@ -311,4 +445,4 @@ def from_gguf(reader) -> ModelConfig:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
         architecture=arch, tie_word_embeddings="output.weight" not in names,
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **scaling)
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **scaling, **extra)

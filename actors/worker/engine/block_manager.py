@@ -20,6 +20,11 @@ its docs; written here from that description):
   evicted (hash dropped, block reused) only when no never-used/unhashed block is free.
   A sequence's blocks are released tail first, so a prefix's tail is evicted before its head.
 * Free-block counts include evictable cached blocks: they are free for allocation purposes.
+
+Sliding windows (decision 0046): ``release_before_window`` releases a sequence's leading blocks whose every
+token lies before every later query's window; its table keeps its length (positions stay block indices), each
+released entry standing as the first block it keeps (never read: the native decode kernel's table starts
+inside the window, the torch path masks those keys out).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached blocks, LRU first
         self._seq_hashes: dict[str, list[bytes]] = {}  # chain hashes of each sequence's full blocks
         self._salt: dict[str, bytes] = {}  # each sequence's cache salt (the chain's root; absent = b"")
+        self._released: dict[str, int] = {}  # leading table entries released (sliding window; absent = 0)
         self.prefix_query_tokens = 0  # prompt tokens looked up in the cache (tokens)
         self.prefix_hit_tokens = 0  # of which found cached (tokens)
 
@@ -125,6 +131,8 @@ class BlockManager:
             h = block_hash(hashes[-1] if hashes else self._salt.get(seq_id, b""), token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             b = table[i]
+            if i < self._released.get(seq_id, 0):  # a stand-in entry (release_before_window), not block i
+                continue
             if h not in self._block_of and b not in self._hash_of:
                 self._block_of[h] = b
                 self._hash_of[b] = h
@@ -214,12 +222,36 @@ class BlockManager:
         """Grow ``seq_id`` by one token slot (decode step); table or None."""
         return self.append_slots(seq_id, 1)
 
+    def num_held(self, seq_id: str) -> int:
+        """Blocks ``seq_id`` holds: its table less the entries released before its window."""
+        return len(self._tables[seq_id]) - self._released.get(seq_id, 0)
+
+    def release_before_window(self, seq_id: str, num_computed_tokens: int, window: int) -> int:
+        """Release ``seq_id``'s leading blocks no later query reads under a sliding ``window`` (tokens): a query
+        at position p >= ``num_computed_tokens`` reads keys > p - window, so keys at positions up to
+        ``num_computed_tokens - window`` are done with, and so is every block wholly among them. The table keeps
+        its length, released entries standing as its first kept block (module docstring); at least one block is
+        kept. Shared blocks stay with their other owners, cached ones stay cached until evicted. Returns how many
+        blocks it released now."""
+        table = self._tables[seq_id]
+        done = (num_computed_tokens - window + 1) // self.block_size  # blocks wholly before the window
+        done = min(done, len(table) - 1)
+        start = self._released.get(seq_id, 0)
+        if done <= start:
+            return 0
+        for i in range(start, done):
+            self._release(table[i])
+            table[i] = table[done]
+        self._released[seq_id] = done
+        return done - start
+
     def free(self, seq_id: str) -> int:
         """Release all blocks of ``seq_id`` (no-op if unknown), tail first; returns how many it held.
 
         Shared blocks stay with their other owners; cached blocks stay cached until evicted.
         """
-        table = self._tables.pop(seq_id, [])
+        released = self._released.pop(seq_id, 0)
+        table = self._tables.pop(seq_id, [])[released:]
         self._num_slots.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
         self._salt.pop(seq_id, None)

@@ -119,7 +119,8 @@ class LLMEngine:
     def _build_blocks(self) -> None:
         """Block space, scheduler and stop rules over the runner's KV blocks (at load, after ``resize_kv``)."""
         self.blocks = KVBlocks(self.config, self.runner.num_blocks, self.runner.position_limit,
-                               self.runner.admit_gate)
+                               self.runner.admit_gate,
+                               getattr(getattr(self.runner, "model_config", None), "sliding_window", None))
         self.block_manager, self.scheduler = self.blocks.block_manager, self.blocks.scheduler
         self.max_model_len = self.blocks.max_model_len
         self.stop_rules = StopRules(self._eos_token_ids, self.max_model_len)

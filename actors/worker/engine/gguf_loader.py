@@ -1,6 +1,7 @@
 """GGUF loader: the architecture spec (``ModelConfig``, arch_spec.py) and dequantized weights as torch tensors.
 
-Families ``llama``, ``qwen2``, ``qwen3`` (``general.architecture``), with llama.cpp's conventions per
+Families ``llama`` (Mistral too), ``qwen2``, ``qwen3``, ``phi3`` (fused ``attn_qkv`` / ``ffn_up`` split at load,
+LongRoPE factor tensors read into the spec) (``general.architecture``), with llama.cpp's conventions per
 architecture (``convert_hf_to_gguf.py``). Reads the file with ``gguf.GGUFReader`` (memory-mapped) and
 dequantizes each tensor with ``gguf.quants.dequantize`` (numpy float32), then converts to the requested dtype.
 
@@ -26,6 +27,7 @@ import gguf
 from gguf.quants import dequantize
 
 from .arch_spec import ModelConfig, UnsupportedModel, check_tensors, from_gguf  # noqa: F401 (ModelConfig re-exported)
+from .arch_spec import FUSED, LONGROPE_TENSORS, split_fused, unfuse_found
 
 # GGUF tensor name -> our weight name (``{i}`` = layer index).
 _LAYER_NAMES = {
@@ -44,7 +46,10 @@ _LAYER_NAMES = {
     "attn_q_norm": "q_norm",  # qwen3
     "attn_k_norm": "k_norm",
 }
-_CONSUMED = ("rope_freqs.weight",)  # read into the spec (arch_spec.from_gguf)
+_CONSUMED = ("rope_freqs.weight",) + LONGROPE_TENSORS  # read into the spec (arch_spec.from_gguf)
+# phi3 (llama.cpp's PHI3 tensors): Q/K/V in one ``attn_qkv``, gate and up in one ``ffn_up`` (gate rows first, as
+# llama.cpp's SwiGLU split and transformers' Phi3MLP chunk); split at load (arch_spec.FUSED)
+_PHI3_FUSED = {"attn_qkv": "wqkv", "ffn_up": "w_gate_up"}
 
 
 def read_config(reader: gguf.GGUFReader) -> ModelConfig:
@@ -84,13 +89,29 @@ def account_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: str = "G
     for t in reader.tensors:
         if t.name in _CONSUMED:
             continue
-        ours = _our_name(t.name)
+        ours = _phi3_fused_name(t.name) if config.architecture == "phi3" else _our_name(t.name)
         if ours is None:
             raise UnsupportedModel(f"{path}: unknown tensor {t.name!r} (not a {config.architecture} weight)")
         names[t.name] = ours
-        found[ours] = (tuple(int(d) for d in reversed(t.shape)), t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if ours.rsplit(".", 1)[-1] in FUSED:
+            found.update(unfuse_found(config, ours, shape, t.name))
+        else:
+            found[ours] = (shape, t.name)
     check_tensors(config, found, path, gguf_name)
     return names
+
+
+def _phi3_fused_name(gguf_name: str) -> str | None:
+    """Our name of a phi3 GGUF tensor: ``blk.{i}.attn_qkv.weight`` / ``ffn_up.weight`` fused (``wqkv`` /
+    ``w_gate_up``); ``attn_q`` / ``ffn_gate`` and the like are not phi3 tensors (None); others as llama."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
+        if parts[2] in _PHI3_FUSED:
+            return f"layers.{parts[1]}.{_PHI3_FUSED[parts[2]]}"
+        if parts[2] in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+            return None
+    return _our_name(gguf_name)
 
 
 def gguf_name(ours: str) -> str:
@@ -136,6 +157,8 @@ def load_gguf(
         arr = _dequantize(tensor, config)
         arr = arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, order="C")
         weights[names[tensor.name]] = torch.from_numpy(arr).to(device=device, dtype=dtype)
+        if names[tensor.name].rsplit(".", 1)[-1] in FUSED:
+            weights.update(split_fused(config, names[tensor.name], weights.pop(names[tensor.name])))
     weights.setdefault("lm_head", weights["embed"])
     return config, weights
 

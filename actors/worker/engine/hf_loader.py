@@ -1,7 +1,8 @@
 """Hugging Face directory loader: ``config.json`` (+ ``generation_config.json``) -> the architecture spec
 (arch_spec.from_hf_config), ``model.safetensors`` or a sharded ``model.safetensors.index.json`` -> weights.
 
-Families ``llama``, ``qwen2``, ``qwen3`` (``model_type``). Tensors are read with ``safetensors.safe_open``
+Families ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``phi3`` (fused ``qkv_proj`` / ``gate_up_proj``, split
+at load), ``gemma2``, ``gemma3_text`` (norm weights folded to ``1 + w``: gemma.py) (``model_type``). Tensors are read with ``safetensors.safe_open``
 (memory-mapped: a tensor is materialized only when converted, never a whole file copied), in the Hugging
 Face layout the model uses (no Q/K permutation). Every tensor of every shard is accounted for before any is
 converted: an unknown name, a missing weight, a misshapen one, an ``lm_head.weight`` beside
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .arch_spec import ModelConfig, UnsupportedModel, check_tensors, from_hf_config
+from .arch_spec import FUSED, ModelConfig, UnsupportedModel, check_tensors, from_hf_config, split_fused, unfuse_found
+from .gemma import GEMMA_FAMILIES, fold_norms
+from .gemma import from_hf_config as gemma_from_hf_config
 
 log = logging.getLogger("actorserve.engine")
 
@@ -42,6 +45,8 @@ _LAYER = {  # Hugging Face per-layer name (after "model.layers.{i}.") -> ours
     "mlp.gate_proj.weight": "w_gate",
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
+    "self_attn.qkv_proj.weight": "wqkv",  # phi3: fused, split at load (arch_spec.FUSED)
+    "mlp.gate_up_proj.weight": "w_gate_up",
 }
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 _DERIVED = ".self_attn.rotary_emb.inv_freq"  # recomputed from the spec
@@ -71,6 +76,25 @@ def hf_name(ours: str) -> str:
     return f"model.layers.{i}.{next(k for k, v in _LAYER.items() if v == short)}"
 
 
+# Gemma 2 / 3 (gemma.py): HF's post_attention_layernorm follows attention; the MLP has its own pre and post norms
+_GEMMA_LAYER = {"post_attention_layernorm.weight": "post_attn_norm", "pre_feedforward_layernorm.weight": "ffn_norm",
+                "post_feedforward_layernorm.weight": "post_ffn_norm"}
+
+
+def _gemma_name(hf: str) -> str | None:
+    """Our name of a Gemma tensor (its norms named as ``_GEMMA_LAYER``, the rest as Llama's)."""
+    parts = hf.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _GEMMA_LAYER:
+        return f"layers.{parts[2]}.{_GEMMA_LAYER[parts[3]]}"
+    return our_name(hf)
+
+
+def _gemma_hf_name(ours: str) -> str:
+    inverse = {v: k for k, v in _GEMMA_LAYER.items()}
+    short = ours.rsplit(".", 1)[-1]
+    return f"model.layers.{ours.split('.')[1]}.{inverse[short]}" if short in inverse else hf_name(ours)
+
+
 def read_config(path: str) -> ModelConfig:
     """The spec of the directory at ``path`` (``config.json``, ``generation_config.json`` when present)."""
     d = Path(path)
@@ -81,6 +105,8 @@ def read_config(path: str) -> ModelConfig:
     gen = None
     if (d / "generation_config.json").is_file():
         gen = json.loads((d / "generation_config.json").read_text())
+    if cfg.get("model_type") in GEMMA_FAMILIES:
+        return gemma_from_hf_config(cfg, gen)
     return from_hf_config(cfg, gen)
 
 
@@ -111,15 +137,26 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
             for name in f.keys():
                 if name.endswith(_DERIVED):
                     continue
-                ours = our_name(name)
+                ours = _gemma_name(name) if config.architecture in GEMMA_FAMILIES else our_name(name)
                 if ours is None:
                     raise UnsupportedModel(f"{path}: unknown tensor {name!r} in {file.name} (not a "
                                            f"{config.architecture} weight)")
                 if ours in where:
                     raise UnsupportedModel(f"{path}: tensor {name!r} appears twice ({where[ours][0].name}, {file.name})")
                 where[ours] = (file, name)
-                found[ours] = (tuple(f.get_slice(name).get_shape()), name)
-    check_tensors(config, found, path, hf_name)
+                shape = tuple(f.get_slice(name).get_shape())
+                if ours.rsplit(".", 1)[-1] in FUSED:  # phi3's qkv_proj / gate_up_proj: checked as their parts
+                    if config.architecture != "phi3":
+                        raise UnsupportedModel(f"{path}: fused tensor {name!r} is not a {config.architecture} weight")
+                    parts = unfuse_found(config, ours, shape, name)
+                    if any(p in found for p in parts):
+                        raise UnsupportedModel(f"{path}: tensor {name!r} beside its unfused parts")
+                    found.update(parts)
+                    continue
+                if ours in found:
+                    raise UnsupportedModel(f"{path}: tensor {name!r} beside a fused tensor holding it")
+                found[ours] = (shape, name)
+    check_tensors(config, found, path, _gemma_hf_name if config.architecture in GEMMA_FAMILIES else hf_name)
     return where
 
 
@@ -156,6 +193,10 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for ours, name in pairs:
                 weights[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if ours.rsplit(".", 1)[-1] in FUSED:
+                    weights.update(split_fused(config, ours, weights.pop(ours)))
+    if config.architecture in GEMMA_FAMILIES:
+        fold_norms(config, weights)  # 1 + w, before lm_head may alias the embedding
     weights.setdefault("lm_head", weights["embed"])
     return config, weights
 

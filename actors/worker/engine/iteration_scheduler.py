@@ -116,6 +116,8 @@ class IterationScheduler:
         # ``admit_gate(adapter, adapters of the running sequences) -> bool``: called before a waiting sequence
         # with an adapter is admitted; False keeps it (and, FCFS, the queue behind it) waiting (no LoRA slot).
         self.admit_gate = None
+        # the model's sliding window (tokens; None = full attention): commit releases blocks before it
+        self.window: int | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -227,6 +229,8 @@ class IterationScheduler:
             seq.num_computed_tokens += item.num_new_tokens
             if seq.token_ids is not None:
                 self.bm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if self.window:  # sliding-window model: blocks before every later query's window go back
+                self.bm.release_before_window(seq.seq_id, seq.num_computed_tokens, self.window)
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Give running sequences their tokens (list order: interactive, then batch), preempting from
@@ -317,7 +321,7 @@ class IterationScheduler:
             victim = next((s for s in reversed(self.running) if s.tenant == donor), None)
             if victim is None:
                 return
-            held[donor] -= len(self.bm.block_table(victim.seq_id))
+            held[donor] -= self.bm.num_held(victim.seq_id)
             self.preempt(victim.seq_id)
             self.num_kv_reclaims += 1
             plan.reclaimed.append(victim.seq_id)
@@ -326,7 +330,7 @@ class IterationScheduler:
         """KV blocks held per tenant by running sequences."""
         held: dict[str, int] = {}
         for s in self.running:
-            held[s.tenant] = held.get(s.tenant, 0) + len(self.bm.block_table(s.seq_id))
+            held[s.tenant] = held.get(s.tenant, 0) + self.bm.num_held(s.seq_id)
         return held
 
     def _fairest_waiting(self, held: dict[str, int], weights: dict[str, float]) -> SchedSeq:

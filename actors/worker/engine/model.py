@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from . import arch_spec, cpu_kernels
 from .arch_spec import ModelConfig
 from .lora_slots import LoraBatch
+from .rope import longrope_inv_freq, scale_tables
 
 # A decode group may pad its members' contexts by at most this many blocks beyond the shortest.
 DECODE_PAD_SLACK = 4
@@ -84,6 +85,7 @@ class _NativeDecodes:
     rows: torch.Tensor  # int32 [S] packed-token rows of the decodes
     tables: torch.Tensor  # int32 [S, max_blocks] block tables (padding after a table's end is never read)
     lens: torch.Tensor  # int32 [S] context lengths (tokens in cache, the new one included)
+    window: int = 0  # sliding window (tokens; 0 = none): keys at positions >= lens - window
 
 
 @dataclass
@@ -109,9 +111,11 @@ def _native_decodes(dec: list, device) -> _NativeDecodes:
                           torch.tensor([m[1] for m in dec], dtype=torch.int32, device=device))
 
 
-def build_plan(meta: BatchMetadata, block_size: int, device, native: bool = False) -> _AttnPlan:
+def build_plan(meta: BatchMetadata, block_size: int, device, native: bool = False,
+               window: int | None = None) -> _AttnPlan:
     """Group decodes by context length (or, ``native``, hand them all to the native kernel) and
-    describe each prefill chunk (once per step)."""
+    describe each prefill chunk (once per step). ``window`` (tokens): sliding-window attention, a query at
+    position p sees keys at positions p - window + 1 .. p (transformers' ``sliding_window_overlay``)."""
     tables = meta.block_tables if meta.block_tables is not None else _block_tables_from_slots(meta, block_size)
     dec, prefills, q_start = [], [], 0
     for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
@@ -119,15 +123,19 @@ def build_plan(meta: BatchMetadata, block_size: int, device, native: bool = Fals
         if q_len == 1:
             dec.append((nblk, ctx_len, q_start, tables[i][:nblk]))
         elif q_len == ctx_len:
-            prefills.append(_Prefill(q_start, q_len, ctx_len, None, None))
+            prefills.append(_Prefill(q_start, q_len, ctx_len, None, _window_mask(q_len, q_len, window, device)))
         else:
             blocks = torch.tensor(tables[i][:nblk], device=device)
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
             mask = torch.arange(nblk * block_size, device=device).unsqueeze(0) <= q_pos
+            if window:
+                mask &= torch.arange(nblk * block_size, device=device).unsqueeze(0) > q_pos - window
             prefills.append(_Prefill(q_start, q_len, ctx_len, blocks, mask))
         q_start += q_len
     if native and dec:
-        return _AttnPlan([], prefills, all_decode=not prefills, native=_native_decodes(dec, device))
+        native_dec = _native_decodes(dec, device)
+        native_dec.window = window or 0
+        return _AttnPlan([], prefills, all_decode=not prefills, native=native_dec)
     groups = []
     dec.sort(key=lambda d: d[0])
     start = 0
@@ -141,13 +149,25 @@ def build_plan(meta: BatchMetadata, block_size: int, device, native: bool = Fals
         blocks = torch.tensor([m[3] + [m[3][0]] * (nblk - m[0]) for m in members], device=device)
         lens = [m[1] for m in members]
         mask = None
-        if any(n != nblk * block_size for n in lens):
+        if any(n != nblk * block_size for n in lens) or (window and max(lens) > window):
             ar = torch.arange(nblk * block_size, device=device)
             mask = (ar.unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1))[:, None, None, :]
+            if window:  # keys at positions >= len - window
+                mask &= (ar.unsqueeze(0) >= torch.tensor(lens, device=device).unsqueeze(1) - window)[:, None, None, :]
         in_order = [m[2] for m in members] == list(range(len(members)))
         groups.append(_DecodeGroup(rows, blocks, mask, in_order))
         start = end
     return _AttnPlan(groups, prefills, all_decode=not prefills)
+
+
+def _window_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor | None:
+    """Bool [q_len, ctx_len] causal sliding-window mask of a fresh chunk (True = attend); None when the window
+    does not bind (no window, or the chunk is no longer than it: plain causal attention)."""
+    if not window or ctx_len <= window:
+        return None
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
+    keys = torch.arange(ctx_len, device=device).unsqueeze(0)
+    return (keys <= q_pos) & (keys > q_pos - window)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -323,6 +343,10 @@ class LlamaModel:
             ))
         if config.rope_scaling == "dynamic":
             self.rope = DynamicRotary(config, max_positions, device)
+        elif config.rope_scaling == "longrope":  # one static table, long factors when serving past the original
+            self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, device,  # (rope.py)
+                                        longrope_inv_freq(config, max_positions))
+            scale_tables(self.rope, config.rope_attention_factor)
         else:
             self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, device,
                                         arch_spec.rope_inv_freq(config))
@@ -335,7 +359,7 @@ class LlamaModel:
             self.kernels = cpu_kernels.load()
         # Fresh-prefill attention on AMX (csrc/prefill_attention.cpp): bf16, head_dim 64.
         self.amx_prefill = (self.kernels is not None and self.kernels.has_amx and self.dtype == torch.bfloat16
-                            and config.head_dim == 64)
+                            and config.head_dim == 64 and config.sliding_window is None)  # plain causal only
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -345,7 +369,8 @@ class LlamaModel:
         """
         cfg = self.config
         if meta.plan is None:
-            meta.plan = build_plan(meta, kv_cache.shape[3], input_ids.device, self.kernels is not None)
+            meta.plan = build_plan(meta, kv_cache.shape[3], input_ids.device, self.kernels is not None,
+                                   cfg.sliding_window)
         h = F.embedding(input_ids, self.embed)
         if self.kernels is not None:
             h = self._layers_native(h, meta, kv_cache)
@@ -440,12 +465,15 @@ class LlamaModel:
         out = torch.empty_like(q) if out is None else out
         if plan.native is not None:
             n = plan.native
-            self.kernels.paged_decode_attention(q, out, k_blocks, v_blocks, n.rows, n.tables, n.lens, hd ** -0.5)
+            self.kernels.paged_decode_attention(q, out, k_blocks, v_blocks, n.rows, n.tables, n.lens, hd ** -0.5,
+                                                n.window)
         for g in plan.decodes:
             out[g.rows] = self._decode_group(q, g, k_blocks, v_blocks, rows_all=False)
         for p in plan.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            if p.blocks is None:
+            if p.blocks is None and p.mask is not None:  # a sliding window binds within the chunk
+                out[rows] = self._windowed_prefill(q[rows], k[rows], v[rows], p.mask)
+            elif p.blocks is None:
                 out[rows] = self._fresh_prefill(q[rows], k[rows], v[rows])
             else:
                 out[rows] = self._prefill_after_prefix(q[rows], p, k_blocks, v_blocks)
@@ -467,6 +495,17 @@ class LlamaModel:
         ks = k.to(q.dtype).repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
         vs = v.to(q.dtype).repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
         return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1)
+
+    def _windowed_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A fresh chunk under a sliding window: q [n, H, hd], k/v [n, Hkv, hd], ``mask`` bool [n, n] -> [n, H, hd].
+        GQA folded into the query axis as ``_prefill_after_prefix``."""
+        Hkv, hd, G = self.config.num_kv_heads, self.config.head_dim, self.num_groups
+        n = q.shape[0]
+        ks = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, hd]
+        vs = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        qs = q.reshape(n, Hkv, G, hd).permute(1, 0, 2, 3).reshape(1, Hkv, n * G, hd)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.repeat_interleave(G, 0))
+        return o[0].view(Hkv, n, G, hd).permute(1, 0, 2, 3).reshape(n, Hkv * G, hd)
 
     def _prefill_after_prefix(self, q: torch.Tensor, p: _Prefill, k_blocks, v_blocks) -> torch.Tensor:
         """A chunk following cached blocks (prefix-cache hit, later chunk of a chunked prefill).

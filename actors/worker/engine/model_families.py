@@ -7,11 +7,17 @@ from __future__ import annotations
 import torch
 
 from .arch_spec import ModelConfig
+from .gemma import GemmaModel
 from .model import LlamaModel, QkNormModel
 
 # ModelConfig.architecture -> model class. Qwen2 is Llama with Q/K/V biases (a spec field LlamaModel resolves at
 # build time); Qwen3 adds per-head q/k norms (QkNormModel). arch_spec.py resolves the spec from the file.
-FAMILIES = {"llama": LlamaModel, "qwen2": LlamaModel, "qwen3": QkNormModel}
+FAMILIES = {"llama": LlamaModel, "qwen2": LlamaModel, "qwen3": QkNormModel,
+            # Mistral: Llama with a sliding window; Phi-3: fused projections split by the loaders, LongRoPE, a
+            # window (spec fields LlamaModel resolves; decision 0046)
+            "mistral": LlamaModel, "phi3": LlamaModel,
+            # Gemma 2 / 3 text: sandwich norms, GeGLU, soft-caps, per-layer windows (gemma.py; torch path)
+            "gemma2": GemmaModel, "gemma3_text": GemmaModel}
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, make_linear=None,

@@ -101,7 +101,8 @@ class TorchRunner:
         self.native_off_reason = getattr(self.model, "native_off_reason", None)
         self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
         self.weights_shared = False  # True: the weights belong to another runner (share_weights_of)
-        self._init_adapters(config.max_loras if self.tp is None else 0)
+        # no adapter slots under tensor parallelism or for a model without LoRA (gemma.py: lora_off_reason)
+        self._init_adapters(config.max_loras if self.tp is None and not self._lora_off() else 0)
         self._init_kv(shard_cfg)
         self.load_phases = clock.phases  # {phase: s}: artifact_read, convert, kernels, quantize
         self.token_bytes, self.special_names = art.token_bytes, art.special_names
@@ -153,6 +154,10 @@ class TorchRunner:
         self.token_bytes, self.special_names = other.token_bytes, other.special_names
         self.load_phases = {"artifact_read": 0.0, "convert": 0.0, "kernels": 0.0,
                             "quantize": time.monotonic() - t0}  # the KV cache's allocation
+
+    def _lora_off(self) -> str | None:
+        """Why this model takes no LoRA adapters (its ``lora_off_reason``), or None."""
+        return getattr(self.model, "lora_off_reason", None)
 
     def _init_adapters(self, slots: int) -> None:
         """The LoRA AdapterManager with ``slots`` accelerator slots (None for 0) and the bytes they reserve."""
@@ -241,7 +246,8 @@ class TorchRunner:
         if not name:
             return
         if self.adapters is None:
-            raise ValueError(f"adapter {name!r}: LoRA adapters are disabled on this worker (max_loras=0)")
+            raise ValueError(f"adapter {name!r}: {self._lora_off() or 'LoRA adapters are disabled on this worker'} "
+                             "(max_loras=0)")
         if path and name not in self.adapters.paths:  # the request saw the registry record before this worker
             self.adapters.register(name, path)
         self.adapters.ensure_host(name, in_use)

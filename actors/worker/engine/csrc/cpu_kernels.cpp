@@ -33,6 +33,11 @@ using actorserve::store;
 using actorserve::to_f32;
 
 // In place over each of the G rows of ``scores`` [G, ctx]: softmax (max-subtracted, float32).
+// Scores of the t0 leading tokens (outside a sliding window) set to -inf: softmax gives them 0.
+inline void mask_before(float* scores, int rows, int ctx, int t0) {
+  for (int r = 0; r < rows && t0 > 0; ++r) std::fill(scores + static_cast<size_t>(r) * ctx, scores + static_cast<size_t>(r) * ctx + t0, -INFINITY);
+}
+
 void softmax_rows(float* scores, int G, int ctx) {
   for (int g = 0; g < G; ++g) {
     float* sg = scores + static_cast<size_t>(g) * ctx;
@@ -111,14 +116,15 @@ void softmax_rows_avx512(float* scores, int G, int ctx) {
 constexpr int kPrefetchTokens = 8;
 
 template <typename T, int G>
-void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int hd, int bs,
+void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int t0, int hd, int bs,
                   int64_t tok_stride, int h0, int nh, float* scores, float* acc) {
   const int C = hd / 16;
+  mask_before(scores, nh * G, ctx, t0);
   auto row = [&](const T* base, int t) {
     return base + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + static_cast<int64_t>(h0) * hd;
   };
   const int run_bytes = nh * hd * static_cast<int>(sizeof(T));
-  for (int t = 0; t < ctx; ++t) {  // pass 1: scores[hh * G + g][t] = q_g . k_t
+  for (int t = t0; t < ctx; ++t) {  // pass 1: scores[hh * G + g][t] = q_g . k_t
     if (t + kPrefetchTokens < ctx)
       for (int off = 0; off < run_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row(k, t + kPrefetchTokens)) + off, _MM_HINT_T0);
@@ -136,7 +142,7 @@ void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table,
   }
   softmax_rows_avx512(scores, nh * G, ctx);
   for (int i = 0; i < nh * G * hd; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
-  for (int t = 0; t < ctx; ++t) {  // pass 2: acc[hh * G + g] += p[hh * G + g][t] * v_t
+  for (int t = t0; t < ctx; ++t) {  // pass 2: acc[hh * G + g] += p[hh * G + g][t] * v_t
     if (t + kPrefetchTokens < ctx)
       for (int off = 0; off < run_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row(v, t + kPrefetchTokens)) + off, _MM_HINT_T0);
@@ -156,12 +162,12 @@ void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table,
 }
 
 template <typename T>
-bool heads_fast(int G, const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int hd, int bs,
+bool heads_fast(int G, const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int t0, int hd, int bs,
                 int64_t tok_stride, int h0, int nh, float* scores, float* acc) {
   if (hd % 16 != 0) return false;
   switch (G) {
 #define AS_CASE(n) \
-    case n: heads_avx512<T, n>(qf, k, v, table, ctx, hd, bs, tok_stride, h0, nh, scores, acc); return true;
+    case n: heads_avx512<T, n>(qf, k, v, table, ctx, t0, hd, bs, tok_stride, h0, nh, scores, acc); return true;
     AS_CASE(1) AS_CASE(2) AS_CASE(3) AS_CASE(4) AS_CASE(5) AS_CASE(6) AS_CASE(7) AS_CASE(8)
 #undef AS_CASE
     default: return false;
@@ -169,7 +175,7 @@ bool heads_fast(int G, const float* qf, const T* k, const T* v, const int32_t* t
 }
 #else
 template <typename T>
-bool heads_fast(int, const float*, const T*, const T*, const int32_t*, int, int, int, int64_t, int, int, float*,
+bool heads_fast(int, const float*, const T*, const T*, const int32_t*, int, int, int, int, int64_t, int, int, float*,
                 float*) {
   return false;
 }
@@ -177,9 +183,10 @@ bool heads_fast(int, const float*, const T*, const T*, const int32_t*, int, int,
 
 // One head of one sequence, portable C++ (no AVX-512, or a head_dim / group size it does not cover).
 template <typename T>
-void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int G, int hd, int bs,
-                 int64_t tok_stride, int h, float* scores, float* acc) {
-  for (int t = 0; t < ctx; ++t) {  // pass 1: scores[g][t] = q_g . k_t
+void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int t0, int G, int hd,
+                 int bs, int64_t tok_stride, int h, float* scores, float* acc) {
+  mask_before(scores, G, ctx, t0);
+  for (int t = t0; t < ctx; ++t) {  // pass 1: scores[g][t] = q_g . k_t
     const T* kt = k + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = qf + g * hd;
@@ -191,7 +198,7 @@ void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, 
   }
   softmax_rows(scores, G, ctx);
   std::fill(acc, acc + G * hd, 0.f);
-  for (int t = 0; t < ctx; ++t) {  // pass 2: acc_g += p_g[t] * v_t
+  for (int t = t0; t < ctx; ++t) {  // pass 2: acc_g += p_g[t] * v_t
     const T* vt = v + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
     for (int g = 0; g < G; ++g) {
       const float p = scores[static_cast<size_t>(g) * ctx + t];
@@ -207,7 +214,7 @@ void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, 
 template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, T* out, int64_t out_row_stride, const T* k,
                       const T* v, const int32_t* rows, const int32_t* tables, int64_t table_stride,
-                      const int32_t* lens, int num_seqs, int H, int Hkv, int hd, int bs, float scale) {
+                      const int32_t* lens, int num_seqs, int H, int Hkv, int hd, int bs, float scale, int window) {
   const int G = H / Hkv;
   const int64_t tok_stride = static_cast<int64_t>(Hkv) * hd;  // elements between tokens of a block
   const int nh = num_seqs >= 2 * omp_get_max_threads() ? Hkv : 1;
@@ -218,14 +225,17 @@ void decode_attention(const T* q, int64_t q_row_stride, T* out, int64_t out_row_
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < static_cast<int64_t>(num_seqs) * tasks_per_seq; ++task) {
       const int s = static_cast<int>(task / tasks_per_seq), h0 = static_cast<int>(task % tasks_per_seq) * nh;
-      const int ctx = lens[s];
-      const int32_t* table = tables + s * table_stride;
+      // Sliding window (decision 0046): keys at positions >= lens[s] - window.  The table starts at the block
+      // holding the first of them; t0 (< bs) leading tokens of that block are masked out.
+      const int start = window > 0 && lens[s] > window ? lens[s] - window : 0;
+      const int ctx = lens[s] - (start / bs) * bs, t0 = start % bs;
+      const int32_t* table = tables + s * table_stride + start / bs;
       const T* qrow = q + rows[s] * q_row_stride + static_cast<int64_t>(h0) * G * hd;
       for (int i = 0; i < nh * G * hd; ++i) qf[i] = to_f32(qrow[i]) * scale;
       scores.resize(static_cast<size_t>(nh) * G * ctx);
-      if (!heads_fast(G, qf.data(), k, v, table, ctx, hd, bs, tok_stride, h0, nh, scores.data(), acc.data())) {
+      if (!heads_fast(G, qf.data(), k, v, table, ctx, t0, hd, bs, tok_stride, h0, nh, scores.data(), acc.data())) {
         for (int hh = 0; hh < nh; ++hh)
-          head_scalar(qf.data() + hh * G * hd, k, v, table, ctx, G, hd, bs, tok_stride, h0 + hh,
+          head_scalar(qf.data() + hh * G * hd, k, v, table, ctx, t0, G, hd, bs, tok_stride, h0 + hh,
                       scores.data() + static_cast<size_t>(hh) * G * ctx, acc.data() + hh * G * hd);
       }
       T* orow = out + rows[s] * out_row_stride + static_cast<int64_t>(h0) * G * hd;
@@ -239,16 +249,16 @@ void decode_attention(const T* q, int64_t q_row_stride, T* out, int64_t out_row_
 extern "C" int actorserve_paged_decode_attention(
     int dtype, const void* q, int64_t q_row_stride, void* out, int64_t out_row_stride, const void* k,
     const void* v, const int32_t* rows, const int32_t* tables, int64_t table_stride, const int32_t* lens,
-    int num_seqs, int H, int Hkv, int hd, int bs, float scale) {
-  if (Hkv <= 0 || H % Hkv != 0 || hd <= 0 || bs <= 0) return 1;
+    int num_seqs, int H, int Hkv, int hd, int bs, float scale, int window) {
+  if (Hkv <= 0 || H % Hkv != 0 || hd <= 0 || bs <= 0 || window < 0) return 1;
   if (dtype == 0) {
     decode_attention(static_cast<const float*>(q), q_row_stride, static_cast<float*>(out), out_row_stride,
                      static_cast<const float*>(k), static_cast<const float*>(v), rows, tables, table_stride,
-                     lens, num_seqs, H, Hkv, hd, bs, scale);
+                     lens, num_seqs, H, Hkv, hd, bs, scale, window);
   } else if (dtype == 1) {
     decode_attention(static_cast<const uint16_t*>(q), q_row_stride, static_cast<uint16_t*>(out),
                      out_row_stride, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), rows,
-                     tables, table_stride, lens, num_seqs, H, Hkv, hd, bs, scale);
+                     tables, table_stride, lens, num_seqs, H, Hkv, hd, bs, scale, window);
   } else {
     return 2;
   }

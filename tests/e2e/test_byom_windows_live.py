@@ -1,0 +1,61 @@
+"""Bring your own model, live (issue [21] items 1-2): a tiny Mistral GGUF (sliding window of 16 tokens) and a tiny
+Phi-3 Hugging Face directory (fused projections, LongRoPE), built at test time with transformers
+(tests/family_models.py), registered through ``actorserve models register`` beside the running default model on
+real NATS and etcd, answer chat (streamed and not) through the official ``openai`` client, past the window and past
+LongRoPE's original length; and a tiny Gemma 3 text directory (issue [22] item 1: sandwich norms, GeGLU, q/k norms,
+a sliding and a full layer, torch path).
+
+The Mistral GGUF carries bench/tiny_model.py's byte-level BPE vocabulary (``tokenizer.ggml.model = gpt2``), not
+a SentencePiece one: SentencePiece GGUF vocabularies are issue [21] item 3, not in this branch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.helpers import tiny_deployment
+from tests.e2e.test_byom_live import WORKER_ARGS, _register, _until_served
+
+pytestmark = pytest.mark.timeout(420)
+PROMPT = "Tell me a long story about a red fox, a blue bird and a green frog who walk to the sea together."
+
+
+def _models(tmp: Path) -> dict[str, str]:
+    """{"mistral": GGUF file, "phi3": HF directory, "gemma3": HF directory} of tiny models with a 4096-position
+    context."""
+    from tests import family_models as fm
+
+    out = {}
+    for name, fmt in (("mistral", "gguf"), ("phi3", "hf"), ("gemma3", "hf")):
+        variant = fm.variant_of(name)
+        fm.WINDOW_VARIANTS[f"{name}-long"] = fm.Variant(variant.family,
+                                                        {**variant.config, "max_position_embeddings": 4096},
+                                                        variant.gguf)
+        try:
+            built = fm.build(f"{name}-long", tmp, seed=5)
+        finally:
+            del fm.WINDOW_VARIANTS[f"{name}-long"]
+        out[name] = built["hf"] + "/" if fmt == "hf" else built["gguf"]
+    return out
+
+
+def test_a_mistral_gguf_and_phi3_and_gemma3_directories_registered_live_answer(tmp_path, tiny_gguf):
+    models = _models(tmp_path)
+    with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
+        for name, artifact in models.items():
+            _register(sup, tmp_path, name, artifact)
+        client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
+        for name in models:
+            _until_served(client, name)
+            assert {name, f"{name}@1"} <= {m.id for m in client.models.list().data}
+            msgs = [{"role": "user", "content": PROMPT}]
+            full = client.chat.completions.create(model=name, messages=msgs, max_tokens=24, temperature=0)
+            assert full.choices[0].finish_reason in ("stop", "length"), full.choices[0]
+            # the prompt is past the window (16) and LongRoPE's original length (32) on its own
+            assert full.usage.prompt_tokens > 32 and full.usage.completion_tokens >= 1, full.usage
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=name, messages=msgs, max_tokens=24, temperature=0, stream=True) if c.choices)
+            assert text == (full.choices[0].message.content or "")  # streamed equals non-streamed

@@ -1,0 +1,135 @@
+"""Gemma 2 and Gemma 3 text from Hugging Face directories (issue [22] item 1, in part: gemma.py) against transformers
+in float32 (its eager attention: SDPA has no soft-cap).
+
+Models: tests/family_models.py ``GEMMA_VARIANTS`` (tiny, random, scaled): two layers, the first with a window of
+16 tokens, the second full; Gemma 2 with attention / final soft-caps of 5 / 10 (low enough to bind) and
+``query_pre_attn_scalar`` 32 (head_dim 16); Gemma 3 with q/k norms, a local RoPE base (10^4) beside the full
+layers' linearly scaled one (10^6, x2). Prompts of 48, 40 and 7 tokens. Negative controls: each feature switched
+off in our model moves the logits by more than 100 x LOGIT_ATOL.
+
+Not here (and refused): GGUF files of either (``general.architecture`` gemma2 / gemma3), LoRA adapters; not
+measured: a soft-capping kernel (the attention is explicit per sequence, the correct path only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from actors.worker.engine.engine import EngineConfig, LLMEngine
+from actors.worker.engine.types import EngineRequest
+from tests.engine_fixtures import prefill_logits, stepwise_logits
+from tests.family_models import GEMMA_VARIANTS, build
+from tests.unit.test_engine_families import GEN_TOKENS, LOGIT_ATOL, PROMPTS, _our_logits, greedy, hf_forward, run_all
+from tests.unit.test_engine_windows_longrope import chunked_logits
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {name: build(name, folder) for name in GEMMA_VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    made = {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32",
+                                                   kv_cache_bytes=8 * 2**20, max_num_seqs=8, max_loras=0))
+        return made[variant]
+    return get
+
+
+@pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
+def test_logits_match_transformers(models, engines, variant):
+    eng, model = engines(variant), models[variant]["model"]
+    worst = 0.0
+    for p in PROMPTS:
+        ref = hf_forward(model, p)
+        assert ref.std().item() >= 1.0
+        parts = [prefill_logits(eng, p), stepwise_logits(eng, p)] + ([chunked_logits(eng, p, 19)] if len(p) > 20 else [])
+        worst = max([worst] + [(x - ref).abs().max().item() for x in parts])
+    print(f"{variant}: max|dlogit| {worst:.2e}")
+    assert worst <= LOGIT_ATOL
+
+
+@pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
+def test_greedy_32_tokens_match_transformers(models, engines, variant):
+    model, prompt = models[variant]["model"], PROMPTS[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=2)[0, len(prompt):].tolist()
+    eng = engines(variant)
+    eng.add_request(EngineRequest("g", tuple(prompt), greedy(GEN_TOKENS)))
+    assert run_all(eng)["g"] == ref
+
+
+@pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
+def test_batched_equals_alone(engines, variant):
+    eng = engines(variant)
+    alone = []
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(EngineRequest(f"a{i}", tuple(p), greedy(12)))
+        alone.append(run_all(eng)[f"a{i}"])
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(EngineRequest(f"b{i}", tuple(p), greedy(12)))
+    got = run_all(eng)
+    assert [got[f"b{i}"] for i in range(len(PROMPTS))] == alone
+
+
+def test_the_torch_path_and_why(engines):
+    eng = engines("gemma2")
+    assert eng.model.kernels is None and "Gemma" in eng.runner.native_off_reason
+
+
+def _off(feature: str):
+    def change(cfg, weights):
+        if feature == "attn_softcap":
+            return dataclasses.replace(cfg, attn_softcap=None)
+        if feature == "final_softcap":
+            return dataclasses.replace(cfg, final_softcap=None)
+        if feature == "window":
+            return dataclasses.replace(cfg, layer_windows=(0,) * cfg.num_layers)
+        if feature == "query_pre_attn_scalar":
+            return dataclasses.replace(cfg, query_pre_attn_scalar=float(cfg.head_dim))
+        if feature == "local_rope":
+            return dataclasses.replace(cfg, rope_local_theta=None)
+        raise AssertionError(feature)
+    return change
+
+
+CONTROLS = [("gemma2", f) for f in ("attn_softcap", "final_softcap", "window", "query_pre_attn_scalar")] + \
+    [("gemma3", f) for f in ("window", "local_rope", "query_pre_attn_scalar")]
+
+
+@pytest.mark.parametrize("variant,feature", CONTROLS)
+def test_negative_control_switching_a_feature_off_moves_the_logits(models, variant, feature):
+    path, prompt = models[variant]["hf"], PROMPTS[0]
+    on = _our_logits(path, prompt)
+    assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
+    moved = (_our_logits(path, prompt, _off(feature)) - on).abs().max().item()
+    print(f"{variant} without {feature}: max|dlogit| {moved:.2f}")
+    assert moved > 100 * LOGIT_ATOL
+
+
+def test_gemma_norms_are_offsets(models):
+    """The checkpoint's norm weights are w in ``1 + w`` (folded at load): read as Llama's plain w, the logits
+    move."""
+    from actors.worker.engine.weights_cache import read_artifact
+
+    art = read_artifact(models["gemma2"]["hf"], torch.float32)
+    raw = models["gemma2"]["model"].model.layers[0].input_layernorm.weight
+    assert torch.equal(art.weights["layers.0.attn_norm"], raw + 1.0)
+
+
+def test_an_adapter_is_refused_by_name_before_any_step(engines):
+    eng = engines("gemma2")
+    with pytest.raises(ValueError, match="not supported for Gemma"):
+        eng.runner.check_adapter("a", "/nonexistent", set())
