@@ -23,11 +23,14 @@ with a feature silently left out.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")  # mixture-of-experts MLPs (moe.py, decision 0047)
+GGUF_ARCHES = {"qwen3moe": "qwen3_moe"}  # llama.cpp's general.architecture -> our family (Mixtral: llama + experts)
 ROPE_SCALINGS = (None, "linear", "dynamic", "llama3")
 
 
@@ -64,6 +67,12 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3
     rope_freq_factors: tuple[float, ...] | None = None  # llama3 from GGUF ``rope_freqs``: inv_freq divisors
     generation_eos_ids: tuple[int, ...] = ()  # extra stop ids of generation_config.json
+    # Mixture of experts (moe.py): 0 experts = a dense SwiGLU MLP. With experts, ``ffn_size`` is one expert's
+    # inner size (Mixtral ``intermediate_size``, Qwen3-MoE ``moe_intermediate_size``).
+    num_experts: int = 0  # routed experts per layer
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    norm_topk_prob: bool = True  # renormalise the top-k softmax probabilities to sum to 1
+    shared_ffn_size: int = 0  # inner size of a shared expert beside the routed ones (Qwen2-MoE style); 0 = none
 
     def __post_init__(self) -> None:  # JSON (the weights cache) gives lists: keep the dataclass hashable
         for name in ("rope_freq_factors", "generation_eos_ids"):
@@ -85,6 +94,8 @@ def native_unsupported(config: ModelConfig) -> str | None:
     """Why the native CPU kernels (cpu_kernels.py: fused RMSNorm + RoPE + K/V write, paged decode attention)
     cannot run this model, or None when they can. Their RoPE reads one static cos/sin table by position, and
     their fused projection-to-cache step has no place for a per-head norm."""
+    if config.num_experts:
+        return "mixture-of-experts MLP blocks (moe.py) run on the torch path"
     if config.qk_norm:
         return "q/k RMSNorm (qwen3) is not in the native kernels"
     if config.rope_scaling == "dynamic":
@@ -171,7 +182,23 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
         if config.qk_norm:
             out.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
+        if config.num_experts:
+            _moe_weights(out, p, config)
     return out
+
+
+def _moe_weights(out: dict, p: str, config: ModelConfig) -> None:
+    """Replace layer ``p``'s dense MLP in ``out`` by the router ``router`` [E, d], the stacked experts
+    ``exp_gate`` / ``exp_up`` [E, f, d] and ``exp_down`` [E, d, f] (llama.cpp's ``*_exps`` layout; a Hugging
+    Face directory's per-expert tensors are stacked by hf_loader) and, with ``shared_ffn_size``, the shared
+    expert ``shexp_gate`` / ``shexp_up`` [fs, d], ``shexp_down`` [d, fs] and its gate ``shexp_router`` [1, d]."""
+    d, f, e, fs = config.hidden_size, config.ffn_size, config.num_experts, config.shared_ffn_size
+    for name in ("w_gate", "w_up", "w_down"):
+        del out[p + name]
+    out.update({p + "router": (e, d), p + "exp_gate": (e, f, d), p + "exp_up": (e, f, d), p + "exp_down": (e, d, f)})
+    if fs:
+        out.update({p + "shexp_gate": (fs, d), p + "shexp_up": (fs, d), p + "shexp_down": (d, fs),
+                    p + "shexp_router": (1, d)})
 
 
 def check_tensors(config: ModelConfig, found: dict[str, tuple[tuple[int, ...], str]], where: str,
@@ -243,7 +270,7 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
     eos = cfg.get("eos_token_id") if gen.get("eos_token_id") is None else gen.get("eos_token_id")
     eos_list = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
-    return ModelConfig(
+    return _moe_from_hf(cfg, arch, ModelConfig(
         num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
         ffn_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]), context_length=max_pos,
@@ -251,7 +278,34 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos), eos_token_id=eos_list[0] if eos_list else None,
         architecture=arch, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),  # the three classes' default
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")), qk_norm=arch == "qwen3",
-        generation_eos_ids=tuple(eos_list[1:]), **scaling)
+        generation_eos_ids=tuple(eos_list[1:]), **scaling))
+
+
+def _moe_from_hf(cfg: dict, arch: str, spec: ModelConfig) -> ModelConfig:
+    """``spec`` with the mixture-of-experts fields of a ``mixtral`` / ``qwen3_moe`` config.json (unchanged for
+    the dense families). Mixtral always renormalises its top-k (transformers' ``MixtralTopKRouter``); Qwen3-MoE
+    as ``norm_topk_prob`` says. UnsupportedModel names a field the engine does not model: dense layers among
+    sparse ones (``decoder_sparse_step`` other than 1, ``mlp_only_layers``), a sliding window, top-k outside
+    1..experts."""
+    if arch not in MOE_FAMILIES:
+        return spec
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedModel(f"config.json: num_experts {experts} / num_experts_per_tok {top_k}: need "
+                               "1 <= num_experts_per_tok <= experts")
+    if cfg.get("sliding_window") is not None and arch == "mixtral":
+        raise UnsupportedModel(f"config.json: sliding_window {cfg['sliding_window']} is not supported for mixtral")
+    changes: dict = {"num_experts": experts, "num_experts_per_tok": top_k}
+    if arch == "mixtral":
+        changes["norm_topk_prob"] = True
+    else:  # qwen3_moe
+        if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+            raise UnsupportedModel("config.json: decoder_sparse_step / mlp_only_layers (dense MLP layers among the "
+                                   "mixture-of-experts ones) are not supported")
+        changes.update(norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), qk_norm=True,
+                       ffn_size=int(cfg["moe_intermediate_size"]))
+    return dataclasses.replace(spec, **changes)
 
 
 # ------------------------------------------------------------------------------------------------ GGUF
@@ -266,7 +320,7 @@ def from_gguf(reader) -> ModelConfig:
     """The spec of an open ``gguf.GGUFReader`` (llama.cpp's keys ``{arch}.*``; ``rope_freqs`` read here for
     llama3 scaling). UnsupportedModel names the key."""
     arch = _field(reader, "general.architecture")
-    if arch not in FAMILIES:
+    if arch not in FAMILIES and arch not in GGUF_ARCHES:
         raise UnsupportedModel(f"GGUF general.architecture {arch!r} is not supported (supported: "
                                f"{', '.join(FAMILIES)})")
     p = arch + "."
@@ -301,7 +355,7 @@ def from_gguf(reader) -> ModelConfig:
         scaling = {"rope_scaling": "llama3", "rope_freq_factors": tuple(float(x) for x in factors),
                    "rope_factor": float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)}
     ctx = int(_field(reader, p + "context_length", 2048))
-    return ModelConfig(
+    return _moe_from_gguf(reader, p, ModelConfig(
         num_layers=int(_field(reader, p + "block_count")), hidden_size=hidden, num_heads=heads,
         num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)), head_dim=head_dim,
         ffn_size=int(_field(reader, p + "feed_forward_length")), vocab_size=int(vocab), context_length=ctx,
@@ -311,4 +365,37 @@ def from_gguf(reader) -> ModelConfig:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
         architecture=arch, tie_word_embeddings="output.weight" not in names,
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **scaling)
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **scaling))
+
+
+def _moe_from_gguf(reader, p: str, spec: ModelConfig) -> ModelConfig:
+    """``spec`` with llama.cpp's mixture-of-experts keys (``{arch}.expert_count``, ``expert_used_count``,
+    ``expert_feed_forward_length``, ``expert_weights_norm``): a ``llama`` file with experts is Mixtral, a
+    ``qwen3moe`` file Qwen3-MoE. Renormalisation of the top-k follows ``expert_weights_norm`` where the file has
+    it, else llama.cpp's own graphs (llama and qwen3moe both renormalise: src/models/llama.cpp, qwen3moe.cpp).
+    UnsupportedModel names a key the engine does not model (a gating function other than softmax, an expert
+    weight scale, leading dense blocks, shared experts in these families)."""
+    experts = int(_field(reader, p + "expert_count", 0) or 0)
+    arch = GGUF_ARCHES.get(spec.architecture, spec.architecture)
+    if arch == "llama" and experts:
+        arch = "mixtral"
+    if arch not in MOE_FAMILIES:
+        return spec
+    top_k = int(_field(reader, p + "expert_used_count", 0) or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedModel(f"GGUF {p}expert_count {experts} / {p}expert_used_count {top_k}: need "
+                               "1 <= expert_used_count <= expert_count")
+    gating = _field(reader, p + "expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedModel(f"GGUF {p}expert_gating_func {gating} is not supported (softmax only)")
+    scale = _field(reader, p + "expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise UnsupportedModel(f"GGUF {p}expert_weights_scale {scale} is not supported")
+    for key in ("leading_dense_block_count", "expert_shared_count", "expert_shared_feed_forward_length"):
+        if _field(reader, p + key):
+            raise UnsupportedModel(f"GGUF {p}{key} is not supported for {arch}")
+    norm = _field(reader, p + "expert_weights_norm")
+    ffn = int(_field(reader, p + "expert_feed_forward_length", 0) or spec.ffn_size)
+    return dataclasses.replace(spec, architecture=arch, num_experts=experts, num_experts_per_tok=top_k,
+                               norm_topk_prob=True if norm is None else bool(norm), ffn_size=ffn,
+                               qk_norm=arch == "qwen3_moe")

@@ -1,13 +1,14 @@
 """GGUF loader: the architecture spec (``ModelConfig``, arch_spec.py) and dequantized weights as torch tensors.
 
-Families ``llama``, ``qwen2``, ``qwen3`` (``general.architecture``), with llama.cpp's conventions per
+Families ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe`` and Mixtral (``llama`` with ``llama.expert_count``; its
+experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``) (``general.architecture``), with llama.cpp's conventions per
 architecture (``convert_hf_to_gguf.py``). Reads the file with ``gguf.GGUFReader`` (memory-mapped) and
 dequantizes each tensor with ``gguf.quants.dequantize`` (numpy float32), then converts to the requested dtype.
 
 Layout notes:
 * GGUF ``ne`` order is innermost-first, so a tensor listed as ``[in, out]`` comes out of the
   reader/dequantizer as a row-major ``[out, in]`` array = torch ``nn.Linear.weight`` layout.
-* ``llama`` only: the converter permutes the rows of ``attn_q``/``attn_k`` so that the two halves of each
+* ``llama`` (Mixtral included) only: the converter permutes the rows of ``attn_q``/``attn_k`` so that the two halves of each
   head (Hugging Face ``rotate_half`` convention) become interleaved pairs (GPT-J / llama.cpp RoPE). We undo
   that here (``unpermute_qk``) so the model uses the Hugging Face layout and RoPE. Qwen2 / Qwen3 files are
   written unpermuted (llama.cpp rotates them NEOX-style), so nothing is undone for them.
@@ -43,6 +44,10 @@ _LAYER_NAMES = {
     "attn_v.bias": "bv",
     "attn_q_norm": "q_norm",  # qwen3
     "attn_k_norm": "k_norm",
+    "ffn_gate_inp": "router",  # mixture of experts (Mixtral, Qwen3-MoE): [E, d]
+    "ffn_gate_exps": "exp_gate",  # stacked experts [E, f, d]
+    "ffn_up_exps": "exp_up",
+    "ffn_down_exps": "exp_down",  # [E, d, f]
 }
 _CONSUMED = ("rope_freqs.weight",)  # read into the spec (arch_spec.from_gguf)
 
@@ -107,7 +112,7 @@ def _dequantize(tensor, config: ModelConfig) -> np.ndarray:
     """Dequantize one ReaderTensor to float32 numpy in torch layout, un-permuting Q/K rows of llama files."""
     arr = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     arr = arr.reshape([int(d) for d in reversed(tensor.shape)]) if arr.ndim > 1 else arr
-    if config.architecture == "llama":
+    if config.architecture in ("llama", "mixtral"):  # Mixtral files are labelled llama (convert_hf_to_gguf.py)
         if tensor.name.endswith("attn_q.weight"):
             arr = unpermute_qk(arr, config.num_heads)
         elif tensor.name.endswith("attn_k.weight"):
