@@ -5,7 +5,7 @@ tests/family_models.py builds the dense families (its scaling: logits std > 1, s
 choice of experts moves the logits. Variants:
 
 * ``mixtral``: Mixtral (Llama attention, top-2 renormalised), untied head;
-* ``qwen3-moe``: Qwen3-MoE (q/k norms, ``moe_intermediate_size`` 48 beside a dense ``intermediate_size`` 128
+* ``qwen3-moe``: Qwen3-MoE (q/k norms, ``moe_intermediate_size`` 96 beside a dense ``intermediate_size`` 128
   that no layer uses, ``norm_topk_prob`` true), untied head;
 * ``qwen3-moe-nonorm``: the same with ``norm_topk_prob`` false (transformers' default; directory only: llama.cpp's
   qwen3moe graph always renormalises).
@@ -37,10 +37,10 @@ VARIANTS = {
                                    "rope_theta": 10000.0}),
     "qwen3-moe": Variant("qwen3_moe", {"tie_word_embeddings": False, "max_position_embeddings": 128,
                                        "head_dim": 32, "num_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K,
-                                       "moe_intermediate_size": 48, "norm_topk_prob": True}),
+                                       "moe_intermediate_size": 96, "norm_topk_prob": True}),
     "qwen3-moe-nonorm": Variant("qwen3_moe", {"tie_word_embeddings": False, "max_position_embeddings": 128,
                                               "head_dim": 32, "num_experts": NUM_EXPERTS,
-                                              "num_experts_per_tok": TOP_K, "moe_intermediate_size": 48,
+                                              "num_experts_per_tok": TOP_K, "moe_intermediate_size": 96,
                                               "norm_topk_prob": False}, gguf=False),
 }
 
@@ -172,10 +172,11 @@ def sentencepiece_dir(src: str, folder: str | os.PathLike) -> str:
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(os.path.join(src, name), dst / name)
     rng = random.Random(0)
-    words = ["the", "expert", "router", "mixture", "token", "gate", "tiny", "model", "test", "sparse"]
+    # 5 letters: 256 byte pieces + 3 control + 6 characters leave room for merges within the model's 269 ids
+    words = ["ab", "cab", "bad", "dead", "bead", "aced", "dab", "ace", "decade", "bed"]
     corpus = dst / "corpus.txt"
     corpus.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(dst / "tokenizer"), vocab_size=264,
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(dst / "tokenizer"), vocab_size=268,
                                    model_type="bpe", byte_fallback=True, minloglevel=2)
     corpus.unlink()
     return str(dst)
