@@ -7,6 +7,8 @@ choice of experts moves the logits. Variants:
 * ``mixtral``: Mixtral (Llama attention, top-2 renormalised), untied head;
 * ``qwen3-moe``: Qwen3-MoE (q/k norms, ``moe_intermediate_size`` 96 beside a dense ``intermediate_size`` 128
   that no layer uses, ``norm_topk_prob`` true), untied head;
+* ``qwen2-moe``: Qwen2-MoE (Q/K/V biases, a shared expert of 128 gated by a sigmoid, ``norm_topk_prob`` false,
+  as llama.cpp's qwen2moe graph);
 * ``qwen3-moe-nonorm``: the same with ``norm_topk_prob`` false (transformers' default; directory only: llama.cpp's
   qwen3moe graph always renormalises).
 
@@ -38,6 +40,10 @@ VARIANTS = {
     "qwen3-moe": Variant("qwen3_moe", {"tie_word_embeddings": False, "max_position_embeddings": 128,
                                        "head_dim": 32, "num_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K,
                                        "moe_intermediate_size": 96, "norm_topk_prob": True}),
+    "qwen2-moe": Variant("qwen2_moe", {"tie_word_embeddings": False, "max_position_embeddings": 128,
+                                       "num_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K,
+                                       "moe_intermediate_size": 96, "shared_expert_intermediate_size": 128,
+                                       "norm_topk_prob": False}),
     "qwen3-moe-nonorm": Variant("qwen3_moe", {"tie_word_embeddings": False, "max_position_embeddings": 128,
                                               "head_dim": 32, "num_experts": NUM_EXPERTS,
                                               "num_experts_per_tok": TOP_K, "moe_intermediate_size": 96,
@@ -80,7 +86,12 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-          "block_sparse_moe.gate.weight": "ffn_gate_inp.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}
+          "block_sparse_moe.gate.weight": "ffn_gate_inp.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+          "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+          "self_attn.v_proj.bias": "attn_v.bias", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+          "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+          "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+          "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
 # per-expert name -> llama.cpp's stacked tensor
 _EXPERTS = {"w1.weight": "ffn_gate_exps.weight", "w3.weight": "ffn_up_exps.weight", "w2.weight": "ffn_down_exps.weight",
             "gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up_exps.weight",
@@ -125,7 +136,7 @@ def write_moe_gguf(model, hf_dir: str, path: str, drop: tuple = (), extra_kv: di
     from bench.tiny_model import _add_tokenizer
 
     cfg = model.config
-    arch = "llama" if cfg.model_type == "mixtral" else "qwen3moe"
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -143,8 +154,10 @@ def write_moe_gguf(model, hf_dir: str, path: str, drop: tuple = (), extra_kv: di
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_local_experts if cfg.model_type == "mixtral" else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if cfg.model_type == "qwen3_moe":
+    if cfg.model_type != "mixtral":
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.model_type == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     for key, value in (extra_kv or {}).items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)

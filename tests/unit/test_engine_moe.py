@@ -87,7 +87,8 @@ def test_logits_match_transformers(models, engines, variant, fmt):
     eng = engines(variant, fmt)
     cfg = eng.model_config
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (NUM_EXPERTS, TOP_K)
-    assert cfg.norm_topk_prob == (variant != "qwen3-moe-nonorm")
+    assert cfg.norm_topk_prob == (variant not in ("qwen3-moe-nonorm", "qwen2-moe"))
+    assert cfg.shared_ffn_size == (128 if variant == "qwen2-moe" else 0)
     model = models[variant]["model"]
     worst = 0.0
     for p in PROMPTS:
@@ -124,7 +125,7 @@ def test_batched_equals_alone(engines, variant, fmt):
 
 
 def test_gguf_equals_the_directory(engines):
-    for variant in ("mixtral", "qwen3-moe"):
+    for variant in ("mixtral", "qwen2-moe", "qwen3-moe"):
         a, b = engines(variant, "hf"), engines(variant, "gguf")
         assert (prefill_logits(a, PROMPTS[0]) - prefill_logits(b, PROMPTS[0])).abs().max().item() <= LOGIT_ATOL
 
@@ -146,12 +147,15 @@ def _our_logits(path: str, prompt: list[int], change=None) -> torch.Tensor:
 CONTROLS = {  # feature -> spec change
     "renormalisation switched": lambda c, w: dataclasses.replace(c, norm_topk_prob=not c.norm_topk_prob),
     "top-1 instead of top-2": lambda c, w: dataclasses.replace(c, num_experts_per_tok=1),
+    "shared expert dropped": lambda c, w: dataclasses.replace(c, shared_ffn_size=0),
 }
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 @pytest.mark.parametrize("feature", list(CONTROLS))
 def test_negative_control_moves_the_logits(models, variant, fmt, feature):
+    if feature == "shared expert dropped" and variant != "qwen2-moe":
+        pytest.skip("only qwen2-moe has a shared expert")
     path, prompt = models[variant][fmt], PROMPTS[0]
     on = _our_logits(path, prompt)
     assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
@@ -268,6 +272,20 @@ def test_quantized_experts_within_tolerance(models, engines, variant, quant):
         top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(f"{variant}/{quant}/{f.__name__}: rel {rel:.4f} top1 {top1:.3f}")
         assert rel <= max_rel and top1 >= min_top1
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
+def test_bfloat16_within_tolerance(models, variant):
+    """bf16 (oneDNN-packed experts where available) against transformers float32: the project's bf16 bounds
+    (test_engine_families.py: rel 0.08, top1 0.8)."""
+    eng = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="bfloat16", kv_cache_bytes=8 * 2**20,
+                                 max_loras=0))
+    ref = torch.cat([hf_forward(models[variant]["model"], p) for p in PROMPTS])
+    ours = torch.cat([prefill_logits(eng, p) for p in PROMPTS])
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"{variant}/bf16: rel {rel:.4f} top1 {top1:.3f}")
+    assert rel <= 0.08 and top1 >= 0.8
 
 
 def test_the_memory_estimate_counts_every_expert(models, engines):

@@ -1,7 +1,8 @@
 """The architecture spec of a model (``ModelConfig``), resolved once at load time from a Hugging Face
 ``config.json`` or from GGUF metadata (decision 0041).
 
-Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3). The
+Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3), ``mixtral`` and
+``qwen3_moe`` (mixtures of experts; in a GGUF ``llama`` with ``expert_count``, and ``qwen3moe``). The
 features that set them apart are fields of the spec, and the torch model (model.py) turns them into its
 module structure when it is built, so the llama decode path carries no per-call test for them:
 
@@ -12,7 +13,10 @@ module structure when it is built, so the llama decode path carries no per-call 
 * RoPE scaling ``rope_scaling``: None, ``"linear"`` (positions divided by ``rope_factor``), ``"dynamic"``
   (NTK-aware base, recomputed for a sequence longer than ``rope_original_max_positions``, as transformers'
   ``dynamic_rope_update``) or ``"llama3"`` (frequency bands, ``rope_low_freq_factor`` /
-  ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor).
+  ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor);
+* mixture of experts (``mixtral``, ``qwen3_moe``; decision 0047): ``num_experts``, ``num_experts_per_tok``,
+  ``norm_topk_prob`` and ``shared_ffn_size``; ``ffn_size`` is then one expert's inner size. The model's MLP
+  blocks are moe.py's.
 
 Anything else is refused (``UnsupportedModel``, a ValueError naming the field or tensor): an unknown
 ``model_type`` / ``general.architecture``, a RoPE type, an activation other than SiLU, attention or MLP bias
@@ -22,15 +26,15 @@ with a feature silently left out.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-MOE_FAMILIES = ("mixtral", "qwen3_moe")  # mixture-of-experts MLPs (moe.py, decision 0047)
-GGUF_ARCHES = {"qwen3moe": "qwen3_moe"}  # llama.cpp's general.architecture -> our family (Mixtral: llama + experts)
+FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # mixture-of-experts MLPs (moe.py, decision 0047)
+GGUF_ARCHES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's general.architecture -> our family (Mixtral: llama + experts)
 ROPE_SCALINGS = (None, "linear", "dynamic", "llama3")
 
 
@@ -282,9 +286,10 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
 
 
 def _moe_from_hf(cfg: dict, arch: str, spec: ModelConfig) -> ModelConfig:
-    """``spec`` with the mixture-of-experts fields of a ``mixtral`` / ``qwen3_moe`` config.json (unchanged for
-    the dense families). Mixtral always renormalises its top-k (transformers' ``MixtralTopKRouter``); Qwen3-MoE
-    as ``norm_topk_prob`` says. UnsupportedModel names a field the engine does not model: dense layers among
+    """``spec`` with the mixture-of-experts fields of a ``mixtral`` / ``qwen2_moe`` / ``qwen3_moe`` config.json
+    (unchanged for the dense families). Mixtral always renormalises its top-k (transformers'
+    ``MixtralTopKRouter``); Qwen2/3-MoE as ``norm_topk_prob`` says (default false); Qwen2-MoE has Q/K/V biases
+    (``qkv_bias``, default true) and a shared expert of ``shared_expert_intermediate_size``. UnsupportedModel names a field the engine does not model: dense layers among
     sparse ones (``decoder_sparse_step`` other than 1, ``mlp_only_layers``), a sliding window, top-k outside
     1..experts."""
     if arch not in MOE_FAMILIES:
@@ -299,12 +304,15 @@ def _moe_from_hf(cfg: dict, arch: str, spec: ModelConfig) -> ModelConfig:
     changes: dict = {"num_experts": experts, "num_experts_per_tok": top_k}
     if arch == "mixtral":
         changes["norm_topk_prob"] = True
-    else:  # qwen3_moe
+    else:  # qwen2_moe, qwen3_moe
         if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
             raise UnsupportedModel("config.json: decoder_sparse_step / mlp_only_layers (dense MLP layers among the "
                                    "mixture-of-experts ones) are not supported")
-        changes.update(norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), qk_norm=True,
+        changes.update(norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), qk_norm=arch == "qwen3_moe",
                        ffn_size=int(cfg["moe_intermediate_size"]))
+        if arch == "qwen2_moe":
+            changes.update(qkv_bias=bool(cfg.get("qkv_bias", True)),
+                           shared_ffn_size=int(cfg.get("shared_expert_intermediate_size") or 0))
     return dataclasses.replace(spec, **changes)
 
 
@@ -372,9 +380,11 @@ def _moe_from_gguf(reader, p: str, spec: ModelConfig) -> ModelConfig:
     """``spec`` with llama.cpp's mixture-of-experts keys (``{arch}.expert_count``, ``expert_used_count``,
     ``expert_feed_forward_length``, ``expert_weights_norm``): a ``llama`` file with experts is Mixtral, a
     ``qwen3moe`` file Qwen3-MoE. Renormalisation of the top-k follows ``expert_weights_norm`` where the file has
-    it, else llama.cpp's own graphs (llama and qwen3moe both renormalise: src/models/llama.cpp, qwen3moe.cpp).
+    it, else llama.cpp's own graphs (llama and qwen3moe renormalise, qwen2moe does not: src/models/llama.cpp,
+    qwen3moe.cpp, qwen2moe.cpp; its shared expert defaults to ``feed_forward_length``).
+    A ``qwen2moe`` file has Q/K/V biases and a shared expert of ``expert_shared_feed_forward_length``.
     UnsupportedModel names a key the engine does not model (a gating function other than softmax, an expert
-    weight scale, leading dense blocks, shared experts in these families)."""
+    weight scale, leading dense blocks, shared experts outside qwen2moe)."""
     experts = int(_field(reader, p + "expert_count", 0) or 0)
     arch = GGUF_ARCHES.get(spec.architecture, spec.architecture)
     if arch == "llama" and experts:
@@ -392,10 +402,12 @@ def _moe_from_gguf(reader, p: str, spec: ModelConfig) -> ModelConfig:
     if scale not in (None, 0.0, 1.0):
         raise UnsupportedModel(f"GGUF {p}expert_weights_scale {scale} is not supported")
     for key in ("leading_dense_block_count", "expert_shared_count", "expert_shared_feed_forward_length"):
-        if _field(reader, p + key):
+        if _field(reader, p + key) and not (arch == "qwen2_moe" and key == "expert_shared_feed_forward_length"):
             raise UnsupportedModel(f"GGUF {p}{key} is not supported for {arch}")
     norm = _field(reader, p + "expert_weights_norm")
     ffn = int(_field(reader, p + "expert_feed_forward_length", 0) or spec.ffn_size)
     return dataclasses.replace(spec, architecture=arch, num_experts=experts, num_experts_per_tok=top_k,
-                               norm_topk_prob=True if norm is None else bool(norm), ffn_size=ffn,
-                               qk_norm=arch == "qwen3_moe")
+                               norm_topk_prob=arch != "qwen2_moe" if norm is None else bool(norm), ffn_size=ffn,
+                               qk_norm=arch == "qwen3_moe", qkv_bias=arch == "qwen2_moe",
+                               shared_ffn_size=0 if arch != "qwen2_moe" else
+                               int(_field(reader, p + "expert_shared_feed_forward_length", 0) or spec.ffn_size))

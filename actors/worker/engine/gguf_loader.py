@@ -1,6 +1,6 @@
 """GGUF loader: the architecture spec (``ModelConfig``, arch_spec.py) and dequantized weights as torch tensors.
 
-Families ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe`` and Mixtral (``llama`` with ``llama.expert_count``; its
+Families ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe`` and Mixtral (``llama`` with ``llama.expert_count``; its
 experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``) (``general.architecture``), with llama.cpp's conventions per
 architecture (``convert_hf_to_gguf.py``). Reads the file with ``gguf.GGUFReader`` (memory-mapped) and
 dequantizes each tensor with ``gguf.quants.dequantize`` (numpy float32), then converts to the requested dtype.
@@ -48,6 +48,10 @@ _LAYER_NAMES = {
     "ffn_gate_exps": "exp_gate",  # stacked experts [E, f, d]
     "ffn_up_exps": "exp_up",
     "ffn_down_exps": "exp_down",  # [E, d, f]
+    "ffn_gate_inp_shexp": "shexp_router",  # Qwen2-MoE's shared expert: its gate [1, d] (or [d])
+    "ffn_gate_shexp": "shexp_gate",
+    "ffn_up_shexp": "shexp_up",
+    "ffn_down_shexp": "shexp_down",
 }
 _CONSUMED = ("rope_freqs.weight",)  # read into the spec (arch_spec.from_gguf)
 
@@ -93,7 +97,8 @@ def account_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: str = "G
         if ours is None:
             raise UnsupportedModel(f"{path}: unknown tensor {t.name!r} (not a {config.architecture} weight)")
         names[t.name] = ours
-        found[ours] = (tuple(int(d) for d in reversed(t.shape)), t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        found[ours] = ((1, *shape) if ours.endswith("shexp_router") and len(shape) == 1 else shape, t.name)
     check_tensors(config, found, path, gguf_name)
     return names
 
@@ -141,6 +146,8 @@ def load_gguf(
         arr = _dequantize(tensor, config)
         arr = arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, order="C")
         weights[names[tensor.name]] = torch.from_numpy(arr).to(device=device, dtype=dtype)
+        if names[tensor.name].endswith("shexp_router"):  # llama.cpp's {n_embd}: one output row
+            weights[names[tensor.name]] = weights[names[tensor.name]].reshape(1, -1)
     weights.setdefault("lm_head", weights["embed"])
     return config, weights
 

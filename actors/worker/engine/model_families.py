@@ -8,12 +8,12 @@ import torch
 
 from .arch_spec import ModelConfig
 from .model import LlamaModel, QkNormModel
-from .moe import MixtralModel, Qwen3MoeModel
+from .moe import MixtralModel, Qwen2MoeModel, Qwen3MoeModel
 
 # ModelConfig.architecture -> model class. Qwen2 is Llama with Q/K/V biases (a spec field LlamaModel resolves at
 # build time); Qwen3 adds per-head q/k norms (QkNormModel). arch_spec.py resolves the spec from the file.
 FAMILIES = {"llama": LlamaModel, "qwen2": LlamaModel, "qwen3": QkNormModel,
-            "mixtral": MixtralModel, "qwen3_moe": Qwen3MoeModel}  # mixture of experts: moe.py
+            "mixtral": MixtralModel, "qwen2_moe": Qwen2MoeModel, "qwen3_moe": Qwen3MoeModel}  # mixture of experts: moe.py
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, make_linear=None,

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP blocks (Mixtral, Qwen3-MoE; Qwen2-MoE's shared expert) and the model classes that use
+"""Mixture-of-experts MLP blocks (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) and the model classes that use
 them (decision 0047).
 
 A block replaces a layer's dense SwiGLU MLP. For hidden states x [T, d]:
@@ -118,6 +118,11 @@ class _MoeMixin:
 
 class MixtralModel(_MoeMixin, LlamaModel):
     """Mixtral: Llama attention, a mixture-of-experts MLP (top-k renormalised)."""
+
+
+class Qwen2MoeModel(_MoeMixin, LlamaModel):
+    """Qwen2-MoE (Qwen1.5-MoE): Qwen2's attention (Q/K/V biases), routed experts (``norm_topk_prob``) and a
+    shared expert gated by ``sigmoid(x w^T)``."""
 
 
 class Qwen3MoeModel(_MoeMixin, QkNormModel):
