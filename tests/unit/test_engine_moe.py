@@ -230,6 +230,22 @@ def test_a_decode_step_reads_only_the_selected_experts_and_groups_rows_by_expert
     assert many.flops - router_flops(32) == 32 * TOP_K * 2 * (d * 2 * f + f * d)
 
 
+def test_a_one_row_step_of_the_whole_model_reads_two_experts_per_layer(engines):
+    """Through the model's forward (every layer, the engine's own block objects): a one-token step makes exactly
+    top-2 expert gate/up products per layer, each of one row."""
+    from actors.worker.engine.model import BatchMetadata
+
+    eng = engines("mixtral", "hf")
+    cfg = eng.model_config
+    kv = torch.zeros(cfg.num_layers, 2, 4, 16, cfg.num_kv_heads, cfg.head_dim)
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    meta = BatchMetadata(t([0]), t([0]), None, [1], [1], t([0]), block_tables=[[0, 1, 2, 3]])
+    with torch.inference_mode(), _Products() as step:
+        eng.model.forward(t([PROMPTS[0][0]]), meta, kv)
+    gate_up = [(a, b) for a, b in step.calls if b == (cfg.hidden_size, 2 * cfg.ffn_size)]
+    assert len(gate_up) == cfg.num_layers * TOP_K and all(a[0] == 1 for a, _ in gate_up)
+
+
 # --------------------------------------------------------------------------------------- quantized, memory
 
 
