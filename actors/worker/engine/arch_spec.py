@@ -2,7 +2,9 @@
 ``config.json`` or from GGUF metadata (decision 0041).
 
 Families: ``llama`` (Llama 2 and 3.x, SmolLM2), ``qwen2`` (Qwen2 / 2.5), ``qwen3`` (dense Qwen3), ``mistral``
-(sliding window), ``phi3`` (fused projections, LongRoPE: decision 0046; Gemma 2 / 3 text: gemma.py). The
+(sliding window), ``phi3`` (fused projections, LongRoPE: decision 0046; Gemma 2 / 3 text: gemma.py), ``mixtral``,
+``qwen2_moe`` and ``qwen3_moe`` (mixtures of experts, decision 0047; in a GGUF ``llama`` with ``expert_count``,
+``qwen2moe`` and ``qwen3moe``). The
 features that set them apart are fields of the spec, and the torch model (model.py) turns them into its
 module structure when it is built, so the llama decode path carries no per-call test for them:
 
@@ -16,6 +18,9 @@ module structure when it is built, so the llama decode path carries no per-call 
   ``rope_high_freq_factor``; from a GGUF, the per-frequency divisors of its ``rope_freqs`` tensor) or
   ``"longrope"`` (Phi-3: short / long factors and an attention factor, rope.py);
 * ``sliding_window``: a query at position p attends to keys p - window + 1 .. p (Mistral, Phi-3).
+* mixture of experts (``mixtral``, ``qwen3_moe``; decision 0047): ``num_experts``, ``num_experts_per_tok``,
+  ``norm_topk_prob`` and ``shared_ffn_size``; ``ffn_size`` is then one expert's inner size. The model's MLP
+  blocks are moe.py's.
 
 Anything else is refused (``UnsupportedModel``, a ValueError naming the field or tensor): an unknown
 ``model_type`` / ``general.architecture``, a RoPE type, an activation other than SiLU, attention or MLP bias
@@ -25,12 +30,15 @@ with a feature silently left out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # mixture-of-experts MLPs (moe.py, decision 0047)
+GGUF_ARCHES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's general.architecture -> our family (Mixtral: llama + experts)
 ROPE_SCALINGS = (None, "linear", "dynamic", "llama3", "longrope")
 
 
@@ -78,6 +86,12 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention logits -> cap * tanh(s / cap)
     final_softcap: float | None = None  # final logits likewise
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (plain RoPE)
+    # Mixture of experts (moe.py): 0 experts = a dense SwiGLU MLP. With experts, ``ffn_size`` is one expert's
+    # inner size (Mixtral ``intermediate_size``, Qwen3-MoE ``moe_intermediate_size``).
+    num_experts: int = 0  # routed experts per layer
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    norm_topk_prob: bool = True  # renormalise the top-k softmax probabilities to sum to 1
+    shared_ffn_size: int = 0  # inner size of a shared expert beside the routed ones (Qwen2-MoE style); 0 = none
 
     def __post_init__(self) -> None:  # JSON (the weights cache) gives lists: keep the dataclass hashable
         for name in ("rope_freq_factors", "generation_eos_ids", "rope_short_factors", "rope_long_factors",
@@ -102,6 +116,8 @@ def native_unsupported(config: ModelConfig) -> str | None:
     their fused projection-to-cache step has no place for a per-head norm."""
     if config.architecture in ("gemma2", "gemma3_text"):
         return "Gemma's sandwich norms, GeGLU, soft-capping and per-layer windows are not in the native kernels"
+    if config.num_experts:
+        return "mixture-of-experts MLP blocks (moe.py) run on the torch path"
     if config.qk_norm:
         return "q/k RMSNorm (qwen3) is not in the native kernels"
     if config.rope_scaling == "dynamic":
@@ -190,7 +206,23 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({p + "q_norm": (hd,), p + "k_norm": (hd,)})
         if config.architecture in ("gemma2", "gemma3_text"):  # sandwich norms (gemma.py)
             out.update({p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)})
+        if config.num_experts:
+            _moe_weights(out, p, config)
     return out
+
+
+def _moe_weights(out: dict, p: str, config: ModelConfig) -> None:
+    """Replace layer ``p``'s dense MLP in ``out`` by the router ``router`` [E, d], the stacked experts
+    ``exp_gate`` / ``exp_up`` [E, f, d] and ``exp_down`` [E, d, f] (llama.cpp's ``*_exps`` layout; a Hugging
+    Face directory's per-expert tensors are stacked by hf_loader) and, with ``shared_ffn_size``, the shared
+    expert ``shexp_gate`` / ``shexp_up`` [fs, d], ``shexp_down`` [d, fs] and its gate ``shexp_router`` [1, d]."""
+    d, f, e, fs = config.hidden_size, config.ffn_size, config.num_experts, config.shared_ffn_size
+    for name in ("w_gate", "w_up", "w_down"):
+        del out[p + name]
+    out.update({p + "router": (e, d), p + "exp_gate": (e, f, d), p + "exp_up": (e, f, d), p + "exp_down": (e, d, f)})
+    if fs:
+        out.update({p + "shexp_gate": (fs, d), p + "shexp_up": (fs, d), p + "shexp_down": (d, fs),
+                    p + "shexp_router": (1, d)})
 
 
 def check_tensors(config: ModelConfig, found: dict[str, tuple[tuple[int, ...], str]], where: str,
@@ -265,7 +297,7 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
     eos = cfg.get("eos_token_id") if gen.get("eos_token_id") is None else gen.get("eos_token_id")
     eos_list = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
-    return ModelConfig(
+    return _moe_from_hf(cfg, arch, ModelConfig(
         num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
         ffn_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]), context_length=max_pos,
@@ -273,7 +305,7 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos), eos_token_id=eos_list[0] if eos_list else None,
         architecture=arch, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),  # the three classes' default
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")), qk_norm=arch == "qwen3",
-        generation_eos_ids=tuple(eos_list[1:]), **scaling, **extra)
+        generation_eos_ids=tuple(eos_list[1:]), **scaling, **extra))
 
 
 def _sliding_window_hf(cfg: dict) -> dict:
@@ -344,6 +376,37 @@ def split_fused(config: ModelConfig, ours: str, tensor: torch.Tensor) -> dict[st
     return {f"{prefix}.{name}": part.clone() for name, part in zip(FUSED[short], parts)}
 
 
+def _moe_from_hf(cfg: dict, arch: str, spec: ModelConfig) -> ModelConfig:
+    """``spec`` with the mixture-of-experts fields of a ``mixtral`` / ``qwen2_moe`` / ``qwen3_moe`` config.json
+    (unchanged for the dense families). Mixtral always renormalises its top-k (transformers'
+    ``MixtralTopKRouter``); Qwen2/3-MoE as ``norm_topk_prob`` says (default false); Qwen2-MoE has Q/K/V biases
+    (``qkv_bias``, default true) and a shared expert of ``shared_expert_intermediate_size``. UnsupportedModel names a field the engine does not model: dense layers among
+    sparse ones (``decoder_sparse_step`` other than 1, ``mlp_only_layers``), a sliding window, top-k outside
+    1..experts."""
+    if arch not in MOE_FAMILIES:
+        return spec
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedModel(f"config.json: num_experts {experts} / num_experts_per_tok {top_k}: need "
+                               "1 <= num_experts_per_tok <= experts")
+    if cfg.get("sliding_window") is not None and arch == "mixtral":
+        raise UnsupportedModel(f"config.json: sliding_window {cfg['sliding_window']} is not supported for mixtral")
+    changes: dict = {"num_experts": experts, "num_experts_per_tok": top_k}
+    if arch == "mixtral":
+        changes["norm_topk_prob"] = True
+    else:  # qwen2_moe, qwen3_moe
+        if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+            raise UnsupportedModel("config.json: decoder_sparse_step / mlp_only_layers (dense MLP layers among the "
+                                   "mixture-of-experts ones) are not supported")
+        changes.update(norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), qk_norm=arch == "qwen3_moe",
+                       ffn_size=int(cfg["moe_intermediate_size"]))
+        if arch == "qwen2_moe":
+            changes.update(qkv_bias=bool(cfg.get("qkv_bias", True)),
+                           shared_ffn_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+    return dataclasses.replace(spec, **changes)
+
+
 # ------------------------------------------------------------------------------------------------ GGUF
 
 
@@ -397,7 +460,7 @@ def from_gguf(reader) -> ModelConfig:
     """The spec of an open ``gguf.GGUFReader`` (llama.cpp's keys ``{arch}.*``; ``rope_freqs`` read here for
     llama3 scaling). UnsupportedModel names the key."""
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_FAMILIES:
+    if arch not in GGUF_FAMILIES and arch not in GGUF_ARCHES:
         raise UnsupportedModel(f"GGUF general.architecture {arch!r} is not supported (supported: "
                                f"{', '.join(GGUF_FAMILIES)})")
     p = arch + "."
@@ -435,7 +498,7 @@ def from_gguf(reader) -> ModelConfig:
     extra = _gguf_window_and_longrope(reader, arch, names, ctx, head_dim)
     if scaling and "rope_scaling" in extra:
         raise UnsupportedModel(f"GGUF {p}rope.scaling.type {kind!r} beside LongRoPE factors is not supported")
-    return ModelConfig(
+    return _moe_from_gguf(reader, p, ModelConfig(
         num_layers=int(_field(reader, p + "block_count")), hidden_size=hidden, num_heads=heads,
         num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)), head_dim=head_dim,
         ffn_size=int(_field(reader, p + "feed_forward_length")), vocab_size=int(vocab), context_length=ctx,
@@ -445,4 +508,41 @@ def from_gguf(reader) -> ModelConfig:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
         architecture=arch, tie_word_embeddings="output.weight" not in names,
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **scaling, **extra)
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **scaling, **extra))
+
+
+def _moe_from_gguf(reader, p: str, spec: ModelConfig) -> ModelConfig:
+    """``spec`` with llama.cpp's mixture-of-experts keys (``{arch}.expert_count``, ``expert_used_count``,
+    ``expert_feed_forward_length``, ``expert_weights_norm``): a ``llama`` file with experts is Mixtral, a
+    ``qwen3moe`` file Qwen3-MoE. Renormalisation of the top-k follows ``expert_weights_norm`` where the file has
+    it, else llama.cpp's own graphs (llama and qwen3moe renormalise, qwen2moe does not: src/models/llama.cpp,
+    qwen3moe.cpp, qwen2moe.cpp; its shared expert defaults to ``feed_forward_length``).
+    A ``qwen2moe`` file has Q/K/V biases and a shared expert of ``expert_shared_feed_forward_length``.
+    UnsupportedModel names a key the engine does not model (a gating function other than softmax, an expert
+    weight scale, leading dense blocks, shared experts outside qwen2moe)."""
+    experts = int(_field(reader, p + "expert_count", 0) or 0)
+    arch = GGUF_ARCHES.get(spec.architecture, spec.architecture)
+    if arch == "llama" and experts:
+        arch = "mixtral"
+    if arch not in MOE_FAMILIES:
+        return spec
+    top_k = int(_field(reader, p + "expert_used_count", 0) or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedModel(f"GGUF {p}expert_count {experts} / {p}expert_used_count {top_k}: need "
+                               "1 <= expert_used_count <= expert_count")
+    gating = _field(reader, p + "expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedModel(f"GGUF {p}expert_gating_func {gating} is not supported (softmax only)")
+    scale = _field(reader, p + "expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise UnsupportedModel(f"GGUF {p}expert_weights_scale {scale} is not supported")
+    for key in ("leading_dense_block_count", "expert_shared_count", "expert_shared_feed_forward_length"):
+        if _field(reader, p + key) and not (arch == "qwen2_moe" and key == "expert_shared_feed_forward_length"):
+            raise UnsupportedModel(f"GGUF {p}{key} is not supported for {arch}")
+    norm = _field(reader, p + "expert_weights_norm")
+    ffn = int(_field(reader, p + "expert_feed_forward_length", 0) or spec.ffn_size)
+    return dataclasses.replace(spec, architecture=arch, num_experts=experts, num_experts_per_tok=top_k,
+                               norm_topk_prob=arch != "qwen2_moe" if norm is None else bool(norm), ffn_size=ffn,
+                               qk_norm=arch == "qwen3_moe", qkv_bias=arch == "qwen2_moe",
+                               shared_ffn_size=0 if arch != "qwen2_moe" else
+                               int(_field(reader, p + "expert_shared_feed_forward_length", 0) or spec.ffn_size))

@@ -1,14 +1,16 @@
 """GGUF loader: the architecture spec (``ModelConfig``, arch_spec.py) and dequantized weights as torch tensors.
 
 Families ``llama`` (Mistral too), ``qwen2``, ``qwen3``, ``phi3`` (fused ``attn_qkv`` / ``ffn_up`` split at load,
-LongRoPE factor tensors read into the spec) (``general.architecture``), with llama.cpp's conventions per
+LongRoPE factor tensors read into the spec), ``qwen2moe``, ``qwen3moe`` and Mixtral (``llama`` with
+``llama.expert_count``; its experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``)
+(``general.architecture``), with llama.cpp's conventions per
 architecture (``convert_hf_to_gguf.py``). Reads the file with ``gguf.GGUFReader`` (memory-mapped) and
 dequantizes each tensor with ``gguf.quants.dequantize`` (numpy float32), then converts to the requested dtype.
 
 Layout notes:
 * GGUF ``ne`` order is innermost-first, so a tensor listed as ``[in, out]`` comes out of the
   reader/dequantizer as a row-major ``[out, in]`` array = torch ``nn.Linear.weight`` layout.
-* ``llama`` only: the converter permutes the rows of ``attn_q``/``attn_k`` so that the two halves of each
+* ``llama`` (Mixtral included) only: the converter permutes the rows of ``attn_q``/``attn_k`` so that the two halves of each
   head (Hugging Face ``rotate_half`` convention) become interleaved pairs (GPT-J / llama.cpp RoPE). We undo
   that here (``unpermute_qk``) so the model uses the Hugging Face layout and RoPE. Qwen2 / Qwen3 files are
   written unpermuted (llama.cpp rotates them NEOX-style), so nothing is undone for them.
@@ -45,6 +47,14 @@ _LAYER_NAMES = {
     "attn_v.bias": "bv",
     "attn_q_norm": "q_norm",  # qwen3
     "attn_k_norm": "k_norm",
+    "ffn_gate_inp": "router",  # mixture of experts (Mixtral, Qwen3-MoE): [E, d]
+    "ffn_gate_exps": "exp_gate",  # stacked experts [E, f, d]
+    "ffn_up_exps": "exp_up",
+    "ffn_down_exps": "exp_down",  # [E, d, f]
+    "ffn_gate_inp_shexp": "shexp_router",  # Qwen2-MoE's shared expert: its gate [1, d] (or [d])
+    "ffn_gate_shexp": "shexp_gate",
+    "ffn_up_shexp": "shexp_up",
+    "ffn_down_shexp": "shexp_down",
 }
 _CONSUMED = ("rope_freqs.weight",) + LONGROPE_TENSORS  # read into the spec (arch_spec.from_gguf)
 # phi3 (llama.cpp's PHI3 tensors): Q/K/V in one ``attn_qkv``, gate and up in one ``ffn_up`` (gate rows first, as
@@ -97,7 +107,7 @@ def account_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: str = "G
         if ours.rsplit(".", 1)[-1] in FUSED:
             found.update(unfuse_found(config, ours, shape, t.name))
         else:
-            found[ours] = (shape, t.name)
+            found[ours] = ((1, *shape) if ours.endswith("shexp_router") and len(shape) == 1 else shape, t.name)
     check_tensors(config, found, path, gguf_name)
     return names
 
@@ -128,7 +138,7 @@ def _dequantize(tensor, config: ModelConfig) -> np.ndarray:
     """Dequantize one ReaderTensor to float32 numpy in torch layout, un-permuting Q/K rows of llama files."""
     arr = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     arr = arr.reshape([int(d) for d in reversed(tensor.shape)]) if arr.ndim > 1 else arr
-    if config.architecture == "llama":
+    if config.architecture in ("llama", "mixtral"):  # Mixtral files are labelled llama (convert_hf_to_gguf.py)
         if tensor.name.endswith("attn_q.weight"):
             arr = unpermute_qk(arr, config.num_heads)
         elif tensor.name.endswith("attn_k.weight"):
@@ -159,6 +169,8 @@ def load_gguf(
         weights[names[tensor.name]] = torch.from_numpy(arr).to(device=device, dtype=dtype)
         if names[tensor.name].rsplit(".", 1)[-1] in FUSED:
             weights.update(split_fused(config, names[tensor.name], weights.pop(names[tensor.name])))
+        elif names[tensor.name].endswith("shexp_router"):  # llama.cpp's {n_embd}: one output row
+            weights[names[tensor.name]] = weights[names[tensor.name]].reshape(1, -1)
     weights.setdefault("lm_head", weights["embed"])
     return config, weights
 

@@ -2,7 +2,9 @@
 (arch_spec.from_hf_config), ``model.safetensors`` or a sharded ``model.safetensors.index.json`` -> weights.
 
 Families ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``phi3`` (fused ``qkv_proj`` / ``gate_up_proj``, split
-at load), ``gemma2``, ``gemma3_text`` (norm weights folded to ``1 + w``: gemma.py) (``model_type``). Tensors are read with ``safetensors.safe_open``
+at load), ``gemma2``, ``gemma3_text`` (norm weights folded to ``1 + w``: gemma.py), ``mixtral``, ``qwen2_moe``,
+``qwen3_moe`` (``model_type``; the experts' per-expert tensors are stacked into one [E, ...] tensor each,
+decision 0047). Tensors are read with ``safetensors.safe_open``
 (memory-mapped: a tensor is materialized only when converted, never a whole file copied), in the Hugging
 Face layout the model uses (no Q/K permutation). Every tensor of every shard is accounted for before any is
 converted: an unknown name, a missing weight, a misshapen one, an ``lm_head.weight`` beside
@@ -48,6 +50,21 @@ _LAYER = {  # Hugging Face per-layer name (after "model.layers.{i}.") -> ours
     "self_attn.qkv_proj.weight": "wqkv",  # phi3: fused, split at load (arch_spec.FUSED)
     "mlp.gate_up_proj.weight": "w_gate_up",
 }
+# Mixture-of-experts layers (decision 0047): the router, and per-expert tensors "<prefix>.experts.{e}.<name>" that
+# load stacked into our [E, ...] tensors (arch_spec._moe_weights).
+_MOE_LAYER = {
+    "block_sparse_moe.gate.weight": "router",  # Mixtral
+    "mlp.gate.weight": "router",  # Qwen2/3-MoE
+    "mlp.shared_expert.gate_proj.weight": "shexp_gate",  # Qwen2-MoE shared expert
+    "mlp.shared_expert.up_proj.weight": "shexp_up",
+    "mlp.shared_expert.down_proj.weight": "shexp_down",
+    "mlp.shared_expert_gate.weight": "shexp_router",
+}
+_EXPERT = {  # (prefix, per-expert name) -> our stacked name
+    ("block_sparse_moe", "w1.weight"): "exp_gate", ("block_sparse_moe", "w3.weight"): "exp_up",
+    ("block_sparse_moe", "w2.weight"): "exp_down",
+    ("mlp", "gate_proj.weight"): "exp_gate", ("mlp", "up_proj.weight"): "exp_up", ("mlp", "down_proj.weight"): "exp_down",
+}
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 _DERIVED = ".self_attn.rotary_emb.inv_freq"  # recomputed from the spec
 
@@ -64,6 +81,18 @@ def our_name(hf_name: str) -> str | None:
     parts = hf_name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _LAYER:
         return f"layers.{parts[2]}.{_LAYER[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _MOE_LAYER:
+        return f"layers.{parts[2]}.{_MOE_LAYER[parts[3]]}"
+    return _expert_name(hf_name)
+
+
+def _expert_name(hf_name: str) -> str | None:
+    """``layers.{i}.exp_gate.{e}`` (our stacked name, then the expert index) of a per-expert tensor name such as
+    ``model.layers.0.block_sparse_moe.experts.3.w1.weight``; None for any other name."""
+    parts = hf_name.split(".")
+    if len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[4] == "experts" \
+            and parts[5].isdigit() and (parts[3], ".".join(parts[6:])) in _EXPERT:
+        return f"layers.{parts[2]}.{_EXPERT[(parts[3], '.'.join(parts[6:]))]}.{int(parts[5])}"
     return None
 
 
@@ -73,6 +102,11 @@ def hf_name(ours: str) -> str:
     if ours in top:
         return top[ours]
     _, i, short = ours.split(".", 2)
+    if short.startswith("exp_"):  # a stacked expert tensor: the name of its first expert
+        prefix, name = next(k for k, v in _EXPERT.items() if v == short.split(".")[0])
+        return f"model.layers.{i}.{prefix}.experts.{short.split('.')[1] if '.' in short else 0}.{name}"
+    if short in _MOE_LAYER.values():
+        return f"model.layers.{i}.{next(k for k, v in _MOE_LAYER.items() if v == short)}"
     return f"model.layers.{i}.{next(k for k, v in _LAYER.items() if v == short)}"
 
 
@@ -156,8 +190,37 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
                 if ours in found:
                     raise UnsupportedModel(f"{path}: tensor {name!r} beside a fused tensor holding it")
                 found[ours] = (shape, name)
+    if config.num_experts:
+        _stack_experts(config, where, found, path)
     check_tensors(config, found, path, _gemma_hf_name if config.architecture in GEMMA_FAMILIES else hf_name)
     return where
+
+
+def _stack_experts(config: ModelConfig, where: dict, found: dict, path: str) -> None:
+    """Replace the per-expert entries ``layers.{i}.exp_*.{e}`` of ``where`` / ``found`` (in place) by one stacked
+    entry per tensor: ``where`` then holds the list of (file, name) of experts 0..E-1, ``found`` the shape
+    [E, ...]. UnsupportedModel names an expert index beyond ``num_experts``, a missing expert or one whose shape
+    differs from expert 0's."""
+    groups: dict[str, dict[int, tuple]] = {}
+    for ours in [n for n in where if n.rsplit(".", 1)[0].rsplit(".", 1)[-1].startswith("exp_")]:
+        stacked, e = ours.rsplit(".", 1)
+        groups.setdefault(stacked, {})[int(e)] = (where.pop(ours), found.pop(ours))
+    for stacked, by_expert in groups.items():
+        extra = [e for e in by_expert if e >= config.num_experts]
+        if extra:
+            raise UnsupportedModel(f"{path}: unexpected tensor {by_expert[extra[0]][1][1]!r} (the config has "
+                                   f"{config.num_experts} experts)")
+        missing = [e for e in range(config.num_experts) if e not in by_expert]
+        if missing:
+            raise UnsupportedModel(f"{path}: missing tensor {hf_name(f'{stacked}.{missing[0]}')!r} ({len(missing)} "
+                                   f"experts of {stacked} missing)")
+        shape0, name0 = by_expert[0][1]
+        for e in range(config.num_experts):
+            if by_expert[e][1][0] != shape0:
+                raise UnsupportedModel(f"{path}: tensor {by_expert[e][1][1]!r} has shape {list(by_expert[e][1][0])}, "
+                                       f"expert 0 {list(shape0)}")
+        where[stacked] = [by_expert[e][0] for e in range(config.num_experts)]
+        found[stacked] = ((config.num_experts, *shape0), name0)
 
 
 def tensor_types(path: str) -> list[str]:
@@ -182,7 +245,14 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
     where = account_tensors(path, config)
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for ours, (file, name) in where.items():
+    experts: dict[str, list] = {}  # stacked name -> its experts' tensors (in order)
+    for ours, entry in where.items():
+        if isinstance(entry, list):  # a stacked expert tensor (_stack_experts): each expert read on its own
+            experts[ours] = [None] * len(entry)
+            for e, (file, name) in enumerate(entry):
+                by_file.setdefault(file, []).append((f"{ours}#{e}", name))
+            continue
+        file, name = entry
         by_file.setdefault(file, []).append((ours, name))
     items = [(file, pairs) for file, pairs in by_file.items()]
     if progress:
@@ -192,9 +262,16 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
     for file, pairs in items:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for ours, name in pairs:
+                if "#" in ours:
+                    stacked, e = ours.split("#")
+                    experts[stacked][int(e)] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    continue
                 weights[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
                 if ours.rsplit(".", 1)[-1] in FUSED:
                     weights.update(split_fused(config, ours, weights.pop(ours)))
+    for stacked, parts in experts.items():
+        weights[stacked] = torch.stack(parts)
+        parts.clear()
     if config.architecture in GEMMA_FAMILIES:
         fold_norms(config, weights)  # 1 + w, before lm_head may alias the embedding
     weights.setdefault("lm_head", weights["embed"])

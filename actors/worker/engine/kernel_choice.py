@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "kernel_choice.json"
 CACHE_ENTRIES = 64  # newest entries kept in the cache file
 _SOURCES = ("quant.py", "model.py", "cpu_kernels.py", "kernel_policy.py", "kernel_choice.py")
-_PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+         "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # the last three: stacked experts (moe.py)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,8 @@ def read_shapes(path: str) -> Shapes:
         return int(d[1]), int(d[0])  # ggml [in, out] -> [out, in]
 
     q, k, v = dims("blk.0.attn_q.weight"), dims("blk.0.attn_k.weight"), dims("blk.0.attn_v.weight")
-    gate, down = dims("blk.0.ffn_gate.weight"), dims("blk.0.ffn_down.weight")
+    ffn = "" if "blk.0.ffn_gate.weight" in infos or "blk.0.ffn_gate_exps.weight" not in infos else "_exps"
+    gate, down = dims(f"blk.0.ffn_gate{ffn}.weight"), dims(f"blk.0.ffn_down{ffn}.weight")  # _exps: one expert
     vocab, hidden = dims("token_embd.weight")
     layers = len({n.split(".")[1] for n in infos if n.startswith("blk.")})
     types = tuple(gguf.GGMLQuantizationType(t).name for n, (_, t) in infos.items()

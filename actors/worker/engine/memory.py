@@ -11,9 +11,11 @@ import torch
 MIN_KV_BYTES = 4 * 2**20
 
 
-def tensor_bytes(root: Any, max_depth: int = 6) -> int:
+def tensor_bytes(root: Any, max_depth: int = 8) -> int:
     """Bytes of every tensor reachable from ``root`` through attributes, lists, tuples and dicts (at most
-    ``max_depth`` levels), each storage counted once (a tied embedding / LM head counts once)."""
+    ``max_depth`` levels: a mixture-of-experts model's quantized expert sits at model -> moe list -> block ->
+    expert list -> SplitLinear -> QuantLinear -> tensor), each storage counted once (a tied embedding / LM head
+    counts once)."""
     seen: dict[int, int] = {}
     _walk(root, max_depth, seen, set())
     return sum(seen.values())

@@ -9,6 +9,7 @@ import torch
 from .arch_spec import ModelConfig
 from .gemma import GemmaModel
 from .model import LlamaModel, QkNormModel
+from .moe import MixtralModel, Qwen2MoeModel, Qwen3MoeModel
 
 # ModelConfig.architecture -> model class. Qwen2 is Llama with Q/K/V biases (a spec field LlamaModel resolves at
 # build time); Qwen3 adds per-head q/k norms (QkNormModel). arch_spec.py resolves the spec from the file.
@@ -17,7 +18,8 @@ FAMILIES = {"llama": LlamaModel, "qwen2": LlamaModel, "qwen3": QkNormModel,
             # window (spec fields LlamaModel resolves; decision 0046)
             "mistral": LlamaModel, "phi3": LlamaModel,
             # Gemma 2 / 3 text: sandwich norms, GeGLU, soft-caps, per-layer windows (gemma.py; torch path)
-            "gemma2": GemmaModel, "gemma3_text": GemmaModel}
+            "gemma2": GemmaModel, "gemma3_text": GemmaModel,
+            "mixtral": MixtralModel, "qwen2_moe": Qwen2MoeModel, "qwen3_moe": Qwen3MoeModel}  # mixture of experts: moe.py
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, make_linear=None,

@@ -320,7 +320,7 @@ def resolve_quantization(name: str | None, model_path: str, dtype: str = "bfloat
     reader = reader if reader is not None else gguf.GGUFReader(model_path)
     types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(
         ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-         "ffn_up.weight", "ffn_down.weight"))]
+         "ffn_up.weight", "ffn_down.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))]
     return quantization_for_types(types)
 
 

@@ -160,8 +160,14 @@ class TorchRunner:
         return getattr(self.model, "lora_off_reason", None)
 
     def _init_adapters(self, slots: int) -> None:
-        """The LoRA AdapterManager with ``slots`` accelerator slots (None for 0) and the bytes they reserve."""
+        """The LoRA AdapterManager with ``slots`` accelerator slots (None for 0) and the bytes they reserve. A
+        mixture-of-experts model gets none (``lora_refused`` says why; decision 0047)."""
         config = self.config
+        self.lora_refused = None
+        if self.model_config.num_experts:
+            self.lora_refused = (f"LoRA adapters are not supported for mixture-of-experts models "
+                                 f"({self.model_config.architecture}, {self.model_config.num_experts} experts)")
+            slots = 0
         self.adapters = (AdapterManager(self.model_config, self.dtype, config.device, slots, config.max_cpu_loras,
                                         config.max_lora_rank) if slots else None)
         self.lora_reserve_bytes = slots * slot_bytes(self.model_config, config.max_lora_rank, self.dtype)
@@ -172,6 +178,9 @@ class TorchRunner:
         config = self.config
         if config.tensor_parallel == 1:
             return None, self.model_config
+        if self.model_config.num_experts:  # the experts are not split across ranks (decision 0047)
+            raise ValueError(f"tensor_parallel {config.tensor_parallel}: mixture-of-experts models "
+                             f"({self.model_config.architecture}) are not supported with tensor parallelism")
         plan = shard_plan(self.model_config.num_heads, self.model_config.num_kv_heads, self.model_config.ffn_size,
                           config.tensor_parallel)  # ValueError before any process starts
         if config.num_threads is None and config.device == "cpu":  # the ranks share this machine's cores
@@ -245,6 +254,8 @@ class TorchRunner:
         or its files are corrupt or do not fit."""
         if not name:
             return
+        if self.lora_refused:
+            raise ValueError(f"adapter {name!r}: {self.lora_refused}")
         if self.adapters is None:
             raise ValueError(f"adapter {name!r}: {self._lora_off() or 'LoRA adapters are disabled on this worker'} "
                              "(max_loras=0)")
@@ -259,6 +270,8 @@ class TorchRunner:
     def register_adapter(self, name: str, path: str) -> None:
         """Make LoRA adapter ``name`` (a PEFT directory at ``path``) servable; it is read on first use.
         ValueError when adapters are disabled or the name is malformed (AdapterManager.register)."""
+        if self.lora_refused:
+            raise ValueError(f"adapter {name!r}: {self.lora_refused}")
         if self.adapters is None:
             raise ValueError("LoRA adapters are disabled on this worker (max_loras=0)")
         self.adapters.register(name, path)

@@ -41,7 +41,8 @@ log = logging.getLogger("actorserve.engine")
 FORMAT = "actorserve-weights-1"  # bump when the file layout changes
 DEFAULT_MAX_BYTES = 8 * 2**30
 _PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-                "ffn_up.weight", "ffn_down.weight")
+                "ffn_up.weight", "ffn_down.weight",
+                "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")  # stacked experts (moe.py)
 
 
 @dataclass
