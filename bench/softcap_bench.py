@@ -17,6 +17,8 @@ import os
 import statistics
 import time
 
+_KV: dict = {}  # id(model) -> its KV cache [layers, 2, blocks, block, kv_heads, head_dim]
+
 
 def _model(args, capped: bool, weights):
     from actors.worker.engine.arch_spec import ModelConfig
@@ -59,9 +61,9 @@ def _step_time(model, cfg, rows: int, args, dtype) -> float:
 
     bs = 16
     nblk = -(-(args.context + 1) // bs)
-    if not hasattr(model, "_bench_kv"):
-        model._bench_kv = torch.randn(cfg.num_layers, 2, rows * nblk, bs, cfg.num_kv_heads, cfg.head_dim).to(dtype)
-    kv = model._bench_kv
+    if id(model) not in _KV:  # one random cache per model, made on its first step
+        _KV[id(model)] = torch.randn(cfg.num_layers, 2, rows * nblk, bs, cfg.num_kv_heads, cfg.head_dim).to(dtype)
+    kv = _KV[id(model)]
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     tables = [list(range(r * nblk, (r + 1) * nblk)) for r in range(rows)]
     pos = args.context
