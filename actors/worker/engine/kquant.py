@@ -46,7 +46,7 @@ import torch
 log = logging.getLogger("actorserve.engine")
 
 GROUP = 32
-EXACT_INT4 = ("Q4_0", "Q4_1", "Q4_K")
+EXACT_INT4 = ("Q4_0", "Q4_1", "Q4_K", "GPTQ", "AWQ")  # GPTQ / AWQ: hf_quant.HFInt4
 # bytes per block and weights per block of the types decode_int4 reads (ggml-common.h)
 _BLOCK = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}
 _TYPE_IDS = {2: "Q4_0", 3: "Q4_1", 12: "Q4_K"}  # ggml_type ids (ggml.h)

@@ -120,7 +120,7 @@ class TorchRunner:
         dense = packed_linear_factory(self.dtype, config.device) if config.quant_dense_copy else None
         kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
         factory = make_linear_factory(self.quantization, dense, kernels=kernels)
-        variant = "" if os.path.isdir(config.model_path) else pack_variant(self._pinned())  # kquant decides the calls
+        variant = pack_variant(self._pinned())  # kquant decides which projections reach the factory
         packs = PackCache(config.model_path, self.dtype, self.quantization, kernels, variant) \
             if config.weights_cache and factory is not None else None
         return factory, packs
@@ -129,12 +129,20 @@ class TorchRunner:
         """``make`` (or None: dense) wrapped by ``kquant.file_precision_factory`` for a one-rank GGUF (4-bit
         blocks mapped exactly, other types kept dense unless pinned, what is held recorded); ``make`` otherwise."""
         config = self.config
-        if self.tp is not None or os.path.isdir(config.model_path):
+        if self.tp is not None:
             return make
         from . import kquant
 
-        file = kquant.FileInt4(config.model_path, self.model_config.architecture, self.model_config.num_heads,
-                               self.model_config.num_kv_heads)
+        if os.path.isdir(config.model_path):  # a GPTQ / AWQ / FP8 directory (hf_quant.py); plain ones unwrapped
+            from . import hf_quant
+
+            spec = hf_quant.spec_of_dir(config.model_path)
+            if spec is None:
+                return make
+            file = hf_quant.HFInt4(config.model_path, self.model_config, spec)
+        else:
+            file = kquant.FileInt4(config.model_path, self.model_config.architecture, self.model_config.num_heads,
+                                   self.model_config.num_kv_heads)
         dense = packed_linear_factory(self.dtype, config.device) if config.quant_dense_copy else None
         kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
         return kquant.file_precision_factory(make, file, self.quantization, self.dtype, self._pinned(), kernels, dense)

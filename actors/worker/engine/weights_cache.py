@@ -69,7 +69,7 @@ def cache_key(path: str, dtype: torch.dtype) -> str:
     from .hf_loader import artifact_stamp
 
     h = hashlib.sha256("\n".join([FORMAT, *artifact_stamp(path), str(dtype)]).encode())
-    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py"):
+    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py", "hf_quant.py"):
         h.update((Path(__file__).parent / mod).read_bytes())
     return h.hexdigest()[:32]
 
