@@ -103,7 +103,8 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     """The validated manifest dict that ``models register`` stores, from its parsed ``args``.
 
     The artifact must be an existing file (stored as an absolute path). For a GGUF artifact the
-    context length and quantization default to the file's metadata and ``memory_bytes`` to its size.
+    context length and quantization default to the file's metadata and ``memory_bytes`` to the bytes the engine
+    holds once loaded (``_loaded_bytes``).
     ``--chat-template @FILE`` reads the template from FILE. Raises :class:`RegistryCommandError`
     (status 2) naming the field at fault: unsupported format, missing artifact, bad defaults, ...
     """
@@ -154,11 +155,23 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         if data["quantization"] is None:
             data["quantization"] = quant
     if data["memory_bytes"] is None:
-        data["memory_bytes"] = os.path.getsize(artifact)
+        data["memory_bytes"] = _loaded_bytes(artifact)
     try:
         return ModelManifest.from_dict(data).to_dict()
     except ValueError as e:
         raise RegistryCommandError(str(e)) from None
+
+
+def _loaded_bytes(path: str) -> int:
+    """The bytes the engine will hold for the artifact (engine/loaded_bytes.py: the loaded form under the default
+    quantization, bfloat16), else the file's size when its header cannot be read that way."""
+    # the engine's estimate (numpy, safetensors): imported only by this verb, never by `actorserve --help`
+    from actors.worker.engine.loaded_bytes import loaded_bytes
+
+    try:
+        return loaded_bytes(path)
+    except (ValueError, OSError, KeyError):
+        return os.path.getsize(path) if os.path.isfile(path) else 0
 
 
 def _check_gguf_tensors(path: str) -> None:
@@ -179,7 +192,7 @@ def _check_gguf_tensors(path: str) -> None:
 def _check_hf_dir(path: str, data: dict[str, Any]) -> None:
     """A Hugging Face directory must hold a config.json the engine's spec takes and safetensors whose every tensor
     it accounts for (headers only, nothing loaded); fills ``context_length`` (max_position_embeddings) and
-    ``memory_bytes`` (the weight files' bytes). RegistryCommandError naming the file, field or tensor at fault."""
+    ``memory_bytes`` (the loaded weights' bytes, ``_loaded_bytes``). RegistryCommandError naming the file, field or tensor at fault."""
     if not os.path.isdir(path):
         raise RegistryCommandError(f"artifact {path} is not a directory (format hf)")
     # the engine's spec and loader (torch): imported only by this verb, never by `actorserve --help`
@@ -195,7 +208,7 @@ def _check_hf_dir(path: str, data: dict[str, Any]) -> None:
     if data["context_length"] is None:
         data["context_length"] = int(cfg.context_length) or None
     if data["memory_bytes"] is None:
-        data["memory_bytes"] = artifact_bytes(path)
+        data["memory_bytes"] = _loaded_bytes(path) or artifact_bytes(path)
 
 
 def manifest_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
