@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -109,7 +110,7 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
     if spec is not None:  # GPTQ / AWQ / FP8 projections (hf_quant.py)
         from .hf_quant import account
 
-        return account(path, config, spec)[0]
+        return account(path, config, spec, sys.modules[__name__])[0]
     where, found = {}, {}
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -154,7 +155,7 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
     if spec is not None:  # GPTQ / AWQ / FP8: projections dequantized (hf_quant.py)
         from .hf_quant import load
 
-        return config, load(path, config, spec, dtype, device)
+        return config, load(path, config, spec, dtype, device, sys.modules[__name__])
     where = account_tensors(path, config)
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -178,6 +179,10 @@ def _quant_spec(path: str):
     from .hf_quant import spec_of_dir
 
     return spec_of_dir(path)
+
+
+# hf_quant.py is imported by functions of this module and reads its names through the module object it is given
+# (``sys.modules[__name__]``), so neither imports the other at the top.
 
 
 def token_tables(path: str, vocab_size: int) -> tuple[list[bytes], dict[int, str]]:

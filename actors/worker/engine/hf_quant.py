@@ -233,14 +233,16 @@ def read_module(files: dict[str, tuple[Path, str]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def account(path: str, config, spec: QuantSpec):
+def account(path: str, config, spec: QuantSpec, loader):
     """(where, quantized): ``where`` {our name: (shard, HF name)} of the plain tensors and ``quantized`` {our
     name: {suffix: (shard, HF name)}} of the projections, checked against the spec (arch_spec.check_tensors,
-    with each projection's dequantized shape).  Reads headers only; UnsupportedModel names what does not fit."""
+    with each projection's dequantized shape).  ``loader``: the hf_loader module (its names and shards; passed,
+    not imported: hf_loader calls this module).  Reads headers only; UnsupportedModel names what does not fit."""
     from safetensors import safe_open
 
     from .arch_spec import check_tensors
-    from .hf_loader import _DERIVED, hf_name, our_name, shard_files
+
+    _DERIVED, hf_name, our_name, shard_files = loader._DERIVED, loader.hf_name, loader.our_name, loader.shard_files
 
     where, quantized, found, shapes = {}, {}, {}, {}
     for file in shard_files(path):
@@ -279,12 +281,12 @@ def _dequantized_shape(spec: QuantSpec, sh: dict[str, tuple], name: str) -> tupl
     return (c, r * 8) if spec.method == "gptq" else (c * 8, r)
 
 
-def load(path: str, config, spec: QuantSpec, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def load(path: str, config, spec: QuantSpec, dtype: torch.dtype, device: str, loader) -> dict[str, torch.Tensor]:
     """The directory's weights (names of hf_loader.load_hf), projections dequantized (``projection_weight``)
     then converted to ``dtype``."""
     from safetensors import safe_open
 
-    where, quantized = account(path, config, spec)
+    where, quantized = account(path, config, spec, loader)
     weights = {}
     for ours, (file, name) in where.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -318,9 +320,9 @@ class HFInt4:
     ``types(layer, proj)``: per part the method's label ("GPTQ", "AWQ") where 32 consecutive inputs share one
     group, else "GPTQ g_idx" / "AWQ groups" (held dense); "FP8" for FP8; ``parts(layer, proj)``."""
 
-    def __init__(self, path: str, config, spec: QuantSpec) -> None:
+    def __init__(self, path: str, config, spec: QuantSpec, loader) -> None:
         self.spec, self.in_features = spec, _in_features(config)
-        self.quantized = account(path, config, spec)[1]
+        self.quantized = account(path, config, spec, loader)[1]
         self._cache: dict[tuple[int, str], list] = {}
 
     def _groups(self, layer: int, proj: str) -> list:

@@ -65,6 +65,7 @@ def _gguf_bytes(path: str, dtype_bytes: int) -> int:
 def _hf_bytes(path: str, dtype_bytes: int) -> int:
     from safetensors import safe_open
 
+    from . import hf_loader
     from .hf_loader import read_config, shard_files
     from .hf_quant import _FUSED, _in_features, account, spec_of_dir
 
@@ -76,7 +77,7 @@ def _hf_bytes(path: str, dtype_bytes: int) -> int:
                 total += sum(int(np.prod(f.get_slice(n).get_shape())) * dtype_bytes for n in f.keys())
         return total
     config = read_config(path)
-    where, quantized = account(path, config, spec)
+    where, quantized = account(path, config, spec, hf_loader)
     for ours, (file, name) in where.items():
         with safe_open(str(file), framework="pt") as f:
             total += int(np.prod(f.get_slice(name).get_shape())) * dtype_bytes

@@ -134,12 +134,12 @@ class TorchRunner:
         from . import kquant
 
         if os.path.isdir(config.model_path):  # a GPTQ / AWQ / FP8 directory (hf_quant.py); plain ones unwrapped
-            from . import hf_quant
+            from . import hf_loader, hf_quant
 
             spec = hf_quant.spec_of_dir(config.model_path)
             if spec is None:
                 return make
-            file = hf_quant.HFInt4(config.model_path, self.model_config, spec)
+            file = hf_quant.HFInt4(config.model_path, self.model_config, spec, hf_loader)
         else:
             file = kquant.FileInt4(config.model_path, self.model_config.architecture, self.model_config.num_heads,
                                    self.model_config.num_kv_heads)
