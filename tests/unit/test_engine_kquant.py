@@ -2,8 +2,8 @@
 
 Reference: ``gguf.quants.dequantize`` (gguf-py, llama.cpp's own Python reader) and, for the K-quant files of an
 independent writer, llama.cpp's ``llama-quantize`` (built from the sources docs/bench.md unpacks; path in
-``$LLAMA_QUANTIZE``, else /work/llama-build/quant-build/bin/llama-quantize; the tests that need it are skipped
-when it is absent).  Logits: against transformers holding the weights gguf dequantizes the file to.
+``$LLAMA_QUANTIZE``, else /work/llama-build/quant-build/bin/llama-quantize), or where only its library is built,
+the ``llama_model_quantize`` it calls (``$LIBLLAMA``); the tests that need one are skipped when both are absent.  Logits: against transformers holding the weights gguf dequantizes the file to.
 """
 
 from __future__ import annotations
@@ -25,8 +25,36 @@ from tests.engine_fixtures import prefill_logits
 
 QUANT_TOLERANCES = {"int8": (0.12, 0.85), "int4": (0.08, 0.85)}  # rel, top1 (tests/unit/test_engine_families.py)
 LLAMA_QUANTIZE = os.environ.get("LLAMA_QUANTIZE", "/work/llama-build/quant-build/bin/llama-quantize")
-needs_quantize = pytest.mark.skipif(not os.access(LLAMA_QUANTIZE, os.X_OK),
-                                    reason=f"llama-quantize not built ({LLAMA_QUANTIZE}; docs/bench.md)")
+LIBLLAMA = os.environ.get("LIBLLAMA", os.path.join(os.path.dirname(LLAMA_QUANTIZE), "libllama.so"))
+FTYPES = {"Q2_K": 10, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h enum llama_ftype
+needs_quantize = pytest.mark.skipif(not (os.access(LLAMA_QUANTIZE, os.X_OK) or os.path.isfile(LIBLLAMA)),
+                                    reason=f"neither llama-quantize ({LLAMA_QUANTIZE}) nor libllama ({LIBLLAMA}) "
+                                           "is built (docs/bench.md)")
+
+
+def llama_quantize(src: str, dst: str, kind: str) -> None:
+    """llama.cpp's quantizer: the ``llama-quantize`` binary, else the function it calls,
+    ``llama_model_quantize`` of libllama (ctypes; ``llama_model_quantize_params`` as include/llama.h of the
+    sources docs/bench.md unpacks declares it: the binary is preferred, the struct is version-bound)."""
+    if os.access(LLAMA_QUANTIZE, os.X_OK):
+        subprocess.run([LLAMA_QUANTIZE, src, dst, kind, "1"], check=True, capture_output=True, timeout=120)
+        return
+    import ctypes
+
+    class Params(ctypes.Structure):
+        _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int), ("output_tensor_type", ctypes.c_int),
+                    ("token_embedding_type", ctypes.c_int), ("allow_requantize", ctypes.c_bool),
+                    ("quantize_output_tensor", ctypes.c_bool), ("only_copy", ctypes.c_bool), ("pure", ctypes.c_bool),
+                    ("keep_split", ctypes.c_bool), ("dry_run", ctypes.c_bool), ("imatrix", ctypes.c_void_p),
+                    ("kv_overrides", ctypes.c_void_p), ("tt_overrides", ctypes.c_void_p),
+                    ("prune_layers", ctypes.c_void_p), ("max_buf_size", ctypes.c_size_t)]
+    lib = ctypes.CDLL(LIBLLAMA)
+    lib.llama_model_quantize_default_params.restype = Params
+    lib.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(Params)]
+    lib.llama_model_quantize.restype = ctypes.c_uint32
+    params = lib.llama_model_quantize_default_params()
+    params.ftype, params.nthread = FTYPES[kind], 1
+    assert lib.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)) == 0, kind
 
 
 def _random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -168,7 +196,7 @@ def kfiles(tmp_path_factory):
     files = {"F32": f32}
     for kind in ("Q4_K_M", "Q5_K_M", "Q6_K", "Q2_K"):
         out = str(folder / f"{kind}.gguf")
-        subprocess.run([LLAMA_QUANTIZE, f32, out, kind, "1"], check=True, capture_output=True, timeout=120)
+        llama_quantize(f32, out, kind)
         files[kind] = out
     return files, model
 
@@ -251,7 +279,7 @@ def test_llama_quantize_files_are_held_at_their_precision(kfiles, kind, quant):
             is_int4 = hasattr(getattr(lin, "linear", lin), "dequantize")
             assert is_int4 == (quant == "int4" and part_types <= set(kquant.EXACT_INT4)), (proj, part_types)
     if kind == "Q4_K_M":
-        assert "int4 exact (Q4_K)" in eng.held and "float32 (Q4_K+Q6_K)" in eng.held or "float32 (Q6_K)" in eng.held
+        assert "int4 exact (Q4_K) x 6" in eng.held and "float32 (Q4_K+Q6_K) x 1" in eng.held  # layer 1's qkv (Q6_K v)
     ref = _reference_logits(model, weights)
     ours = torch.cat([prefill_logits(eng, p) for p in PROMPTS])
     rel = ((ours - ref).norm() / ref.norm()).item()
@@ -276,6 +304,11 @@ def test_pinned_int4_re_quantizes_and_says_so(kfiles):
         ref = weights[f"model.layers.{i}.mlp.down_proj.weight"]
         moved = max(moved, (_held_projection(eng, i, "down") - ref).abs().max().item())
     assert moved > 1e-4  # a Q6_K ffn_down re-rounded to int4
+    # and the engine's own re-quantization of a Q4_K projection (what "auto" did before) is not the file's grid
+    from actors.worker.engine.quant import Int4Linear
+
+    q4k = weights["model.layers.0.self_attn.o_proj.weight"]
+    assert not torch.equal(Int4Linear(q4k).dequantize(), q4k)
 
 
 @needs_quantize
