@@ -375,3 +375,12 @@ def test_registry_estimate_is_the_loaded_forms_bytes(tiny, tmp_path, kind):
     print(kind, eng.held, est, eng.weights_bytes, dense)
     assert abs(est - eng.weights_bytes) <= 0.1 * eng.weights_bytes
     assert (est < 0.7 * dense) if kind == "gptq" else (est >= 0.95 * dense)
+
+
+def test_fp8_projection_left_unquantized_is_read_as_is():
+    """compressed-tensors ``ignore``: a projection without a scale is a plain float weight."""
+    spec = hf_quant.QuantSpec("fp8", 8)
+    w = torch.randn(4, 8).bfloat16()
+    assert torch.equal(hf_quant.dequantize_fp8(spec, {"weight": w}), w.float())
+    with pytest.raises(UnsupportedModel, match="float8_e4m3fn only"):
+        hf_quant.dequantize_fp8(spec, {"weight": w.to(torch.int8), "weight_scale": torch.ones(1)})

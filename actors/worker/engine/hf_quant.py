@@ -174,6 +174,8 @@ def dequantize_fp8(spec: QuantSpec, t: dict[str, torch.Tensor]) -> torch.Tensor:
     """float32 [out, in] of an FP8 projection: ``weight`` times ``weight_scale`` (per tensor or per output row)
     or ``weight_scale_inv`` (per ``spec.block`` block).  UnsupportedModel for another weight dtype or scale shape."""
     w = t["weight"]
+    if w.dtype in (torch.float32, torch.float16, torch.bfloat16) and not ({"weight_scale", "weight_scale_inv"} & set(t)):
+        return w.float()  # a projection the checkpoint left unquantized (compressed-tensors ``ignore``)
     if w.dtype != torch.float8_e4m3fn:
         raise UnsupportedModel(f"FP8 weight of dtype {w.dtype} (float8_e4m3fn only)")
     wf = w.float()

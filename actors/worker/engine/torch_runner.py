@@ -93,7 +93,9 @@ class TorchRunner:
             packs = None  # the pack cache holds whole projections, not a rank's shard
         make = self._file_precision(packs.wrap(factory) if packs else factory, art)  # the file's precision (kquant.py)
         self.model = build_model(shard_cfg, art.weights, self.position_limit, make, config.native_kernels)
-        self.held = make.held.line() if hasattr(make, "held") else f"{self.quantization or self.dtype_name} (all)"
+        self.held = make.held.line() if hasattr(make, "held") else (
+            f"{self.quantization} re-quantized from the loaded floats (tensor parallel: the file's blocks are not "
+            "sharded)" if self.quantization and self.tp is not None else f"{self.quantization or self.dtype_name} (all)")
         log.info("engine holds: %s", self.held)
         if self.tp is not None:
             wrap_row_parallel(self.model, None)  # the default process group: the TP group
