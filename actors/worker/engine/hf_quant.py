@@ -338,11 +338,14 @@ class HFInt4:
         return self._cache[key]
 
     def types(self, layer: int, proj: str) -> list[str]:
+        """The label of each part of fused projection ``proj`` of ``layer`` (class docstring)."""
         if self.spec.method == "fp8":
             return ["FP8"] * len(_FUSED[proj])
         other = "g_idx" if self.spec.method == "gptq" else "groups"
         return [self.spec.label if p is not None else f"{self.spec.label} {other}" for p in self._groups(layer, proj)]
 
     def parts(self, layer: int, proj: str):
+        """(q uint8 [out, in], scale, mn float32 [out, in / 32]) of the fused projection (parts stacked by rows);
+        only where every part's ``types`` is the method's label."""
         ps = self._groups(layer, proj)
         return tuple(torch.cat([p[i] for p in ps]) for i in range(3))

@@ -155,6 +155,7 @@ class Held:
     counts: Counter = field(default_factory=Counter)
 
     def add(self, form: str, types) -> None:
+        """Count one projection held as ``form`` whose parts have the GGUF / checkpoint ``types``."""
         self.counts[(form, "+".join(sorted(set(types))))] += 1
 
     def line(self) -> str:
@@ -272,7 +273,6 @@ def file_precision_factory(make_linear, file: FileInt4, quantization: str | None
     the projection stays dense, logged.  ``held`` records the forms."""
     from .model import dense_linear_factory
 
-    dense = dense_factory or dense_linear_factory(dtype, "cpu")
     held = held if held is not None else Held()
     seen: Counter = Counter()
     name_of = str(dtype).removeprefix("torch.")
@@ -280,11 +280,13 @@ def file_precision_factory(make_linear, file: FileInt4, quantization: str | None
     def make(weight: torch.Tensor, name: str):
         layer = seen[name]
         seen[name] += 1
+        dense = dense_factory or dense_linear_factory(weight.dtype, weight.device.type)
         types = file.types(layer, name) if name in FUSED else []
         if make_linear is None or not types:
             held.add(name_of, types or ["float"])
             return (make_linear or dense)(weight, name)
-        if quantization == "int4" and all(t in EXACT_INT4 for t in types):
+        # the int4 kernels that take the file's blocks run on CPU (quant.py: other devices dequantize per call)
+        if quantization == "int4" and all(t in EXACT_INT4 for t in types) and weight.device.type == "cpu":
             q, s, mn = file.parts(layer, name)
             if tuple(q.shape) == tuple(weight.shape) and torch.equal(dequantize(q, s, mn).to(weight.dtype), weight):
                 lin, form = int4_linear(q, s, mn, weight.dtype, name, kernels, dense_factory)
