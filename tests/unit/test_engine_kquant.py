@@ -325,3 +325,20 @@ def test_bfloat16_q4_k_m_within_tolerance(kfiles):
     top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"bf16 Q4_K_M ({eng.held}): rel {rel:.4f} top1 {top1:.3f}")
     assert rel <= 0.08 and top1 >= 0.8
+
+
+@needs_quantize
+def test_registry_estimate_of_a_q4_k_m_file_is_the_loaded_forms_bytes(kfiles):
+    """loaded_bytes (``models register``'s default memory_bytes) against the float32 engine's measured weights
+    (no dense copies): within 10 %; the file's own size is far below (its embedding and Q6_K parts are held
+    dense)."""
+    from actors.worker.engine.loaded_bytes import loaded_bytes
+
+    files, _ = kfiles
+    path = files["Q4_K_M"]
+    eng = LLMEngine(EngineConfig(model_path=path, dtype="float32", kv_cache_bytes=4 * 2**20, max_loras=0,
+                                 quantization="int4", quantization_pinned=False, quant_dense_copy=False))
+    est = loaded_bytes(path, dtype_bytes=4)
+    print(eng.held, est, eng.weights_bytes, os.path.getsize(path))
+    assert abs(est - eng.weights_bytes) <= 0.1 * eng.weights_bytes
+    assert os.path.getsize(path) < 0.5 * eng.weights_bytes
