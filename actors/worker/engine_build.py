@@ -48,7 +48,7 @@ def build_engine(manifest: dict, args: argparse.Namespace):
     choice = choose_path(manifest, args)
     choose_s = time.monotonic() - t0
     cfg = EngineConfig(model_path=manifest["artifact"], dtype=choice.dtype, device=args.device,
-                       quantization=choice.quantization,
+                       quantization=choice.quantization, quantization_pinned=quantization_pinned(manifest, args),
                        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=manifest.get("context_length") or None, progress=not args.no_progress,
@@ -61,6 +61,15 @@ def build_engine(manifest: dict, args: argparse.Namespace):
     engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
     engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included
     return engine
+
+
+def quantization_pinned(manifest: dict, args: argparse.Namespace) -> bool:
+    """Whether the operator asked for the quantization (``--quantization`` other than auto, or a manifest
+    pin): then the engine re-quantizes what the file does not hold exactly (engine/kquant.py)."""
+    from actors.worker.engine.kernel_policy import manifest_pin
+
+    flag = getattr(args, "quantization", "auto")
+    return flag != "auto" or (manifest_pin(manifest.get("quantization")) is not None)
 
 
 def tensor_parallel_of(manifest: dict, args: argparse.Namespace) -> int:

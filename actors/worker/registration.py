@@ -33,6 +33,7 @@ def worker_info(engine, args: argparse.Namespace, worker_id: str, adapters=(), *
             "device": args.device, "dtype": getattr(engine, "dtype_name", args.dtype),
             "quantization": getattr(engine, "quantization", None),
             "path": getattr(getattr(engine, "path_choice", None), "reason", None),
+            "holds": getattr(engine, "held", None),  # what the projections are held as (engine/kquant.py)
             "native_off": getattr(engine, "native_off_reason", None),  # torch path: why (arch_spec.native_unsupported)
             "max_num_seqs": args.max_num_seqs, "adapters": sorted(adapters), "pool": getattr(args, "pool", "default"),
             "engine": getattr(args, "engine", "torch"), **extra}

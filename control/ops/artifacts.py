@@ -28,8 +28,8 @@ GGUF_FILE_TYPES = {
 class ArtifactFacts:
     """What a checked artifact tells a manifest: ``format`` (``gguf`` | ``hf``), ``context_length`` (tokens; GGUF
     ``{arch}.context_length`` or config.json ``max_position_embeddings``; None when absent), ``quantization`` (a
-    GGUF's file type label, e.g. ``Q4_1``; None for a directory or an unknown code), ``memory_bytes`` (the file's
-    size, or a directory's weight files' bytes)."""
+    GGUF's file type label, e.g. ``Q4_1``; None for a directory or an unknown code), ``memory_bytes`` (the bytes the
+    engine will hold: ``loaded_bytes``)."""
 
     format: str
     context_length: int | None
@@ -53,14 +53,27 @@ def inspect_artifact(path: str, fmt: str | None = None) -> ArtifactFacts:
     fmt = artifact_format(path, fmt)
     if fmt == "hf":
         ctx, size = check_hf_dir(path)
-        return ArtifactFacts("hf", ctx, None, size)
+        return ArtifactFacts("hf", ctx, None, loaded_bytes(path) or size)
     if not os.path.isfile(path):
         raise ValueError(f"artifact {path} does not exist (or is not a file; a Hugging Face directory is registered "
                          "with --format hf or a path ending in /)")
     check_gguf(path)
     check_gguf_tensors(path)
     ctx, quant = gguf_facts(path)
-    return ArtifactFacts("gguf", ctx, quant, os.path.getsize(path))
+    return ArtifactFacts("gguf", ctx, quant, loaded_bytes(path))
+
+
+def loaded_bytes(path: str) -> int:
+    """The bytes the engine will hold for the artifact (engine/loaded_bytes.py: the loaded form under the default
+    quantization, bfloat16; a K-quant or GPTQ file held as the engine's int4 is not its file size), else the
+    file's size when its header cannot be read that way (0 for a directory)."""
+    # the engine's estimate (numpy, safetensors): imported only by the verbs that register, never by `--help`
+    from actors.worker.engine.loaded_bytes import loaded_bytes as engine_loaded_bytes
+
+    try:
+        return engine_loaded_bytes(path)
+    except (ValueError, OSError, KeyError):
+        return os.path.getsize(path) if os.path.isfile(path) else 0
 
 
 def check_gguf(path: str) -> None:

@@ -103,7 +103,8 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
     """The validated manifest dict that ``models register`` stores, from its parsed ``args``.
 
     The artifact must be an existing file (stored as an absolute path). For a GGUF artifact the
-    context length and quantization default to the file's metadata and ``memory_bytes`` to its size.
+    context length and quantization default to the file's metadata and ``memory_bytes`` to the bytes the engine
+    holds once loaded (``_loaded_bytes``).
     ``--chat-template @FILE`` reads the template from FILE. Raises :class:`RegistryCommandError`
     (status 2) naming the field at fault: unsupported format, missing artifact, bad defaults, ...
     """

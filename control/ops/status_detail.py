@@ -17,6 +17,8 @@ def worker_detail(info: Any) -> str:
     path = f"{dtype}{'+' + quant if quant else ''}" if dtype and info.get("engine") != "zero-compute" else ""
     if path and info.get("native_off"):  # the model's architecture runs the torch path (arch_spec.native_unsupported)
         path += f" (torch path: {info['native_off']})"
+    if path and info.get("holds"):  # the projections as held (engine/kquant.py: exact, dense or re-quantized)
+        path += f" (holds {info['holds']})"
     return ", ".join(p for p in (_sleep(info), path, describe(info.get("load_phases") or {}, info.get("load_s")),
                                  _residency(info.get("memory")), _ranks(info), _adapters(info)) if p)
 

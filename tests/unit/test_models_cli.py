@@ -55,7 +55,9 @@ def test_register_parses_every_option(artifact):
 def test_register_defaults_from_the_artifact(artifact, tmp_path):
     a = _parse("models", "register", "tiny", "3", "--artifact", artifact)
     m = build_manifest(a)
-    assert m["memory_bytes"] == os.path.getsize(artifact) and m["chat_template"] == "gguf"
+    from actors.worker.engine.loaded_bytes import loaded_bytes
+
+    assert m["memory_bytes"] == loaded_bytes(artifact) > 0 and m["chat_template"] == "gguf"  # the loaded form
     assert m["defaults"] == {} and "workers" not in m
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")

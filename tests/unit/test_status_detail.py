@@ -42,3 +42,10 @@ def test_a_sleeping_worker_says_so_first():
     awake = {"dtype": "bfloat16", "sleep": {"state": "running", "wake_s": 0.2, "wakes": 3}}
     assert worker_detail(awake).startswith("woke 3 times, last in 0.20 s")
     assert worker_detail({"dtype": "bfloat16", "sleep": {"state": "running", "wakes": 0}}) == "bfloat16"
+
+
+def test_what_the_engine_holds_is_shown_beside_its_path():
+    """Issue [23]: the worker record's ``holds`` (engine/kquant.py) follows the engine path."""
+    line = worker_detail({"dtype": "bfloat16", "quantization": "int4",
+                          "holds": "int4, scale/zero in bfloat16 (Q4_K) x 6; bfloat16 (Q6_K) x 1"})
+    assert line == "bfloat16+int4 (holds int4, scale/zero in bfloat16 (Q4_K) x 6; bfloat16 (Q6_K) x 1)"

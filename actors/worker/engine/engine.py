@@ -42,7 +42,7 @@ _DTYPES = DTYPES
 RUNNER_ATTRS = frozenset({
     "model", "kv", "tp", "adapters", "model_config", "dtype_name", "quantization", "weights_bytes",
     "weights_shared", "weights_cached", "load_phases", "lora_reserve_bytes", "position_limit", "structured",
-    "special_names", "name", "cycle", "num_blocks", "native_off_reason",
+    "special_names", "name", "cycle", "num_blocks", "native_off_reason", "held",
 })
 
 
@@ -62,6 +62,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share cached full KV blocks of equal token prefixes
     quantization: str | None = None  # None | "int8" | "int4" | "auto" (weight-only, projections; see quant.py)
     quant_dense_copy: bool = True  # quantized: steps of many rows use a bf16 AMX copy of the quantized values
+    # the quantization was asked for (None: unless "auto"): re-quantize what the file does not hold exactly (kquant.py)
+    quantization_pinned: bool | None = None
     native_kernels: bool = True  # CPU: decode attention by the C++ kernel (cpu_kernels.py) when it builds
     num_threads: int | None = None  # torch threads for large steps; None = torch's default (all cores)
     small_step_tokens: int = 0  # steps with <= this many tokens run on one thread (0 = never; see 0006)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -165,6 +166,11 @@ def account_tensors(path: str, config: ModelConfig) -> dict[str, tuple[Path, str
     docstring). Reads headers only."""
     from safetensors import safe_open
 
+    spec = _quant_spec(path)
+    if spec is not None:  # GPTQ / AWQ / FP8 projections (hf_quant.py)
+        from .hf_quant import account
+
+        return account(path, config, spec, sys.modules[__name__])[0]
     where, found = {}, {}
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -228,6 +234,9 @@ def tensor_types(path: str) -> list[str]:
     ``--quantization auto`` keeps them dense)."""
     from safetensors import safe_open
 
+    spec = _quant_spec(path)
+    if spec is not None:  # "GPTQ" / "AWQ" (4-bit: "auto" resolves int4, quant.py) or "FP8"
+        return [spec.label] * 7
     types = []
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -242,6 +251,11 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
     from safetensors import safe_open
 
     config = read_config(path)
+    spec = _quant_spec(path)
+    if spec is not None:  # GPTQ / AWQ / FP8: projections dequantized (hf_quant.py)
+        from .hf_quant import load
+
+        return config, load(path, config, spec, dtype, device, sys.modules[__name__])
     where = account_tensors(path, config)
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -276,6 +290,17 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         fold_norms(config, weights)  # 1 + w, before lm_head may alias the embedding
     weights.setdefault("lm_head", weights["embed"])
     return config, weights
+
+
+def _quant_spec(path: str):
+    """hf_quant.QuantSpec of the directory's ``quantization_config`` (None without one)."""
+    from .hf_quant import spec_of_dir
+
+    return spec_of_dir(path)
+
+
+# hf_quant.py is imported by functions of this module and reads its names through the module object it is given
+# (``sys.modules[__name__]``), so neither imports the other at the top.
 
 
 def token_tables(path: str, vocab_size: int) -> tuple[list[bytes], dict[int, str]]:

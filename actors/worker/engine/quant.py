@@ -232,7 +232,7 @@ def _swiglu_order(out_features: int) -> torch.Tensor:
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 # GGUF tensor types of the projections -> the quantizer that keeps their precision ("auto").
-_AUTO_4BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"}
+_AUTO_4BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "GPTQ", "AWQ"}  # GPTQ / AWQ: hf_loader.tensor_types
 _AUTO_8BIT = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
 
 

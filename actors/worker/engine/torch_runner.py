@@ -28,6 +28,7 @@ from .sampler import generator_state, make_generator, sample_batch, set_generato
 from .structured import Structured
 from .tensor_parallel import shard_config, shard_plan, shard_weights, wrap_row_parallel
 from .tp_group import LeaderModel, TPGroup
+from .kquant import pack_variant
 from .weights_cache import PackCache, read_artifact
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,12 @@ class TorchRunner:
         self.tp, shard_cfg = self._open_group(art)
         if self.tp is not None:
             packs = None  # the pack cache holds whole projections, not a rank's shard
-        self.model = build_model(shard_cfg, art.weights, self.position_limit,
-                                 packs.wrap(factory) if packs else factory, config.native_kernels)
+        make = self._file_precision(packs.wrap(factory) if packs else factory, art)  # the file's precision (kquant.py)
+        self.model = build_model(shard_cfg, art.weights, self.position_limit, make, config.native_kernels)
+        self.held = make.held.line() if hasattr(make, "held") else (
+            f"{self.quantization} re-quantized from the loaded floats (tensor parallel: the file's blocks are not "
+            "sharded)" if self.quantization and self.tp is not None else f"{self.quantization or self.dtype_name} (all)")
+        log.info("engine holds: %s", self.held)
         if self.tp is not None:
             wrap_row_parallel(self.model, None)  # the default process group: the TP group
         if packs:
@@ -118,9 +123,37 @@ class TorchRunner:
         dense = packed_linear_factory(self.dtype, config.device) if config.quant_dense_copy else None
         kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
         factory = make_linear_factory(self.quantization, dense, kernels=kernels)
-        packs = PackCache(config.model_path, self.dtype, self.quantization, kernels) \
+        variant = pack_variant(self._pinned())  # kquant decides which projections reach the factory
+        packs = PackCache(config.model_path, self.dtype, self.quantization, kernels, variant) \
             if config.weights_cache and factory is not None else None
         return factory, packs
+
+    def _file_precision(self, make, art):
+        """``make`` (or None: dense) wrapped by ``kquant.file_precision_factory`` for a one-rank GGUF (4-bit
+        blocks mapped exactly, other types kept dense unless pinned, what is held recorded); ``make`` otherwise."""
+        config = self.config
+        if self.tp is not None:
+            return make
+        from . import kquant
+
+        if os.path.isdir(config.model_path):  # a GPTQ / AWQ / FP8 directory (hf_quant.py); plain ones unwrapped
+            from . import hf_loader, hf_quant
+
+            spec = hf_quant.spec_of_dir(config.model_path)
+            if spec is None:
+                return make
+            file = hf_quant.HFInt4(config.model_path, self.model_config, spec, hf_loader)
+        else:
+            file = kquant.FileInt4(config.model_path, self.model_config.architecture, self.model_config.num_heads,
+                                   self.model_config.num_kv_heads)
+        dense = packed_linear_factory(self.dtype, config.device) if config.quant_dense_copy else None
+        kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
+        return kquant.file_precision_factory(make, file, self.quantization, self.dtype, self._pinned(), kernels, dense)
+
+    def _pinned(self) -> bool:
+        """Whether the quantization was asked for (``EngineConfig.quantization_pinned``; None: unless "auto")."""
+        config = self.config
+        return config.quantization_pinned if config.quantization_pinned is not None else config.quantization != "auto"
 
     def _init_kv(self, shard_cfg) -> None:
         """The KV cache: ``kv_cache_bytes``, or what the memory budget leaves; tensor parallel: the blocks every
@@ -148,6 +181,7 @@ class TorchRunner:
         self.model_config, self.weights_cached, self.quantization = other.model_config, True, other.quantization
         self.tp, self.model, self.position_limit = None, other.model, other.position_limit
         self.native_off_reason = other.native_off_reason
+        self.held = getattr(other, "held", None)
         self.weights_bytes, self.weights_shared = other.weights_bytes, True
         self._init_adapters(config.max_loras)
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, self.dtype, config.device)

@@ -71,7 +71,8 @@ def cache_key(path: str, dtype: torch.dtype) -> str:
     from .hf_loader import artifact_stamp
 
     h = hashlib.sha256("\n".join([FORMAT, *artifact_stamp(path), str(dtype)]).encode())
-    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py", "detokenizer.py"):
+    for mod in ("gguf_loader.py", "hf_loader.py", "arch_spec.py", "weights_cache.py", "detokenizer.py",
+                "hf_quant.py"):
         h.update((Path(__file__).parent / mod).read_bytes())
     return h.hexdigest()[:32]
 
@@ -225,12 +226,13 @@ class PackCache:
     from its stored pack (``QuantLinear.from_packed``), else it builds it and records the pack; ``save()``
     writes what was recorded (atomically; failures logged).  Projections of other kinds are built as usual."""
 
-    def __init__(self, path: str, dtype: torch.dtype, quantization: str | None, kernels) -> None:
+    def __init__(self, path: str, dtype: torch.dtype, quantization: str | None, kernels, variant: str = "") -> None:
+        """``variant``: what else decides which projections reach the factory (kquant.pack_variant), in the key."""
         from . import quant_blocks
 
         isa = getattr(kernels, "qgemm_isa", "none")
         src = hashlib.sha256(Path(quant_blocks.__file__).read_bytes()).hexdigest()[:8]
-        self.file = cache_dir() / f"{cache_key(path, dtype)}-{quantization}-{isa}-{src}.safetensors"
+        self.file = cache_dir() / f"{cache_key(path, dtype)}-{quantization}-{isa}-{src}{variant}.safetensors"
         self.kernels, self.stored, self.recorded = kernels, self._load(), {}
         self.hit = bool(self.stored)
 
