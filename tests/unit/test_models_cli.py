@@ -312,7 +312,9 @@ def test_up_model_file_takes_a_directory_or_a_gguf_checked_as_register_checks_th
         assert m[key] == reg[key], key  # the same facts as `models register`
     assert model_manifest("q", "1", built["hf"], context_length=64)["context_length"] == 64
     g = model_manifest("q", "1", built["gguf"])
-    assert (g["format"], g["tokenizer"], g["memory_bytes"]) == ("gguf", "gguf", os.path.getsize(built["gguf"]))
+    from actors.worker.engine.loaded_bytes import loaded_bytes
+
+    assert (g["format"], g["tokenizer"], g["memory_bytes"]) == ("gguf", "gguf", loaded_bytes(built["gguf"]))
     # refusals name the tensor or file, as at registration
     extra = fm.write_gguf(built["model"], str(tmp_path / "extra.gguf"),
                           extra_tensors={"blk.0.attn_extra.weight": np.zeros((4, 4), np.float32)})
