@@ -167,6 +167,43 @@ def _run_all(names: list[str], args: argparse.Namespace) -> dict[str, dict]:
         return {n: f.result() for n, f in futs.items()}
 
 
+BOUND_ATTAINMENT = 0.995  # the SLO target: the headline bound holds for every policy that meets it
+
+
+def hindsight_bounds(inputs: Any, days: float, seed: int, results: dict[str, dict]) -> dict[str, Any]:
+    """The hindsight LP (control/sim/bound.py) on the run's trace: ``{"at_slo_target": bound at 99.5 %
+    attainment, "no_spot_cap": the same without the live mix's spot cap, "per_policy": {name: bound at that
+    policy's own SLO-met tokens, with "policy_over_bound" = the policy's cost per 1M SLO-met tokens / the
+    bound's}}`` (each HindsightBound.to_json()); ``wall_s``: the build and solves."""
+    from control.sim import make_trace
+    from control.sim.bound import BoundProgram, bound_for
+
+    t0 = time.perf_counter()
+    trace = make_trace(inputs, days=days, seed=seed)
+    prog = BoundProgram(inputs, trace)
+    out: dict[str, Any] = {"at_slo_target": prog.at_attainment(BOUND_ATTAINMENT).to_json(),
+                           "no_spot_cap": BoundProgram(inputs, trace, spot_cap=False).at_attainment(
+                               BOUND_ATTAINMENT).to_json(), "per_policy": {}}
+    for name, r in results.items():
+        b = bound_for(prog, r).to_json()
+        b["policy_over_bound"] = (r["cost_per_1m_slo_tokens"] / b["cost_per_1m_slo_tokens"]
+                                  if b["feasible"] and b["cost_per_1m_slo_tokens"] > 0 else None)
+        out["per_policy"][name] = b
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _print_bound(bound: dict[str, Any]) -> None:
+    b, nc = bound["at_slo_target"], bound["no_spot_cap"]
+    print(f"{'hindsight-bound (LP)':<20} {b['cost_per_1m_slo_tokens']:>12.4f} {b['attainment']:>8.4f} "
+          f"{'-':>8} {'-':>8} {b['cost_usd']:>10.0f}  (spot share {b['spot_share']:.2f}; all-spot allowed: "
+          f"{nc['cost_per_1m_slo_tokens']:.4f}; LPs {bound['wall_s']:.1f} s)")
+    for name, pb in bound["per_policy"].items():
+        ratio = pb.get("policy_over_bound")
+        print(f"  {name:<22} {'-' if ratio is None else f'{ratio:.3f}'} x the bound at its own SLO-met tokens "
+              f"({pb['cost_per_1m_slo_tokens']:.4f} $/1M at attainment {pb['attainment']:.4f})")
+
+
 def main(args: argparse.Namespace) -> int:
     from control.sim import load_inputs, make_trace
     from control.sim.targets import evaluate
@@ -190,13 +227,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     done = _run_all(names, args)
-    wall = time.perf_counter() - t0
     full = {n: r for n, (r, _, _) in done.items()}
     brief = {n: {k: v for k, v in r.items() if k != "per_minute"} | {"wall_s": w, "cpu_s": c}
              for n, (r, w, c) in done.items()}
     cpu_s = sum(c for _, _, c in done.values())
-    targets = evaluate(brief, wall, args.days, cpu_s)
+    bound = hindsight_bounds(inputs, args.days, args.seed, brief)
+    wall = time.perf_counter() - t0
+    targets = evaluate(brief, wall, args.days, cpu_s, bound)
     print(_table(brief))
+    _print_bound(bound)
     print(f"wall {wall:.1f} s ({cpu_s:.1f} CPU s) for {args.days:g} days, {len(names)} policies, "
           f"{args.jobs} jobs (load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)")
     for k, t in targets.items():
@@ -205,7 +244,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {k:<24} {state:<7} value {t['value']} (target {t['target']})")
     out = {"wall_s": wall, "cpu_s": cpu_s, "inputs": inputs.path, "days": args.days, "seed": args.seed,
            "jobs": args.jobs, "pool_set": [*SIM_POOL_SET, *args.pool_set],
-           "host": {"cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}, "policies": brief, "targets": targets}
+           "host": {"cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}, "policies": brief,
+           "hindsight_bound": bound, "targets": targets}
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(finite_json(out), f, indent=1, default=str, allow_nan=False)
