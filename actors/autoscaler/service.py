@@ -38,6 +38,7 @@ from actors.autoscaler.collect import (CollectConfig, CreditBook, Desired, Laten
 from actors.autoscaler.cpu_policy import CpuTierConfig, CpuTierPolicy
 from control.policy.curves import ThroughputCurve
 from actors.autoscaler.decisions import Decision, DecisionLog
+from actors.autoscaler.forecast import ArrivalForecaster, ForecastConfig, forecast_signals
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
 from actors.autoscaler.signals import Limits, Slo, limits_from_autoscale, pool_signal_key, slo_from_autoscale
 from bus import subjects
@@ -68,6 +69,9 @@ class AutoscalerConfig:
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     pools: PoolConfig = field(default_factory=PoolConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
+    # arrivals planned one cold start ahead (actors/autoscaler/forecast.py, issue [29]); off live by default: the
+    # 2-core stack's workers start in ~3 s, and `actorserve simulate` runs it on (docs/autoscaling.md)
+    forecast: ForecastConfig = field(default_factory=lambda: ForecastConfig(enabled=False))
     controller_id: str = ""
     elect: bool = True
     lease_ttl: int = 2
@@ -128,6 +132,7 @@ class Autoscaler:
         self.loads, self.credits = LoadBook(self.cfg.collect), CreditBook(self.cfg.collect)
         self.latencies = LatencyBook(self.cfg.collect)
         self.cpu_policy, self.pool_policy = CpuTierPolicy(self.cfg.cpu), PoolPolicy(self.cfg.pools)
+        self.forecaster = ArrivalForecaster(self.cfg.forecast)
         self.log = DecisionLog()
         self.state = ClusterState()
         self.snapshot: dict[str, Any] = {}  # the signals, limits and desired counts of the last tick
@@ -223,6 +228,7 @@ class Autoscaler:
         pools = pool_signals(now, wall, st.versions, self.cfg.pool, st.workers, leaving, self.loads, self.credits,
                              self.latencies, {k: d for k, d in st.desired.items() if k.count("/") == 2},
                              self.cfg.collect, self.mixes)
+        pools = forecast_signals(self.forecaster, wall, pools)  # arrivals one cold start ahead (opt-in: [29])
         limits, slos = self._pool_limits(pools)
         curves = {k: c for k, c in st.curves.items() if k in pools}
         self.snapshot = {"ts": wall, "cpu": {k: dataclasses.asdict(s) for k, s in cpu.items()},

@@ -5,7 +5,9 @@ live policy (``actorserve``) and, when control/sim/baselines.py is present, its 
                         [--jobs N] [--pool-set FIELD=VALUE ...]
 
 The ``actorserve`` policy runs with the simulator's PoolConfig ``SIM_POOL_SET`` (target_util 0.75; the live
-autoscaler keeps its 0.8: see the constant), then ``--pool-set``.
+autoscaler keeps its 0.8: see the constant), then ``--pool-set``, and the arrival forecast on
+(actors/autoscaler/forecast.py; ``actorserve-no-forecast``, not run by default: the same without it). After the
+policies, the hindsight LP (control/sim/bound.py) at 99.5 % and at each policy's own SLO-met tokens.
 
 Prints a table (cost per 1M SLO-met output tokens, attainment, drops, recovery after the 3x step, CPU
 tiers), then the issue's targets met / missed. ``--json`` writes ``{"wall_s", "cpu_s", "inputs", "days", "seed",
@@ -112,9 +114,14 @@ def pool_config(assignments: list[str]) -> Any:
 
 def available_policies(inputs: Any, trace: Any, pool_set: list[str] | None = None) -> dict[str, Any]:
     """Policy name -> policy object: the live one, and the baselines when control/sim/baselines.py exists."""
+    from actors.autoscaler.forecast import ForecastConfig
     from control.sim.live_policy import ActorservePolicy
 
-    out: dict[str, Any] = {"actorserve": ActorservePolicy(inputs, pool_config(pool_set or []))}
+    cfg = pool_config(pool_set or [])
+    out: dict[str, Any] = {"actorserve": ActorservePolicy(inputs, cfg, forecast=ForecastConfig()),
+                           "actorserve-no-forecast": ActorservePolicy(inputs, cfg,
+                                                                      forecast=ForecastConfig(enabled=False))}
+    out["actorserve-no-forecast"].name = "actorserve-no-forecast"
     try:
         from control.sim.baselines import baseline_policies
     except ImportError:

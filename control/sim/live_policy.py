@@ -28,6 +28,7 @@ from typing import Mapping
 
 import numpy as np
 
+from actors.autoscaler.forecast import ArrivalForecaster, ForecastConfig
 from actors.autoscaler.mix import PoolOffer, plan_mix
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
 from actors.autoscaler.signals import Limits, PoolSignals
@@ -65,8 +66,10 @@ class ActorservePolicy:
 
     name = "actorserve"
 
-    def __init__(self, inputs: FleetInputs, cfg: PoolConfig | None = None, mix_every_s: float = 30.0) -> None:
+    def __init__(self, inputs: FleetInputs, cfg: PoolConfig | None = None, mix_every_s: float = 30.0,
+                 forecast: ForecastConfig | None = None) -> None:
         self.inputs = inputs
+        self.forecaster = ArrivalForecaster(forecast or ForecastConfig(enabled=False))
         self.cfg = cfg or PoolConfig()
         self.pool_policy = PoolPolicy(self.cfg)
         self.offers = offers_for(inputs)
@@ -106,7 +109,9 @@ class ActorservePolicy:
 
     def decide(self, view: FleetView) -> Mapping[str, int]:
         """Desired replicas per pool key for the changes PoolPolicy decided."""
-        demand = view.arrival_tokens_per_s
+        key = f"{MODEL}/{VERSION}"
+        self.forecaster.observe(key, view.now_s, view.arrival_tokens_per_s)
+        demand = self.forecaster.planned(key, view.now_s, view.arrival_tokens_per_s)
         if view.now_s - self._last_mix >= self.mix_every_s:
             self._plan(demand)
             self._last_mix = view.now_s
@@ -131,7 +136,15 @@ class ActorservePolicy:
         return dict(self.desired)
 
 
+    def report(self) -> dict[str, object]:
+        """For the run's result (PolicyResult.extra["policy"]): the forecast's error per model version at its
+        lead (ArrivalForecaster.errors) and its configuration."""
+        f = self.forecaster
+        return {"forecast": {"enabled": f.cfg.enabled, "lead_s": f.cfg.lead_s, "bucket_s": f.cfg.bucket_s,
+                             "errors": {k: f.errors(k) for k in f.keys()}}}
+
+
 def live_modules() -> dict[str, object]:
     """The live classes / functions this adapter runs (for the identity test)."""
     return {"PoolPolicy": PoolPolicy, "plan_mix": plan_mix, "PoolOffer": PoolOffer, "PoolSignals": PoolSignals,
-            "np": np}
+            "ArrivalForecaster": ArrivalForecaster, "np": np}
