@@ -39,7 +39,8 @@ from control.policy.numbers import is_number
 class ForecastConfig:
     """Smoothing (alpha, beta, gamma in [0, 1]), bucket and season lengths (s), the lead (s: how far ahead the
     planned arrivals look; default one cold start of the simulated fleet, 52.2 s, plus a 30-s decision and
-    mix cadence, rounded up to 90 s) and ``enabled``.
+    mix cadence, rounded up to 90 s), ``drain_s`` (0: off; else plan :func:`backlog_rate` on top, so the
+    backlog new replicas find drains within it) and ``enabled``.
 
     Defaults: alpha 0.5 and beta 0.1 follow a level shift within a few buckets (a 3x step moves the level
     half-way in one minute) while smoothing Poisson noise; gamma 0.2 learns a daily shape in a few days
@@ -51,6 +52,7 @@ class ForecastConfig:
     bucket_s: float = 60.0
     period_s: float = 86_400.0
     lead_s: float = 90.0
+    drain_s: float = 0.0
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -207,6 +209,20 @@ class ArrivalForecaster:
     def keys(self) -> list[str]:
         """The keys seen."""
         return list(self._keys)
+
+
+def backlog_rate(queue_tokens: float, arrivals: float, capacity: float, lead_s: float, drain_s: float) -> float:
+    """Tokens/s to plan on top of the arrivals so that the backlog new replicas will find drains within
+    ``drain_s`` of their start of service: the queue now plus what piles up until they serve (arrivals above the
+    fleet's current SLO capacity, for ``lead_s``), over ``drain_s``. 0 without a queue or an overload.
+    ValueError for a negative figure or ``drain_s`` <= 0. (Little's law on the fluid queue: a backlog B drains
+    in B / excess capacity; this sizes the excess.)"""
+    for n, v in (("queue_tokens", queue_tokens), ("arrivals", arrivals), ("capacity", capacity), ("lead_s", lead_s)):
+        if not is_number(v, minimum=0):
+            raise ValueError(f"backlog_rate: {n} must be a finite number >= 0, got {v!r}")
+    if not is_number(drain_s, minimum=0) or drain_s <= 0:
+        raise ValueError(f"backlog_rate: drain_s must be > 0, got {drain_s!r}")
+    return (queue_tokens + max(0.0, arrivals - capacity) * lead_s) / drain_s
 
 
 def forecast_signals(forecaster: ArrivalForecaster, now: float, signals: Mapping[str, object]) -> dict[str, object]:

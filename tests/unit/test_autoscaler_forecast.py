@@ -92,3 +92,16 @@ def test_errors_score_the_forecast_made_lead_s_ahead():
 def test_bad_config_is_refused_with_its_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad)) if "period" not in next(iter(bad)) else "period_s"):
         ForecastConfig(**bad)
+
+
+def test_backlog_rate_sizes_the_drain_of_what_piles_up_during_a_cold_start():
+    from actors.autoscaler.forecast import backlog_rate
+
+    # 3x step: 3,000 tok/s arrive on 1,000 of capacity, 500 queued; new replicas serve in 60 s, drain in 30 s
+    assert backlog_rate(500.0, 3000.0, 1000.0, 60.0, 30.0) == pytest.approx((500.0 + 2000.0 * 60.0) / 30.0)
+    assert backlog_rate(0.0, 800.0, 1000.0, 60.0, 30.0) == 0.0  # no queue, no overload: nothing extra
+    assert backlog_rate(300.0, 800.0, 1000.0, 60.0, 30.0) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="drain_s"):
+        backlog_rate(0.0, 1.0, 1.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="queue_tokens"):
+        backlog_rate(-1.0, 1.0, 1.0, 1.0, 1.0)
