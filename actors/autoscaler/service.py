@@ -38,6 +38,7 @@ from actors.autoscaler.collect import (CollectConfig, CreditBook, Desired, Laten
 from actors.autoscaler.cpu_policy import CpuTierConfig, CpuTierPolicy
 from control.policy.curves import ThroughputCurve
 from actors.autoscaler.decisions import Decision, DecisionLog
+from actors.autoscaler.forecast import ArrivalForecaster, ForecastConfig, forecast_signals
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
 from actors.autoscaler.sleep_carry import SleepCarrier
 from actors.autoscaler.sleep_tier import SleeperInfo, SleepPlan, SleepTierConfig, SleepTierPolicy
@@ -72,6 +73,9 @@ class AutoscalerConfig:
     collect: CollectConfig = field(default_factory=CollectConfig)
     sleep: SleepTierConfig = field(default_factory=SleepTierConfig)  # the sleeping tier (sleep_tier.py)
     carry_sleep: bool = False  # write the sleep / wake records itself: no supervisor (Kubernetes; sleep_carry.py)
+    # arrivals planned one cold start ahead (actors/autoscaler/forecast.py, issue [29]); off live by default: the
+    # 2-core stack's workers start in ~3 s, and `actorserve simulate` runs it on (docs/autoscaling.md)
+    forecast: ForecastConfig = field(default_factory=lambda: ForecastConfig(enabled=False))
     controller_id: str = ""
     elect: bool = True
     lease_ttl: int = 2
@@ -136,6 +140,7 @@ class Autoscaler:
         self.sleep_plans: dict[str, SleepPlan] = {}  # "n/v/p" -> the plan of the last tick
         self._sleep_written: dict[str, dict] = {}  # "n/v/p" -> the plan last written (reason aside)
         self.carrier = SleepCarrier()  # with carry_sleep: the sleep / wake records this replica writes
+        self.forecaster = ArrivalForecaster(self.cfg.forecast)
         self.log = DecisionLog()
         self.state = ClusterState()
         self.snapshot: dict[str, Any] = {}  # the signals, limits and desired counts of the last tick
@@ -232,6 +237,7 @@ class Autoscaler:
         pools = pool_signals(now, wall, st.versions, self.cfg.pool, st.workers, leaving, self.loads, self.credits,
                              self.latencies, {k: d for k, d in st.desired.items() if k.count("/") == 2},
                              self.cfg.collect, self.mixes)
+        pools = forecast_signals(self.forecaster, wall, pools)  # arrivals one cold start ahead (opt-in: [29])
         limits, slos = self._pool_limits(pools)
         curves = {k: c for k, c in st.curves.items() if k in pools}
         self.snapshot = {"ts": wall, "cpu": {k: dataclasses.asdict(s) for k, s in cpu.items()},

@@ -207,7 +207,11 @@ def simulate(inputs: FleetInputs, trace: Trace, policy: FleetPolicy, *, tick_s: 
                 "queued": float(q.sum()), "migrating": state.migrating(), "dropped_by_preemption":
                 state.dropped_preempted, "dropped_by_drain": state.dropped_drained, "met": tot["met"],
                 "preemption_notices": state.preemptions}
-    return finish_result(policy.name, inputs, trace, tot, requests, cpu, cpu_p99, log, pools.keys)
+    res = finish_result(policy.name, inputs, trace, tot, requests, cpu, cpu_p99, log, pools.keys)
+    report = getattr(policy, "report", None)
+    if callable(report):  # a policy's own figures (the live policy's forecast error), beside its decisions
+        res.extra["policy"] = report()
+    return res
 
 
 def _view(now, rps, out_mean, trace, q, state, pools, share, tps, itl, cpu_mean, bins, nf, inputs, wait):

@@ -18,7 +18,12 @@ What this adapter does, as actors/autoscaler/service.py does live:
   and length by the pool's share, KV use, TTFT / ITL p90, arrivals = demand x the pool's mix share, tokens
   served); limits as service._pool_limits: floor 1 on the default pool (the cheapest on-demand type per
   SLO-met token), 0 elsewhere and scale to zero, ceiling = the mix's count (at least 1);
-* ``PoolPolicy.decide`` -> desired counts (Decision.desired) per pool key.
+* ``PoolPolicy.decide`` -> desired counts (Decision.desired) per pool key;
+* issue [29]: the demand planned is ``ArrivalForecaster.planned`` (max of the observed arrivals and the
+  Holt-Winters forecast ``lead_s`` ahead; forecast.py) plus, with ``drain_s`` > 0, ``backlog_rate`` (the
+  backlog new replicas will find, drained within ``drain_s``); and the mix is re-planned at once when the
+  demand rises ``REPLAN_RISE`` (10 %) above what it was planned for (the live service re-plans every tick; a
+  30-s-old mix capped the step-up for up to 30 s).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Mapping
 
 import numpy as np
 
+from actors.autoscaler.forecast import ArrivalForecaster, ForecastConfig, backlog_rate
 from actors.autoscaler.mix import PoolOffer, plan_mix
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
 from actors.autoscaler.signals import Limits, PoolSignals
@@ -35,6 +41,7 @@ from control.sim.api import FleetInputs, FleetView, split_pool_key
 from control.sim.latency import eligible, prompt_bins
 
 MODEL, VERSION = "llm", "1"
+REPLAN_RISE = 0.1  # demand 10 % above the mix's: re-plan at once instead of at the next mix_every_s
 
 
 def offers_for(inputs: FleetInputs) -> dict[str, PoolOffer]:
@@ -65,8 +72,10 @@ class ActorservePolicy:
 
     name = "actorserve"
 
-    def __init__(self, inputs: FleetInputs, cfg: PoolConfig | None = None, mix_every_s: float = 30.0) -> None:
+    def __init__(self, inputs: FleetInputs, cfg: PoolConfig | None = None, mix_every_s: float = 30.0,
+                 forecast: ForecastConfig | None = None) -> None:
         self.inputs = inputs
+        self.forecaster = ArrivalForecaster(forecast or ForecastConfig(enabled=False))
         self.cfg = cfg or PoolConfig()
         self.pool_policy = PoolPolicy(self.cfg)
         self.offers = offers_for(inputs)
@@ -79,6 +88,8 @@ class ActorservePolicy:
         self.mix: dict[str, int] = {}
         self.group_mix: list[dict[str, int]] = []
         self._last_mix = -math.inf
+        self._planned_for = 0.0
+        self.eff_raw = {k: o.curve.capacity_tokens_per_s(inputs.slo.itl_ms) for k, o in self.offers.items()}
         self.desired: dict[str, int] = {}
 
     def _plan(self, demand: float) -> None:
@@ -106,10 +117,19 @@ class ActorservePolicy:
 
     def decide(self, view: FleetView) -> Mapping[str, int]:
         """Desired replicas per pool key for the changes PoolPolicy decided."""
-        demand = view.arrival_tokens_per_s
+        key = f"{MODEL}/{VERSION}"
+        self.forecaster.observe(key, view.now_s, view.arrival_tokens_per_s)
+        demand = self.forecaster.planned(key, view.now_s, view.arrival_tokens_per_s)
+        fcfg = self.forecaster.cfg
+        if fcfg.enabled and fcfg.drain_s > 0:
+            cap = sum(pv.ready * self.eff_raw[k] for k, pv in view.pools.items())
+            demand += backlog_rate(view.queue_tokens, view.arrival_tokens_per_s, cap, fcfg.lead_s, fcfg.drain_s)
+        if demand > self._planned_for * (1 + REPLAN_RISE):  # the live service re-plans every tick; here on a rise
+            self._last_mix = -math.inf
         if view.now_s - self._last_mix >= self.mix_every_s:
             self._plan(demand)
             self._last_mix = view.now_s
+            self._planned_for = demand
         arrivals = self._arrivals(demand)
         signals, limits, slos, curves = {}, {}, {}, {}
         for key, pv in view.pools.items():
@@ -131,7 +151,15 @@ class ActorservePolicy:
         return dict(self.desired)
 
 
+    def report(self) -> dict[str, object]:
+        """For the run's result (PolicyResult.extra["policy"]): the forecast's error per model version at its
+        lead (ArrivalForecaster.errors) and its configuration."""
+        f = self.forecaster
+        return {"forecast": {"enabled": f.cfg.enabled, "lead_s": f.cfg.lead_s, "bucket_s": f.cfg.bucket_s,
+                             "errors": {k: f.errors(k) for k in f.keys()}}}
+
+
 def live_modules() -> dict[str, object]:
     """The live classes / functions this adapter runs (for the identity test)."""
     return {"PoolPolicy": PoolPolicy, "plan_mix": plan_mix, "PoolOffer": PoolOffer, "PoolSignals": PoolSignals,
-            "np": np}
+            "ArrivalForecaster": ArrivalForecaster, "np": np}
