@@ -444,12 +444,7 @@ class LlamaModel:
         qk = self.rope.rotate(qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd), cos, sin)
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
-        k_flat = cache[0].view(-1, Hkv, hd)
-        v_flat = cache[1].view(-1, Hkv, hd)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-        out = self._paged_attention(q, k, v, meta.plan, cache)
-        return _adapted(lw.o, out.reshape(T, H * hd), meta.lora, layer, "o")
+        return self._store_and_attend(lw, q, k, v, meta, cache, layer)
 
     def release_kv(self) -> None:
         """Drop the per-layer views of the KV cache kept between steps, so that a cache being replaced (a resize,
@@ -462,6 +457,18 @@ class LlamaModel:
             self._caches = [(c[0], c[1]) for c in kv_cache]
             self._caches_of = kv_cache
         return self._caches
+
+    def _store_and_attend(self, lw: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
+                          cache: torch.Tensor, layer: int) -> torch.Tensor:
+        """Write this step's K / V rows ([T, Hkv, hd]) into the paged ``cache`` ([2, blocks, block, Hkv, hd]) at
+        ``meta.slot_mapping``, attend with ``q`` ([T, H, hd]) and apply the output projection: [T, hidden]."""
+        T, H, hd = q.shape
+        k_flat = cache[0].view(-1, k.shape[1], hd)
+        v_flat = cache[1].view(-1, v.shape[1], hd)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        out = self._paged_attention(q, k, v, meta.plan, cache)
+        return _adapted(lw.o, out.reshape(T, H * hd), meta.lora, layer, "o")
 
     def _paged_attention(self, q, k, v, plan: _AttnPlan, cache, out: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention. q [T, H, hd]; fresh k/v [T, Hkv, hd] (None when ``plan`` has only native
@@ -560,12 +567,7 @@ class QkNormModel(LlamaModel):
         qk = self.rope.rotate(torch.cat([q, k], dim=1), cos, sin)
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
-        k_flat = cache[0].view(-1, Hkv, hd)
-        v_flat = cache[1].view(-1, Hkv, hd)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-        out = self._paged_attention(q, k, v, meta.plan, cache)
-        return _adapted(lw.o, out.reshape(T, H * hd), meta.lora, layer, "o")
+        return self._store_and_attend(lw, q, k, v, meta, cache, layer)
 
 
 def _adapted(linear, x: torch.Tensor, lora: LoraBatch | None, layer: int, proj: str) -> torch.Tensor:
