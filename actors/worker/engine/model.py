@@ -359,6 +359,9 @@ class LlamaModel:
         # Fresh-prefill attention on AMX (csrc/prefill_attention.cpp): bf16, head_dim 64.
         self.amx_prefill = (self.kernels is not None and self.kernels.has_amx and self.dtype == torch.bfloat16
                             and config.head_dim == 64 and config.sliding_window is None)  # plain causal only
+        if (self.kernels is not None and self.kernels.has_amx and self.dtype == torch.bfloat16
+                and config.head_dim == 64 and config.sliding_window is not None):  # said in `actorserve status`
+            self.native_off_reason = "fresh prefill on SDPA: the AMX prefill kernel has no sliding-window mask"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
