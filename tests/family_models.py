@@ -219,19 +219,11 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple = (), rope_type: str | None = None,
-               extra_uint32: dict | None = None) -> str:
-    """A GGUF of ``model``'s weights with llama.cpp's conventions; ``extra_tensors`` / ``drop`` / ``rope_type``
-    (a ``rope.scaling.type`` string) / ``extra_uint32`` ({key: value}) make broken files for the refusal tests."""
-    import gguf
-
-    from actors.worker.engine import arch_spec
-    from bench.tiny_model import _add_tokenizer
-
-    cfg = model.config
-    arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
+def add_gguf_hparams(w, cfg) -> dict:
+    """Writes the hyperparameters every llama.cpp architecture here shares (block count, context, widths, heads,
+    RoPE dimension and base, RMS epsilon; key/value lengths where head_dim is not hidden / heads) of the
+    transformers config ``cfg`` to the GGUFWriter ``w``. Returns the config's ``rope_parameters`` (a dict)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -245,6 +237,22 @@ def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple 
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return rope
+
+
+def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple = (), rope_type: str | None = None,
+               extra_uint32: dict | None = None) -> str:
+    """A GGUF of ``model``'s weights with llama.cpp's conventions; ``extra_tensors`` / ``drop`` / ``rope_type``
+    (a ``rope.scaling.type`` string) / ``extra_uint32`` ({key: value}) make broken files for the refusal tests."""
+    import gguf
+
+    from actors.worker.engine import arch_spec
+    from bench.tiny_model import _add_tokenizer
+
+    cfg = model.config
+    arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
+    w = gguf.GGUFWriter(path, arch)
+    rope = add_gguf_hparams(w, cfg)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     kind = rope.get("rope_type", "default")
     tensors = gguf_tensors(model)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.family_models import Variant, _hf_config, _permute, _scale, write_tokenizer_json
+from tests.family_models import Variant, _hf_config, _permute, _scale, add_gguf_hparams, write_tokenizer_json
 
 NUM_EXPERTS, TOP_K = 8, 2
 ROUTER_SCALE = 3.0  # router weights std ROUTER_SCALE / sqrt(d): router logits of std ~3
@@ -137,21 +137,8 @@ def write_moe_gguf(model, hf_dir: str, path: str, drop: tuple = (), extra_kv: di
 
     cfg = model.config
     arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_gguf_hparams(w, cfg)
     w.add_expert_count(cfg.num_local_experts if cfg.model_type == "mixtral" else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if cfg.model_type != "mixtral":
