@@ -10,6 +10,7 @@ models (measured 1e-5 .. 6e-5: different summation orders only).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -22,6 +23,14 @@ GEN_TOKENS = 32
 # Quantized options, float32 activations: rel = ||ours - hf|| / ||hf||, top1 = share of equal argmax; the bounds
 # of tests/unit/test_engine_reference.py (test_engine_families.test_quantized_within_tolerance says against what).
 QUANT_TOLERANCES = {"int8": (0.12, 0.85), "int4": (0.08, 0.85)}
+
+
+def build_models(build, names, folder) -> dict:
+    """{name: build(name, folder)} (tests/family_models.py or tests/moe_models.py ``build``: {"model", "hf",
+    "gguf"}), transformers' warnings about the tiny configs silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {name: build(name, folder) for name in names}
 
 
 @contextlib.contextmanager

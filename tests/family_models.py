@@ -156,15 +156,21 @@ def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
     None}."""
     folder = Path(folder)
     model = hf_model(name, seed)
-    hf_dir = folder / f"{name}-hf"
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    model.generation_config.save_pretrained(hf_dir)
-    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
+    hf_dir = save_hf_dir(model, folder / f"{name}-hf")
     gguf_path = None
     if variant_of(name).gguf:
         gguf_path = str(folder / f"{name}.gguf")
         write_gguf(model, gguf_path)
     return {"model": model, "hf": str(hf_dir), "gguf": gguf_path}
+
+
+def save_hf_dir(model, hf_dir: Path) -> Path:
+    """Saves ``model`` as a Hugging Face directory ``hf_dir``: config.json, model.safetensors,
+    generation_config.json and the tiny vocabulary's tokenizer.json (write_tokenizer_json). Returns ``hf_dir``."""
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(hf_dir)
+    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
+    return hf_dir
 
 
 def write_tokenizer_json(path: str) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.family_models import Variant, _hf_config, _permute, _scale, add_gguf_hparams, write_tokenizer_json
+from tests.family_models import Variant, _hf_config, _permute, _scale, add_gguf_hparams, save_hf_dir
 
 NUM_EXPERTS, TOP_K = 8, 2
 ROUTER_SCALE = 3.0  # router weights std ROUTER_SCALE / sqrt(d): router logits of std ~3
@@ -72,10 +72,7 @@ def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
     """Save variant ``name`` under ``folder``: {"model", "hf": directory, "gguf": file or None}."""
     folder = Path(folder)
     model = hf_model(name, seed)
-    hf_dir = folder / f"{name}-hf"
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    model.generation_config.save_pretrained(hf_dir)
-    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
+    hf_dir = save_hf_dir(model, folder / f"{name}-hf")
     gguf_path = None
     if VARIANTS[name].gguf:
         gguf_path = write_moe_gguf(model, str(hf_dir), str(folder / f"{name}.gguf"))

@@ -25,8 +25,8 @@ from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.types import EngineRequest
 from tests.engine_fixtures import prefill_logits, stepwise_logits
 from tests.family_checks import (LOGIT_ATOL, QUANT_TOLERANCES, assert_batched_equals_alone,
-                                 assert_greedy_matches_transformers, control_moves, engine_cache, greedy, hf_forward,
-                                 our_logits, rel_top1, run_all, worst_logit_error)
+                                 assert_greedy_matches_transformers, build_models, control_moves, engine_cache, greedy,
+                                 hf_forward, our_logits, rel_top1, run_all, worst_logit_error)
 from tests.family_models import FEATURES, ORIG_MAX, VARIANTS, build, write_gguf
 
 _g = torch.Generator().manual_seed(7)
@@ -39,10 +39,7 @@ NATIVE = [v for v in VARIANTS if v not in ("qwen3", "llama-dynamic")]  # specs t
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in VARIANTS}
+    return build_models(build, VARIANTS, tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,19 @@ measured: a soft-capping kernel (the attention is explicit per sequence, the cor
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
 
 from tests.family_checks import (LOGIT_ATOL, assert_batched_equals_alone, assert_greedy_matches_transformers,
-                                 control_moves, engine_cache, worst_logit_error)
+                                 build_models, control_moves, engine_cache, worst_logit_error)
 from tests.family_models import GEMMA_VARIANTS, build
 from tests.unit.test_engine_families import PROMPTS
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in GEMMA_VARIANTS}
+    return build_models(build, GEMMA_VARIANTS, tmp_path_factory.mktemp("gemma"))
 
 
 @pytest.fixture(scope="module")

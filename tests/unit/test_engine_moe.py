@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -24,8 +23,8 @@ from actors.worker.engine.arch_spec import UnsupportedModel
 from actors.worker.engine.engine import EngineConfig, LLMEngine
 from tests.engine_fixtures import prefill_logits, stepwise_logits
 from tests.family_checks import (LOGIT_ATOL, QUANT_TOLERANCES, assert_batched_equals_alone,
-                                 assert_greedy_matches_transformers, control_moves, engine_cache, hf_forward,
-                                 rel_top1, worst_logit_error)
+                                 assert_greedy_matches_transformers, build_models, control_moves, engine_cache,
+                                 hf_forward, rel_top1, worst_logit_error)
 from tests.moe_models import NUM_EXPERTS, TOP_K, VARIANTS, build, sentencepiece_dir, write_moe_gguf
 # llama.cpp's source tree (docs/bench.md unpacks it there); its convert_hf_to_gguf.py is the independent writer
 LLAMA_CPP = os.environ.get("ACTORSERVE_LLAMA_CPP_DIR", "/work/llama-build/llama.cpp")
@@ -37,10 +36,7 @@ CASES = [(v, f) for v in VARIANTS for f in ("hf", "gguf") if f == "hf" or VARIAN
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("moe")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in VARIANTS}
+    return build_models(build, VARIANTS, tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")

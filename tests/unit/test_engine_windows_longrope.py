@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -29,8 +28,8 @@ from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.types import EngineRequest
 from tests.engine_fixtures import prefill_logits, stepwise_logits
 from tests.family_checks import (GEN_TOKENS, LOGIT_ATOL, assert_batched_equals_alone,
-                                 assert_greedy_matches_transformers, control_moves, engine_cache, greedy, hf_forward,
-                                 our_logits, run_all, worst_logit_error)
+                                 assert_greedy_matches_transformers, build_models, control_moves, engine_cache, greedy,
+                                 hf_forward, our_logits, run_all, worst_logit_error)
 from tests.family_models import ORIG_MAX, WINDOW, WINDOW_VARIANTS, build, write_gguf
 
 _g = torch.Generator().manual_seed(11)
@@ -42,10 +41,7 @@ CASES = [(v, f) for v in WINDOW_VARIANTS for f in ("hf", "gguf")]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("windows")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in WINDOW_VARIANTS}
+    return build_models(build, WINDOW_VARIANTS, tmp_path_factory.mktemp("windows"))
 
 
 @pytest.fixture(scope="module")
