@@ -149,6 +149,20 @@ def worst_logit_error(engine, model, prompts: list[list[int]], stepwise: bool = 
     return worst
 
 
+def assert_two_ranks_equal_one(path: str, one, prompts: list[list[int]]) -> None:
+    """A float32 engine of ``path`` on two tensor-parallel ranks equals ``one`` (an engine of the same file, one
+    rank): prefill logits of ``prompts[0]`` within LOGIT_ATOL, 8 greedy tokens of ``prompts[1]`` equal."""
+    two = LLMEngine(EngineConfig(model_path=path, dtype="float32", kv_cache_bytes=8 * 2**20, max_loras=0,
+                                 tensor_parallel=2))
+    try:
+        assert (prefill_logits(two, prompts[0]) - prefill_logits(one, prompts[0])).abs().max().item() <= LOGIT_ATOL
+        two.add_request(EngineRequest("t", tuple(prompts[1]), greedy(8)))
+        one.add_request(EngineRequest("t", tuple(prompts[1]), greedy(8)))
+        assert run_all(two)["t"] == run_all(one)["t"]
+    finally:
+        two.close()
+
+
 def rel_top1(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(||ours - ref|| / ||ref||, share of positions with equal argmax) of logits [positions, vocab]."""
     rel = ((ours - ref).norm() / ref.norm()).item()

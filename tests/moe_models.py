@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.family_models import Variant, _hf_config, _permute, _scale, add_gguf_hparams, save_hf_dir
+from tests.family_models import _GGUF_LAYER, Variant, _hf_config, _permute, _scale, add_gguf_hparams, save_hf_dir
 
 NUM_EXPERTS, TOP_K = 8, 2
 ROUTER_SCALE = 3.0  # router weights std ROUTER_SCALE / sqrt(d): router logits of std ~3
@@ -79,13 +79,9 @@ def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
     return {"model": model, "hf": str(hf_dir), "gguf": gguf_path}
 
 
-_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+_LAYER = {**_GGUF_LAYER,  # the dense families' names (norms, attention), then the MoE ones
           "block_sparse_moe.gate.weight": "ffn_gate_inp.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
-          "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-          "self_attn.v_proj.bias": "attn_v.bias", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+          "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
           "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
           "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
           "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}

@@ -22,11 +22,10 @@ import torch
 
 from actors.worker.engine.arch_spec import UnsupportedModel
 from actors.worker.engine.engine import EngineConfig, LLMEngine
-from actors.worker.engine.types import EngineRequest
 from tests.engine_fixtures import prefill_logits, stepwise_logits
 from tests.family_checks import (LOGIT_ATOL, QUANT_TOLERANCES, assert_batched_equals_alone,
-                                 assert_greedy_matches_transformers, build_models, control_moves, engine_cache, greedy,
-                                 hf_forward, our_logits, rel_top1, run_all, worst_logit_error)
+                                 assert_greedy_matches_transformers, assert_two_ranks_equal_one, build_models,
+                                 control_moves, engine_cache, hf_forward, our_logits, rel_top1, worst_logit_error)
 from tests.family_models import FEATURES, ORIG_MAX, VARIANTS, build, write_gguf
 
 _g = torch.Generator().manual_seed(7)
@@ -339,16 +338,7 @@ def test_transformers_reads_our_gguf_as_the_hf_directory(models, variant):
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
 def test_two_ranks_equal_one(models, engines, variant):
     """Q/K/V biases split with their rows, q/k norms whole on each rank (tensor_parallel.shard_weights)."""
-    one = engines(variant, "hf")
-    two = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32", kv_cache_bytes=8 * 2**20,
-                                 max_loras=0, tensor_parallel=2))
-    try:
-        assert (prefill_logits(two, PROMPTS[0]) - prefill_logits(one, PROMPTS[0])).abs().max().item() <= LOGIT_ATOL
-        two.add_request(EngineRequest("t", tuple(PROMPTS[1]), greedy(8)))
-        one.add_request(EngineRequest("t", tuple(PROMPTS[1]), greedy(8)))
-        assert run_all(two)["t"] == run_all(one)["t"]
-    finally:
-        two.close()
+    assert_two_ranks_equal_one(models[variant]["hf"], engines(variant, "hf"), PROMPTS)
 
 
 @pytest.mark.parametrize("variant", ["llama2", "qwen2", "qwen3"])

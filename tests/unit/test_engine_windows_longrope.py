@@ -24,12 +24,11 @@ import pytest
 import torch
 
 from actors.worker.engine.arch_spec import UnsupportedModel
-from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.types import EngineRequest
 from tests.engine_fixtures import prefill_logits, stepwise_logits
 from tests.family_checks import (GEN_TOKENS, LOGIT_ATOL, assert_batched_equals_alone,
-                                 assert_greedy_matches_transformers, build_models, control_moves, engine_cache, greedy,
-                                 hf_forward, our_logits, run_all, worst_logit_error)
+                                 assert_greedy_matches_transformers, assert_two_ranks_equal_one, build_models,
+                                 control_moves, engine_cache, greedy, hf_forward, our_logits, worst_logit_error)
 from tests.family_models import ORIG_MAX, WINDOW, WINDOW_VARIANTS, build, write_gguf
 
 _g = torch.Generator().manual_seed(11)
@@ -272,16 +271,7 @@ def test_longrope_attention_factor_default_is_the_paper_s(models):
 @pytest.mark.parametrize("variant", list(WINDOW_VARIANTS))
 def test_two_ranks_equal_one(models, engines, variant):
     """The window and the LongRoPE table on every rank; Phi-3's split projections shard as Llama's."""
-    one = engines(variant, "hf")
-    two = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32", kv_cache_bytes=8 * 2**20,
-                                 max_loras=0, tensor_parallel=2))
-    try:
-        assert (prefill_logits(two, LONG[0]) - prefill_logits(one, LONG[0])).abs().max().item() <= LOGIT_ATOL
-        two.add_request(EngineRequest("t", tuple(LONG[1]), greedy(8)))
-        one.add_request(EngineRequest("t", tuple(LONG[1]), greedy(8)))
-        assert run_all(two)["t"] == run_all(one)["t"]
-    finally:
-        two.close()
+    assert_two_ranks_equal_one(models[variant]["hf"], engines(variant, "hf"), LONG)
 
 
 @pytest.mark.parametrize("native", [True, False])
