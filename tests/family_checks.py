@@ -163,6 +163,15 @@ def assert_two_ranks_equal_one(path: str, one, prompts: list[list[int]]) -> None
         two.close()
 
 
+def assert_native_matches_torch_path(native, torch_path, prompts: list[list[int]]) -> None:
+    """Prefill and one-token-step logits of ``prompts`` on the engine with the native kernels and on the one with
+    the torch path agree within LOGIT_ATOL."""
+    for f in (prefill_logits, stepwise_logits):
+        a = torch.cat([f(native, p) for p in prompts])
+        b = torch.cat([f(torch_path, p) for p in prompts])
+        assert (a - b).abs().max().item() <= LOGIT_ATOL
+
+
 def rel_top1(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(||ours - ref|| / ||ref||, share of positions with equal argmax) of logits [positions, vocab]."""
     rel = ((ours - ref).norm() / ref.norm()).item()

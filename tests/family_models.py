@@ -253,7 +253,6 @@ def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple 
     import gguf
 
     from actors.worker.engine import arch_spec
-    from bench.tiny_model import _add_tokenizer
 
     cfg = model.config
     arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
@@ -282,8 +281,16 @@ def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple 
         w.add_uint32(key, value)
     if rope_type is not None:
         w.add_string(f"{arch}.rope.scaling.type", rope_type)
-    _add_tokenizer(w)
     tensors.update(extra_tensors or {})
+    return finish_gguf(w, path, tensors, drop)
+
+
+def finish_gguf(w, path: str, tensors: dict, drop: tuple = ()) -> str:
+    """Adds bench/tiny_model.py's vocabulary and ``tensors`` ({llama.cpp name: array}) but those named in ``drop`` to
+    the GGUFWriter ``w``, writes the file and closes it. Returns ``path``."""
+    from bench.tiny_model import _add_tokenizer
+
+    _add_tokenizer(w)
     for name, arr in tensors.items():
         if name not in drop:
             w.add_tensor(name, arr)

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.family_models import _GGUF_LAYER, Variant, _hf_config, _permute, _scale, add_gguf_hparams, save_hf_dir
+from tests.family_models import (_GGUF_LAYER, Variant, _hf_config, _permute, _scale, add_gguf_hparams, finish_gguf,
+                                 save_hf_dir)
 
 NUM_EXPERTS, TOP_K = 8, 2
 ROUTER_SCALE = 3.0  # router weights std ROUTER_SCALE / sqrt(d): router logits of std ~3
@@ -126,8 +127,6 @@ def write_moe_gguf(model, hf_dir: str, path: str, drop: tuple = (), extra_kv: di
     ({key suffix: int}) make broken files for the refusal tests."""
     import gguf
 
-    from bench.tiny_model import _add_tokenizer
-
     cfg = model.config
     arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
     w = gguf.GGUFWriter(path, arch)
@@ -141,15 +140,7 @@ def write_moe_gguf(model, hf_dir: str, path: str, drop: tuple = (), extra_kv: di
     for key, value in (extra_kv or {}).items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(w)
-    for name, arr in moe_gguf_tensors(model, hf_dir).items():
-        if name not in drop:
-            w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path, moe_gguf_tensors(model, hf_dir), drop)
 
 
 def sentencepiece_dir(src: str, folder: str | os.PathLike) -> str:

@@ -24,8 +24,9 @@ from actors.worker.engine.arch_spec import UnsupportedModel
 from actors.worker.engine.engine import EngineConfig, LLMEngine
 from tests.engine_fixtures import prefill_logits, stepwise_logits
 from tests.family_checks import (LOGIT_ATOL, QUANT_TOLERANCES, assert_batched_equals_alone,
-                                 assert_greedy_matches_transformers, assert_two_ranks_equal_one, build_models,
-                                 control_moves, engine_cache, hf_forward, our_logits, rel_top1, worst_logit_error)
+                                 assert_greedy_matches_transformers, assert_native_matches_torch_path,
+                                 assert_two_ranks_equal_one, build_models, control_moves, engine_cache, hf_forward,
+                                 our_logits, rel_top1, worst_logit_error)
 from tests.family_models import FEATURES, ORIG_MAX, VARIANTS, build, write_gguf
 
 _g = torch.Generator().manual_seed(7)
@@ -81,10 +82,7 @@ def test_native_kernels_match_the_torch_path(engines, variant):
         pytest.skip("no C++ compiler here: only the torch path exists")
     native, torch_path = engines(variant, "hf"), engines(variant, "hf", native=False)
     assert native.model.kernels is not None and torch_path.model.kernels is None
-    for f in (prefill_logits, stepwise_logits):
-        a = torch.cat([f(native, p) for p in PROMPTS])
-        b = torch.cat([f(torch_path, p) for p in PROMPTS])
-        assert (a - b).abs().max().item() <= LOGIT_ATOL
+    assert_native_matches_torch_path(native, torch_path, PROMPTS)
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "llama-dynamic"])

@@ -25,10 +25,11 @@ import torch
 
 from actors.worker.engine.arch_spec import UnsupportedModel
 from actors.worker.engine.types import EngineRequest
-from tests.engine_fixtures import prefill_logits, stepwise_logits
+from tests.engine_fixtures import prefill_logits
 from tests.family_checks import (GEN_TOKENS, LOGIT_ATOL, assert_batched_equals_alone,
-                                 assert_greedy_matches_transformers, assert_two_ranks_equal_one, build_models,
-                                 control_moves, engine_cache, greedy, hf_forward, our_logits, worst_logit_error)
+                                 assert_greedy_matches_transformers, assert_native_matches_torch_path,
+                                 assert_two_ranks_equal_one, build_models, control_moves, engine_cache, greedy,
+                                 hf_forward, our_logits, worst_logit_error)
 from tests.family_models import ORIG_MAX, WINDOW, WINDOW_VARIANTS, build, write_gguf
 
 _g = torch.Generator().manual_seed(11)
@@ -123,10 +124,7 @@ def test_native_kernels_run_these_models_and_match_the_torch_path(engines, varia
         pytest.skip("no C++ compiler here: only the torch path exists")
     native, torch_path = engines(variant, "hf"), engines(variant, "hf", native=False)
     assert native.model.kernels is not None and native.runner.native_off_reason is None
-    for f in (prefill_logits, stepwise_logits):
-        a = torch.cat([f(native, p) for p in LONG])
-        b = torch.cat([f(torch_path, p) for p in LONG])
-        assert (a - b).abs().max().item() <= LOGIT_ATOL
+    assert_native_matches_torch_path(native, torch_path, LONG)
 
 
 # --------------------------------------------------------------------------------------- the kernel's window
