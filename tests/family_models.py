@@ -156,15 +156,21 @@ def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
     None}."""
     folder = Path(folder)
     model = hf_model(name, seed)
-    hf_dir = folder / f"{name}-hf"
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    model.generation_config.save_pretrained(hf_dir)
-    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
+    hf_dir = save_hf_dir(model, folder / f"{name}-hf")
     gguf_path = None
     if variant_of(name).gguf:
         gguf_path = str(folder / f"{name}.gguf")
         write_gguf(model, gguf_path)
     return {"model": model, "hf": str(hf_dir), "gguf": gguf_path}
+
+
+def save_hf_dir(model, hf_dir: Path) -> Path:
+    """Saves ``model`` as a Hugging Face directory ``hf_dir``: config.json, model.safetensors,
+    generation_config.json and the tiny vocabulary's tokenizer.json (write_tokenizer_json). Returns ``hf_dir``."""
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(hf_dir)
+    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
+    return hf_dir
 
 
 def write_tokenizer_json(path: str) -> str:
@@ -219,19 +225,11 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple = (), rope_type: str | None = None,
-               extra_uint32: dict | None = None) -> str:
-    """A GGUF of ``model``'s weights with llama.cpp's conventions; ``extra_tensors`` / ``drop`` / ``rope_type``
-    (a ``rope.scaling.type`` string) / ``extra_uint32`` ({key: value}) make broken files for the refusal tests."""
-    import gguf
-
-    from actors.worker.engine import arch_spec
-    from bench.tiny_model import _add_tokenizer
-
-    cfg = model.config
-    arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
+def add_gguf_hparams(w, cfg) -> dict:
+    """Writes the hyperparameters every llama.cpp architecture here shares (block count, context, widths, heads,
+    RoPE dimension and base, RMS epsilon; key/value lengths where head_dim is not hidden / heads) of the
+    transformers config ``cfg`` to the GGUFWriter ``w``. Returns the config's ``rope_parameters`` (a dict)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -245,6 +243,21 @@ def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple 
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return rope
+
+
+def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple = (), rope_type: str | None = None,
+               extra_uint32: dict | None = None) -> str:
+    """A GGUF of ``model``'s weights with llama.cpp's conventions; ``extra_tensors`` / ``drop`` / ``rope_type``
+    (a ``rope.scaling.type`` string) / ``extra_uint32`` ({key: value}) make broken files for the refusal tests."""
+    import gguf
+
+    from actors.worker.engine import arch_spec
+
+    cfg = model.config
+    arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
+    w = gguf.GGUFWriter(path, arch)
+    rope = add_gguf_hparams(w, cfg)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     kind = rope.get("rope_type", "default")
     tensors = gguf_tensors(model)
@@ -268,8 +281,16 @@ def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple 
         w.add_uint32(key, value)
     if rope_type is not None:
         w.add_string(f"{arch}.rope.scaling.type", rope_type)
-    _add_tokenizer(w)
     tensors.update(extra_tensors or {})
+    return finish_gguf(w, path, tensors, drop)
+
+
+def finish_gguf(w, path: str, tensors: dict, drop: tuple = ()) -> str:
+    """Adds bench/tiny_model.py's vocabulary and ``tensors`` ({llama.cpp name: array}) but those named in ``drop`` to
+    the GGUFWriter ``w``, writes the file and closes it. Returns ``path``."""
+    from bench.tiny_model import _add_tokenizer
+
+    _add_tokenizer(w)
     for name, arr in tensors.items():
         if name not in drop:
             w.add_tensor(name, arr)

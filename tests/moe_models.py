@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.family_models import Variant, _hf_config, _permute, _scale, write_tokenizer_json
+from tests.family_models import (_GGUF_LAYER, Variant, _hf_config, _permute, _scale, add_gguf_hparams, finish_gguf,
+                                 save_hf_dir)
 
 NUM_EXPERTS, TOP_K = 8, 2
 ROUTER_SCALE = 3.0  # router weights std ROUTER_SCALE / sqrt(d): router logits of std ~3
@@ -72,23 +73,16 @@ def build(name: str, folder: str | os.PathLike, seed: int = 0) -> dict:
     """Save variant ``name`` under ``folder``: {"model", "hf": directory, "gguf": file or None}."""
     folder = Path(folder)
     model = hf_model(name, seed)
-    hf_dir = folder / f"{name}-hf"
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    model.generation_config.save_pretrained(hf_dir)
-    write_tokenizer_json(str(hf_dir / "tokenizer.json"))
+    hf_dir = save_hf_dir(model, folder / f"{name}-hf")
     gguf_path = None
     if VARIANTS[name].gguf:
         gguf_path = write_moe_gguf(model, str(hf_dir), str(folder / f"{name}.gguf"))
     return {"model": model, "hf": str(hf_dir), "gguf": gguf_path}
 
 
-_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+_LAYER = {**_GGUF_LAYER,  # the dense families' names (norms, attention), then the MoE ones
           "block_sparse_moe.gate.weight": "ffn_gate_inp.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
-          "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-          "self_attn.v_proj.bias": "attn_v.bias", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+          "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
           "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
           "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
           "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
@@ -133,25 +127,10 @@ def write_moe_gguf(model, hf_dir: str, path: str, drop: tuple = (), extra_kv: di
     ({key suffix: int}) make broken files for the refusal tests."""
     import gguf
 
-    from bench.tiny_model import _add_tokenizer
-
     cfg = model.config
     arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_gguf_hparams(w, cfg)
     w.add_expert_count(cfg.num_local_experts if cfg.model_type == "mixtral" else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if cfg.model_type != "mixtral":
@@ -161,15 +140,7 @@ def write_moe_gguf(model, hf_dir: str, path: str, drop: tuple = (), extra_kv: di
     for key, value in (extra_kv or {}).items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(w)
-    for name, arr in moe_gguf_tensors(model, hf_dir).items():
-        if name not in drop:
-            w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path, moe_gguf_tensors(model, hf_dir), drop)
 
 
 def sentencepiece_dir(src: str, folder: str | os.PathLike) -> str:

@@ -243,3 +243,18 @@ def build(family: str, root: str, chat_template: str | None = None) -> Fixture:
     gguf_path = os.path.join(root, f"{family}.gguf")
     write_gguf(gguf_path, tokens, types, _merges(spec), fam.gguf_pre, ids, fam.add_bos, chat_template)
     return Fixture(family, Tokenizer.from_str(tok.to_str()), hf_dir, gguf_path, tokens, types)
+
+
+def streamed_detokenize(table, ids: list[int], rng) -> str:
+    """Feed ``ids`` to the engine's IncrementalDetokenizer over ``table`` (its token bytes) in random chunks of 1-3
+    tokens (``rng``: a random.Random) and join what it releases, the final flush included."""
+    from actors.worker.engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(table)
+    out, i = [], 0
+    while i < len(ids):
+        k = rng.randint(1, 3)
+        out.append(detok.add_tokens(ids[i:i + k]))
+        i += k
+    out.append(detok.flush())
+    return "".join(out)

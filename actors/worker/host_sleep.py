@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any
 
-from actors.worker.sleep import SleepControl, parse_command
+from actors.worker.sleep import SleepControl, sleep_commands
 
 log = logging.getLogger("actorserve.worker")
 
@@ -64,19 +64,7 @@ class HostSleep:
         slot.tasks.append(asyncio.create_task(self._watch(slot), name=f"sleep-{slot.worker_id}"))
 
     async def _watch(self, slot) -> None:
-        from control.state.names import sleep_key
-
-        key, started = sleep_key(slot.worker_id), time.time()
-        async for event, k, value in self.host.reg.watch_prefix(key, include_existing=True):
-            if event != "put" or k != key:
-                continue
-            try:
-                want = parse_command(value)
-            except ValueError as exc:
-                log.warning("ignoring %s: %s", key, exc)
-                continue
-            if float(value.get("ts", started)) < started - 1.0:
-                continue
+        async for want in sleep_commands(self.host.reg, slot.worker_id):
             if want == "wake":
                 self.pending.setdefault(slot.ref, time.monotonic())
                 self.host.wake.set()

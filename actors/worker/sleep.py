@@ -156,10 +156,10 @@ class SleepControl:
         log.info("awake in %.3f s: KV cache of %d bytes again", self.state.wake_s, self.state.kv_bytes)
 
 
-async def watch_sleep(reg, worker_id: str, control: SleepControl) -> None:
-    """Watch ``sleep_key(worker_id)`` (its existing value first) and carry out each command; a malformed record
-    is logged and ignored, a record older than this process (an earlier worker of this id) too. Runs until
-    cancelled."""
+async def sleep_commands(reg, worker_id: str):
+    """Async generator of the commands ("sleep" / "wake", parse_command) put at ``sleep_key(worker_id)``, its
+    existing value first; a malformed record is logged and skipped, a record older than this call (an earlier
+    worker of this id; 1 s of clock slack) too. Runs until cancelled."""
     from control.state.names import sleep_key
 
     key, started = sleep_key(worker_id), time.time()
@@ -173,6 +173,13 @@ async def watch_sleep(reg, worker_id: str, control: SleepControl) -> None:
             continue
         if float(value.get("ts", started)) < started - 1.0:
             continue
+        yield want
+
+
+async def watch_sleep(reg, worker_id: str, control: SleepControl) -> None:
+    """Carry out each command of sleep_commands(reg, worker_id) on ``control``; a failed transition is logged and
+    the watch goes on. Runs until cancelled."""
+    async for want in sleep_commands(reg, worker_id):
         try:
             await control.apply(want)
         except Exception:  # noqa: BLE001 - one failed transition must not end the watch

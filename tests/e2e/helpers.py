@@ -45,3 +45,63 @@ async def latest_worker_stats(nats_url: str, worker_id: str = "worker-0", timeou
         await sub.unsubscribe()
         await bus.close()
     return got[-1]
+
+
+# ---- bring-your-own-model tests (test_byom_live.py, test_byom_windows_live.py, test_moe_live.py) ----------------
+
+# ChatML, as Qwen writes it (the tiny vocabularies have no special tokens for it: they are plain text there)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_long(table: dict, build, name: str, tmp, seed: int, variant=None, context: int = 4096) -> dict:
+    """``build(name + "-long", tmp, seed)`` of ``variant`` (default ``table[name]``; a tests/family_models.py
+    Variant) with ``max_position_embeddings`` = ``context``, added to ``table`` (a variant table ``build`` reads)
+    for the build and removed again. Returns build's dict ({"model", "hf", "gguf"})."""
+    import dataclasses
+
+    variant = variant or table[name]
+    table[f"{name}-long"] = dataclasses.replace(variant, config={**variant.config, "max_position_embeddings": context})
+    try:
+        return build(f"{name}-long", tmp, seed=seed)
+    finally:
+        del table[f"{name}-long"]
+
+
+def register_chatml(sup, tmp, name: str, artifact: str) -> None:
+    """``actorserve models register NAME 1 --artifact ARTIFACT`` with the CHATML template and hermes tool calls;
+    asserts the command succeeded."""
+    from tests.e2e.test_registry_live import cli
+
+    (tmp / "chatml.jinja").write_text(CHATML)
+    p = cli(sup, "models", "register", name, "1", "--artifact", artifact, "--chat-template",
+            f"@{tmp / 'chatml.jinja'}", "--option", 'tool_call_format="hermes"')
+    assert p.returncode == 0, p.stderr
+
+
+def until_served(client, model: str, timeout_s: float = 180.0) -> None:
+    """Retries a one-token chat to ``model`` (``openai`` client) until it answers; fails after ``timeout_s``."""
+    import time
+
+    import openai
+
+    t_end = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+            return
+        except (openai.APIStatusError, openai.APIConnectionError) as e:
+            assert time.monotonic() < t_end, f"{model} not served after {timeout_s} s: {e}"
+            time.sleep(1.0)
+
+
+def chat_full_and_streamed(client, model: str, msgs: list[dict], max_tokens: int):
+    """A greedy chat of ``max_tokens`` tokens, not streamed then streamed: asserts it stopped or reached the length
+    with at least one token, and that the streamed text equals the other's. Returns the non-streamed response."""
+    full = client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0)
+    assert full.choices[0].finish_reason in ("stop", "length"), full.choices[0]
+    assert full.usage.completion_tokens >= 1, full.usage
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=max_tokens, temperature=0, stream=True) if c.choices)
+    assert text == (full.choices[0].message.content or "")  # streamed equals non-streamed
+    return full

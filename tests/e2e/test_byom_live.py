@@ -8,20 +8,17 @@ through ``actorserve models register`` beside the running default model on real 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.e2e.helpers import tiny_deployment
+from tests.e2e.helpers import (CHATML, build_long, chat_full_and_streamed, register_chatml, tiny_deployment,
+                               until_served)
 from tests.e2e.test_registry_live import cli
 
 pytestmark = pytest.mark.timeout(420)
 WORKER_ARGS = {"worker": ["--kv-cache-bytes", "8000000", "--no-progress"]}
-# ChatML, as Qwen writes it (the tiny vocabulary has no special tokens for it: they are plain text here)
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}
@@ -33,33 +30,9 @@ def _models(tmp: Path, which=(("qwen3", "hf"), ("llama3", "gguf"))) -> dict[str,
 
     out = {}
     for name, fmt in which:
-        variant = fm.VARIANTS[name]
-        long = fm.Variant(variant.family, {**variant.config, "max_position_embeddings": 4096}, variant.gguf)
-        fm.VARIANTS[f"{name}-long"] = long
-        try:
-            built = fm.build(f"{name}-long", tmp, seed=3)
-        finally:
-            del fm.VARIANTS[f"{name}-long"]
+        built = build_long(fm.VARIANTS, fm.build, name, tmp, seed=3)
         out[name] = built["hf"] + "/" if fmt == "hf" else built["gguf"]
     return out
-
-
-def _register(sup, tmp: Path, name: str, artifact: str) -> None:
-    (tmp / "chatml.jinja").write_text(TEMPLATE)
-    p = cli(sup, "models", "register", name, "1", "--artifact", artifact, "--chat-template",
-            f"@{tmp / 'chatml.jinja'}", "--option", 'tool_call_format="hermes"')
-    assert p.returncode == 0, p.stderr
-
-
-def _until_served(client: openai.OpenAI, model: str, timeout_s: float = 180.0) -> None:
-    t_end = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-            return
-        except (openai.APIStatusError, openai.APIConnectionError) as e:
-            assert time.monotonic() < t_end, f"{model} not served after {timeout_s} s: {e}"
-            time.sleep(1.0)
 
 
 def test_a_qwen3_directory_and_a_llama3_gguf_registered_live_answer(tmp_path, tiny_gguf):
@@ -76,18 +49,14 @@ def test_a_qwen3_directory_and_a_llama3_gguf_registered_live_answer(tmp_path, ti
         p = cli(sup, "models", "register", "broken", "1", "--artifact", str(bad) + "/")
         assert p.returncode == 2 and "model.layers.0.mlp.extra.weight" in p.stderr, p.stderr
         for name, artifact in models.items():
-            _register(sup, tmp_path, name, artifact)
+            register_chatml(sup, tmp_path, name, artifact)
         client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
         for name in models:
-            _until_served(client, name)
+            until_served(client, name)
             listed = {m.id for m in client.models.list().data}
             assert {name, f"{name}@1"} <= listed, listed
             msgs = [{"role": "user", "content": "Say something."}]
-            full = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0)
-            assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens >= 1
-            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                model=name, messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
-            assert text == (full.choices[0].message.content or "")  # streamed equals non-streamed
+            chat_full_and_streamed(client, name, msgs, 8)
             rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
             js = client.chat.completions.create(model=name, messages=msgs, max_tokens=200, response_format=rf)
             assert js.choices[0].finish_reason == "stop", js.choices[0]
@@ -104,17 +73,13 @@ def test_up_serves_a_hugging_face_directory_given_as_its_model_file(tmp_path):
     ``models register`` checks it, and the version answers chat (streamed and not, with the directory's own
     ``chat_template.jinja``) and completions through the official client."""
     qwen3 = _models(tmp_path, (("qwen3", "hf"),))["qwen3"].rstrip("/")
-    (Path(qwen3) / "chat_template.jinja").write_text(TEMPLATE)
+    (Path(qwen3) / "chat_template.jinja").write_text(CHATML)
     with tiny_deployment(tmp_path / "state", qwen3, WORKER_ARGS) as sup:
         assert (sup.manifest["format"], sup.manifest["tokenizer"], sup.manifest["context_length"]) == ("hf", "hf", 4096)
         client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
         assert {"tiny", "tiny@1"} <= {m.id for m in client.models.list().data}
         msgs = [{"role": "user", "content": "Say something."}]
-        full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
-        assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens >= 1
-        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
-        assert text == (full.choices[0].message.content or "")
+        full = chat_full_and_streamed(client, "tiny", msgs, 8)
         # the directory's template was rendered: its ChatML markers count in the prompt
         plain = client.completions.create(model="tiny", prompt="Say something.", max_tokens=4, temperature=0)
         assert full.usage.prompt_tokens > plain.usage.prompt_tokens + 5 and plain.usage.completion_tokens >= 1

@@ -16,8 +16,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.helpers import tiny_deployment
-from tests.e2e.test_byom_live import WORKER_ARGS, _register, _until_served
+from tests.e2e.helpers import (build_long, chat_full_and_streamed, register_chatml, tiny_deployment,
+                               until_served)
+from tests.e2e.test_byom_live import WORKER_ARGS
 
 pytestmark = pytest.mark.timeout(420)
 PROMPT = "Tell me a long story about a red fox, a blue bird and a green frog who walk to the sea together."
@@ -30,14 +31,7 @@ def _models(tmp: Path) -> dict[str, str]:
 
     out = {}
     for name, fmt in (("mistral", "gguf"), ("phi3", "hf"), ("gemma3", "hf")):
-        variant = fm.variant_of(name)
-        fm.WINDOW_VARIANTS[f"{name}-long"] = fm.Variant(variant.family,
-                                                        {**variant.config, "max_position_embeddings": 4096},
-                                                        variant.gguf)
-        try:
-            built = fm.build(f"{name}-long", tmp, seed=5)
-        finally:
-            del fm.WINDOW_VARIANTS[f"{name}-long"]
+        built = build_long(fm.WINDOW_VARIANTS, fm.build, name, tmp, seed=5, variant=fm.variant_of(name))
         out[name] = built["hf"] + "/" if fmt == "hf" else built["gguf"]
     return out
 
@@ -46,16 +40,12 @@ def test_a_mistral_gguf_and_phi3_and_gemma3_directories_registered_live_answer(t
     models = _models(tmp_path)
     with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
         for name, artifact in models.items():
-            _register(sup, tmp_path, name, artifact)
+            register_chatml(sup, tmp_path, name, artifact)
         client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
         for name in models:
-            _until_served(client, name)
+            until_served(client, name)
             assert {name, f"{name}@1"} <= {m.id for m in client.models.list().data}
             msgs = [{"role": "user", "content": PROMPT}]
-            full = client.chat.completions.create(model=name, messages=msgs, max_tokens=24, temperature=0)
-            assert full.choices[0].finish_reason in ("stop", "length"), full.choices[0]
+            full = chat_full_and_streamed(client, name, msgs, 24)
             # the prompt is past the window (16) and LongRoPE's original length (32) on its own
-            assert full.usage.prompt_tokens > 32 and full.usage.completion_tokens >= 1, full.usage
-            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                model=name, messages=msgs, max_tokens=24, temperature=0, stream=True) if c.choices)
-            assert text == (full.choices[0].message.content or "")  # streamed equals non-streamed
+            assert full.usage.prompt_tokens > 32, full.usage

@@ -12,8 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.helpers import tiny_deployment
-from tests.e2e.test_byom_live import SCHEMA, WORKER_ARGS, _register, _until_served
+from tests.e2e.helpers import (build_long, chat_full_and_streamed, register_chatml, tiny_deployment,
+                               until_served)
+from tests.e2e.test_byom_live import SCHEMA, WORKER_ARGS
 from tests.e2e.test_registry_live import cli
 
 pytestmark = pytest.mark.timeout(420)
@@ -23,30 +24,23 @@ def _qwen3_moe(tmp: Path) -> str:
     """The tiny Qwen3-MoE directory with a 4096-position context."""
     from tests import moe_models as mm
 
-    variant = mm.VARIANTS["qwen3-moe"]
-    mm.VARIANTS["qwen3-moe-long"] = mm.Variant(variant.family, {**variant.config, "max_position_embeddings": 4096},
-                                               gguf=False)
-    try:
-        return mm.build("qwen3-moe-long", tmp, seed=3)["hf"] + "/"
-    finally:
-        del mm.VARIANTS["qwen3-moe-long"]
+    import dataclasses
+
+    variant = dataclasses.replace(mm.VARIANTS["qwen3-moe"], gguf=False)
+    return build_long(mm.VARIANTS, mm.build, "qwen3-moe", tmp, seed=3, variant=variant)["hf"] + "/"
 
 
 def test_a_qwen3_moe_directory_registered_live_answers(tmp_path, tiny_gguf):
     artifact = _qwen3_moe(tmp_path)
     with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
-        _register(sup, tmp_path, "moe", artifact)
+        register_chatml(sup, tmp_path, "moe", artifact)
         p = cli(sup, "models", "show", "moe")
         assert p.returncode == 0, p.stderr
         client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
-        _until_served(client, "moe")
+        until_served(client, "moe")
         assert {"moe", "moe@1"} <= {m.id for m in client.models.list().data}
         msgs = [{"role": "user", "content": "Route this through two experts."}]
-        full = client.chat.completions.create(model="moe", messages=msgs, max_tokens=8, temperature=0)
-        assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens >= 1
-        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="moe", messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
-        assert text == (full.choices[0].message.content or "")  # streamed equals non-streamed
+        chat_full_and_streamed(client, "moe", msgs, 8)
         rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
         js = client.chat.completions.create(model="moe", messages=msgs, max_tokens=200, response_format=rf)
         assert js.choices[0].finish_reason == "stop", js.choices[0]

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from tests import reasoning_model as rm
-from tests.e2e.helpers import tiny_deployment
-from tests.e2e.test_byom_live import SCHEMA, TOOL, _until_served
+from tests.e2e.helpers import tiny_deployment, until_served
+from tests.e2e.test_byom_live import SCHEMA, TOOL
 from tests.e2e.test_registry_live import cli
 
 pytestmark = pytest.mark.timeout(420)
@@ -42,7 +42,7 @@ def test_a_reasoning_model_answers_apart_from_its_thinking(tmp_path, tiny_gguf):
         shown = cli(sup, "models", "show", "reasoner", "--json")
         assert '"reasoning_format": "think_tags"' in shown.stdout, shown.stdout  # inferred from the template
         c = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
-        _until_served(c, "reasoner")
+        until_served(c, "reasoner")
         kw = dict(model="reasoner", messages=MSGS, max_tokens=40, temperature=0)
 
         full = c.chat.completions.create(**kw)
@@ -95,7 +95,7 @@ def test_a_reasoning_model_answers_apart_from_its_thinking(tmp_path, tiny_gguf):
         p = cli(sup, "models", "register", "hybrid", "1", "--artifact", artifact, "--chat-template",
                 f"@{tmp_path / 'qwen3.jinja'}")
         assert p.returncode == 0, p.stderr
-        _until_served(c, "hybrid")
+        until_served(c, "hybrid")
         kw = {**kw, "model": "hybrid"}
         full = c.chat.completions.create(**kw)
         assert (_reasoning(full.choices[0].message), full.choices[0].message.content) == (rm.REASONING, rm.ANSWER)

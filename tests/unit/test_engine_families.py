@@ -22,16 +22,12 @@ import torch
 
 from actors.worker.engine.arch_spec import UnsupportedModel
 from actors.worker.engine.engine import EngineConfig, LLMEngine
-from actors.worker.engine.types import EngineRequest, SamplingParams
 from tests.engine_fixtures import prefill_logits, stepwise_logits
+from tests.family_checks import (LOGIT_ATOL, QUANT_TOLERANCES, assert_batched_equals_alone,
+                                 assert_greedy_matches_transformers, assert_native_matches_torch_path,
+                                 assert_two_ranks_equal_one, build_models, control_moves, engine_cache, hf_forward,
+                                 our_logits, rel_top1, worst_logit_error)
 from tests.family_models import FEATURES, ORIG_MAX, VARIANTS, build, write_gguf
-
-LOGIT_ATOL = 1e-4
-GEN_TOKENS = 32
-# Quantized options, float32 activations (all positions of PROMPTS): rel = ||ours - hf|| / ||hf||, top1 = share
-# of equal argmax; the bounds of tests/unit/test_engine_reference.py (test_quantized_within_tolerance says
-# against what).
-QUANT_TOLERANCES = {"int8": (0.12, 0.85), "int4": (0.08, 0.85)}
 
 _g = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(3, 260, (n,), generator=_g).tolist() for n in (48, 40, 7)]  # 48, 40 > ORIG_MAX
@@ -43,54 +39,14 @@ NATIVE = [v for v in VARIANTS if v not in ("qwen3", "llama-dynamic")]  # specs t
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in VARIANTS}
-
-
-_ENGINES: dict = {}
+    return build_models(build, VARIANTS, tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")
 def engines(models):
     """engine(variant, format, native=True, quantization=None): float32 engines, made once per module."""
-    def get(variant, fmt, native=True, quantization=None):
-        key = (variant, fmt, native, quantization)
-        if key not in _ENGINES:
-            _ENGINES[key] = LLMEngine(EngineConfig(
-                model_path=models[variant][fmt], dtype="float32", kv_cache_bytes=8 * 2**20, max_num_seqs=8,
-                max_loras=0, native_kernels=native, quantization=quantization))
-        return _ENGINES[key]
-    yield get
-    _ENGINES.clear()
-
-
-def hf_forward(model, ids: list[int]) -> torch.Tensor:
-    """transformers' float32 logits [len(ids), vocab], the dynamic-RoPE state reset first (transformers keeps
-    the frequencies of the longest sequence seen until one shorter than the original length comes)."""
-    _reset_rope(model)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def _reset_rope(model) -> None:
-    rot = model.model.rotary_emb
-    if hasattr(rot, "original_inv_freq"):
-        rot.inv_freq = rot.original_inv_freq.clone()
-        rot.max_seq_len_cached = rot.original_max_seq_len
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def run_all(engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return out
+    with engine_cache(models) as get:
+        yield get
 
 
 # --------------------------------------------------------------------------------------- logits, greedy, batch
@@ -98,43 +54,21 @@ def run_all(engine) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 def test_logits_match_transformers(models, engines, variant, fmt):
-    eng = engines(variant, fmt)
-    model = models[variant]["model"]
-    worst = 0.0
-    for p in PROMPTS:
-        ref = hf_forward(model, p)
-        assert ref.std().item() >= 1.0  # the fixture's scaling holds
-        ours = prefill_logits(eng, p)
-        worst = max(worst, (ours - ref).abs().max().item())
-        if variant != "llama-dynamic":  # dynamic NTK: a one-token step rotates with its own length (greedy test)
-            worst = max(worst, (stepwise_logits(eng, p) - ref).abs().max().item())
+    # dynamic NTK: a one-token step rotates with its own length (the greedy test checks it)
+    worst = worst_logit_error(engines(variant, fmt), models[variant]["model"], PROMPTS,
+                              stepwise=variant != "llama-dynamic")
     print(f"{variant}/{fmt}: max|dlogit| {worst:.2e}")
     assert worst <= LOGIT_ATOL
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 def test_greedy_32_tokens_match_transformers(models, engines, variant, fmt):
-    model, prompt = models[variant]["model"], PROMPTS[0]
-    _reset_rope(model)
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=2)[0, len(prompt):].tolist()
-    eng = engines(variant, fmt)
-    eng.add_request(EngineRequest("g", tuple(prompt), greedy(GEN_TOKENS)))
-    assert run_all(eng)["g"] == ref
+    assert_greedy_matches_transformers(engines(variant, fmt), models[variant]["model"], PROMPTS[0])
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 def test_batched_equals_alone(engines, variant, fmt):
-    eng = engines(variant, fmt)
-    alone = []
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(EngineRequest(f"a{i}", tuple(p), greedy(12)))
-        alone.append(run_all(eng)[f"a{i}"])
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(EngineRequest(f"b{i}", tuple(p), greedy(12)))
-    got = run_all(eng)
-    assert [got[f"b{i}"] for i in range(len(PROMPTS))] == alone
+    assert_batched_equals_alone(engines(variant, fmt), PROMPTS)
 
 
 # --------------------------------------------------------------------------------------- native and torch paths
@@ -148,10 +82,7 @@ def test_native_kernels_match_the_torch_path(engines, variant):
         pytest.skip("no C++ compiler here: only the torch path exists")
     native, torch_path = engines(variant, "hf"), engines(variant, "hf", native=False)
     assert native.model.kernels is not None and torch_path.model.kernels is None
-    for f in (prefill_logits, stepwise_logits):
-        a = torch.cat([f(native, p) for p in PROMPTS])
-        b = torch.cat([f(torch_path, p) for p in PROMPTS])
-        assert (a - b).abs().max().item() <= LOGIT_ATOL
+    assert_native_matches_torch_path(native, torch_path, PROMPTS)
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "llama-dynamic"])
@@ -200,9 +131,7 @@ def test_quantized_within_tolerance(models, engines, variant, quant):
     ref = torch.cat([hf_forward(quant_model, p) for p in PROMPTS])
     for f in (prefill_logits, stepwise_logits):
         ours = torch.cat([f(eng, p) for p in PROMPTS])
-        rel = ((ours - ref).norm() / ref.norm()).item()
-        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        rel_f = ((ours - float_ref).norm() / float_ref.norm()).item()
+        (rel, top1), (rel_f, _) = rel_top1(ours, ref), rel_top1(ours, float_ref)
         print(f"{variant}/{quant}/{f.__name__}: rel {rel:.4f} top1 {top1:.3f} (float weights: rel {rel_f:.3f})")
         assert rel <= max_rel and top1 >= min_top1
 
@@ -218,32 +147,12 @@ def test_bfloat16_within_tolerance(models, variant):
     ref = torch.cat([hf_forward(models[variant]["model"], p) for p in PROMPTS])
     steps = (prefill_logits,) if variant == "llama-dynamic" else (prefill_logits, stepwise_logits)
     for f in steps:
-        ours = torch.cat([f(eng, p) for p in PROMPTS])
-        rel = ((ours - ref).norm() / ref.norm()).item()
-        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        rel, top1 = rel_top1(torch.cat([f(eng, p) for p in PROMPTS]), ref)
         print(f"{variant}/bf16/{f.__name__}: rel {rel:.4f} top1 {top1:.3f}")
         assert rel <= 0.08 and top1 >= 0.8
 
 
 # --------------------------------------------------------------------------------------- negative controls
-
-
-def _our_logits(path: str, prompt: list[int], change=None) -> torch.Tensor:
-    """Our float32 logits (torch path) of ``prompt`` with the spec changed by ``change(config, weights) ->
-    config``."""
-    from actors.worker.engine.model import BatchMetadata
-    from actors.worker.engine.model_families import build_model
-    from actors.worker.engine.weights_cache import read_artifact
-
-    art = read_artifact(path, torch.float32)
-    cfg = change(art.config, art.weights) if change else art.config
-    model = build_model(cfg, art.weights, 128, native_kernels=False)
-    n, bs = len(prompt), 16
-    kv = torch.zeros(cfg.num_layers, 2, 128 // bs, bs, cfg.num_kv_heads, cfg.head_dim)
-    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    meta = BatchMetadata(t(list(range(n))), t(list(range(n))), None, [n], [n], t(list(range(n))),
-                         block_tables=[list(range(128 // bs))])
-    return model.forward(t(prompt), meta, kv)
 
 
 def _switch_off(feature: str):
@@ -267,11 +176,7 @@ def _switch_off(feature: str):
 @pytest.mark.parametrize("variant,feature,fmt", [(v, f, fmt) for v, fs in FEATURES.items() for f in fs
                                                 for fmt in ("hf", "gguf") if fmt == "hf" or VARIANTS[v].gguf])
 def test_negative_control_switching_a_feature_off_moves_the_logits(models, variant, feature, fmt):
-    path, prompt = models[variant][fmt], PROMPTS[0]
-    on = _our_logits(path, prompt)
-    assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
-    off = _our_logits(path, prompt, _switch_off(feature))
-    moved = (off - on).abs().max().item()
+    moved = control_moves(models[variant][fmt], models[variant]["model"], PROMPTS[0], _switch_off(feature))
     print(f"{variant}/{fmt} without {feature}: max|dlogit| {moved:.2f}")
     assert moved > 100 * LOGIT_ATOL
 
@@ -280,8 +185,8 @@ def test_the_scaled_rope_moves_the_logits_only_beyond_the_original_length(models
     """The linear variant is checked beyond ``original_max_position_embeddings``; the llama3 variant within it
     too (its high-frequency band is unscaled, the rest is not: positions < 32 move as well)."""
     path, prompt = models["llama-dynamic"]["hf"], PROMPTS[0][:ORIG_MAX]
-    off = _our_logits(path, prompt, _switch_off("rope"))
-    assert (off - _our_logits(path, prompt)).abs().max().item() == 0.0  # dynamic: nothing changes within 32
+    off = our_logits(path, prompt, _switch_off("rope"))
+    assert (off - our_logits(path, prompt)).abs().max().item() == 0.0  # dynamic: nothing changes within 32
 
 
 # --------------------------------------------------------------------------------------- refusals
@@ -431,16 +336,7 @@ def test_transformers_reads_our_gguf_as_the_hf_directory(models, variant):
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
 def test_two_ranks_equal_one(models, engines, variant):
     """Q/K/V biases split with their rows, q/k norms whole on each rank (tensor_parallel.shard_weights)."""
-    one = engines(variant, "hf")
-    two = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32", kv_cache_bytes=8 * 2**20,
-                                 max_loras=0, tensor_parallel=2))
-    try:
-        assert (prefill_logits(two, PROMPTS[0]) - prefill_logits(one, PROMPTS[0])).abs().max().item() <= LOGIT_ATOL
-        two.add_request(EngineRequest("t", tuple(PROMPTS[1]), greedy(8)))
-        one.add_request(EngineRequest("t", tuple(PROMPTS[1]), greedy(8)))
-        assert run_all(two)["t"] == run_all(one)["t"]
-    finally:
-        two.close()
+    assert_two_ranks_equal_one(models[variant]["hf"], engines(variant, "hf"), PROMPTS)
 
 
 @pytest.mark.parametrize("variant", ["llama2", "qwen2", "qwen3"])
@@ -464,6 +360,4 @@ def test_negative_control_qk_permutation_belongs_to_llama_files_only(models, var
                 weights[f"layers.{i}.{name}"] = torch.from_numpy(np.ascontiguousarray(out))
         return cfg
 
-    on = _our_logits(path, prompt)
-    assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
-    assert (_our_logits(path, prompt, flip) - on).abs().max().item() > 100 * LOGIT_ATOL
+    assert control_moves(path, models[variant]["model"], prompt, flip) > 100 * LOGIT_ATOL

@@ -14,74 +14,43 @@ measured: a soft-capping kernel (the attention is explicit per sequence, the cor
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
 
-from actors.worker.engine.engine import EngineConfig, LLMEngine
-from actors.worker.engine.types import EngineRequest
-from tests.engine_fixtures import prefill_logits, stepwise_logits
+from tests.family_checks import (LOGIT_ATOL, assert_batched_equals_alone, assert_greedy_matches_transformers,
+                                 build_models, control_moves, engine_cache, worst_logit_error)
 from tests.family_models import GEMMA_VARIANTS, build
-from tests.unit.test_engine_families import GEN_TOKENS, LOGIT_ATOL, PROMPTS, _our_logits, greedy, hf_forward, run_all
-from tests.unit.test_engine_windows_longrope import chunked_logits
+from tests.unit.test_engine_families import PROMPTS
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in GEMMA_VARIANTS}
+    return build_models(build, GEMMA_VARIANTS, tmp_path_factory.mktemp("gemma"))
 
 
 @pytest.fixture(scope="module")
 def engines(models):
-    made = {}
-
-    def get(variant):
-        if variant not in made:
-            made[variant] = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32",
-                                                   kv_cache_bytes=8 * 2**20, max_num_seqs=8, max_loras=0))
-        return made[variant]
-    return get
+    """engine(variant): float32 engines of the Hugging Face directories, made once per module."""
+    with engine_cache(models) as get:
+        yield get
 
 
 @pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
 def test_logits_match_transformers(models, engines, variant):
-    eng, model = engines(variant), models[variant]["model"]
-    worst = 0.0
-    for p in PROMPTS:
-        ref = hf_forward(model, p)
-        assert ref.std().item() >= 1.0
-        parts = [prefill_logits(eng, p), stepwise_logits(eng, p)] + ([chunked_logits(eng, p, 19)] if len(p) > 20 else [])
-        worst = max([worst] + [(x - ref).abs().max().item() for x in parts])
+    worst = worst_logit_error(engines(variant), models[variant]["model"], PROMPTS, chunk_at=19)
     print(f"{variant}: max|dlogit| {worst:.2e}")
     assert worst <= LOGIT_ATOL
 
 
 @pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
 def test_greedy_32_tokens_match_transformers(models, engines, variant):
-    model, prompt = models[variant]["model"], PROMPTS[0]
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=2)[0, len(prompt):].tolist()
-    eng = engines(variant)
-    eng.add_request(EngineRequest("g", tuple(prompt), greedy(GEN_TOKENS)))
-    assert run_all(eng)["g"] == ref
+    assert_greedy_matches_transformers(engines(variant), models[variant]["model"], PROMPTS[0])
 
 
 @pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
 def test_batched_equals_alone(engines, variant):
-    eng = engines(variant)
-    alone = []
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(EngineRequest(f"a{i}", tuple(p), greedy(12)))
-        alone.append(run_all(eng)[f"a{i}"])
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(EngineRequest(f"b{i}", tuple(p), greedy(12)))
-    got = run_all(eng)
-    assert [got[f"b{i}"] for i in range(len(PROMPTS))] == alone
+    assert_batched_equals_alone(engines(variant), PROMPTS)
 
 
 def test_the_torch_path_and_why(engines):
@@ -112,9 +81,7 @@ CONTROLS = [("gemma2", f) for f in ("attn_softcap", "final_softcap", "window", "
 @pytest.mark.parametrize("variant,feature", CONTROLS)
 def test_negative_control_switching_a_feature_off_moves_the_logits(models, variant, feature):
     path, prompt = models[variant]["hf"], PROMPTS[0]
-    on = _our_logits(path, prompt)
-    assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
-    moved = (_our_logits(path, prompt, _off(feature)) - on).abs().max().item()
+    moved = control_moves(path, models[variant]["model"], prompt, _off(feature))
     print(f"{variant} without {feature}: max|dlogit| {moved:.2f}")
     assert moved > 100 * LOGIT_ATOL
 

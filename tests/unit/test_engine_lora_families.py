@@ -30,8 +30,9 @@ import torch
 
 from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.types import EngineRequest
+from tests.family_checks import greedy, run_all
 from tests.family_models import build, hf_model
-from tests.unit.test_engine_families import PROMPTS, greedy, run_all
+from tests.unit.test_engine_families import PROMPTS
 from tests.unit.test_engine_lora import logits_with
 
 peft = pytest.importorskip("peft", reason="peft (test extra) builds the reference adapters")

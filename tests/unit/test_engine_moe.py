@@ -15,20 +15,17 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 
 from actors.worker.engine.arch_spec import UnsupportedModel
 from actors.worker.engine.engine import EngineConfig, LLMEngine
-from actors.worker.engine.types import EngineRequest, SamplingParams
 from tests.engine_fixtures import prefill_logits, stepwise_logits
+from tests.family_checks import (LOGIT_ATOL, QUANT_TOLERANCES, assert_batched_equals_alone,
+                                 assert_greedy_matches_transformers, build_models, control_moves, engine_cache,
+                                 hf_forward, rel_top1, worst_logit_error)
 from tests.moe_models import NUM_EXPERTS, TOP_K, VARIANTS, build, sentencepiece_dir, write_moe_gguf
-
-LOGIT_ATOL = 1e-4
-GEN_TOKENS = 32
-QUANT_TOLERANCES = {"int8": (0.12, 0.85), "int4": (0.08, 0.85)}  # as test_engine_families.py
 # llama.cpp's source tree (docs/bench.md unpacks it there); its convert_hf_to_gguf.py is the independent writer
 LLAMA_CPP = os.environ.get("ACTORSERVE_LLAMA_CPP_DIR", "/work/llama-build/llama.cpp")
 
@@ -39,44 +36,14 @@ CASES = [(v, f) for v in VARIANTS for f in ("hf", "gguf") if f == "hf" or VARIAN
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("moe")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in VARIANTS}
-
-
-_ENGINES: dict = {}
+    return build_models(build, VARIANTS, tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")
 def engines(models):
     """engine(variant, format, quantization=None): float32 engines, made once per module."""
-    def get(variant, fmt, quantization=None):
-        key = (variant, fmt, quantization)
-        if key not in _ENGINES:
-            _ENGINES[key] = LLMEngine(EngineConfig(
-                model_path=models[variant][fmt], dtype="float32", kv_cache_bytes=8 * 2**20, max_num_seqs=8,
-                max_loras=4, quantization=quantization))
-        return _ENGINES[key]
-    yield get
-    _ENGINES.clear()
-
-
-def hf_forward(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def run_all(engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return out
+    with engine_cache(models, max_loras=4) as get:
+        yield get
 
 
 # --------------------------------------------------------------------------------------- logits, greedy, batch
@@ -89,39 +56,19 @@ def test_logits_match_transformers(models, engines, variant, fmt):
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (NUM_EXPERTS, TOP_K)
     assert cfg.norm_topk_prob == (variant not in ("qwen3-moe-nonorm", "qwen2-moe"))
     assert cfg.shared_ffn_size == (128 if variant == "qwen2-moe" else 0)
-    model = models[variant]["model"]
-    worst = 0.0
-    for p in PROMPTS:
-        ref = hf_forward(model, p)
-        assert ref.std().item() >= 1.0
-        worst = max(worst, (prefill_logits(eng, p) - ref).abs().max().item(),
-                    (stepwise_logits(eng, p) - ref).abs().max().item())
+    worst = worst_logit_error(eng, models[variant]["model"], PROMPTS)
     print(f"{variant}/{fmt}: max|dlogit| {worst:.2e}")
     assert worst <= LOGIT_ATOL
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 def test_greedy_32_tokens_match_transformers(models, engines, variant, fmt):
-    model, prompt = models[variant]["model"], PROMPTS[0]
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=2)[0, len(prompt):].tolist()
-    eng = engines(variant, fmt)
-    eng.add_request(EngineRequest("g", tuple(prompt), greedy(GEN_TOKENS)))
-    assert run_all(eng)["g"] == ref
+    assert_greedy_matches_transformers(engines(variant, fmt), models[variant]["model"], PROMPTS[0])
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 def test_batched_equals_alone(engines, variant, fmt):
-    eng = engines(variant, fmt)
-    alone = []
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(EngineRequest(f"a{i}", tuple(p), greedy(12)))
-        alone.append(run_all(eng)[f"a{i}"])
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(EngineRequest(f"b{i}", tuple(p), greedy(12)))
-    got = run_all(eng)
-    assert [got[f"b{i}"] for i in range(len(PROMPTS))] == alone
+    assert_batched_equals_alone(engines(variant, fmt), PROMPTS)
 
 
 def test_gguf_equals_the_directory(engines):
@@ -138,12 +85,6 @@ def test_moe_models_run_the_torch_path_and_say_why(engines):
 # --------------------------------------------------------------------------------------- negative controls
 
 
-def _our_logits(path: str, prompt: list[int], change=None) -> torch.Tensor:
-    from tests.unit.test_engine_families import _our_logits as ours
-
-    return ours(path, prompt, change)
-
-
 CONTROLS = {  # feature -> spec change
     "renormalisation switched": lambda c, w: dataclasses.replace(c, norm_topk_prob=not c.norm_topk_prob),
     "top-1 instead of top-2": lambda c, w: dataclasses.replace(c, num_experts_per_tok=1),
@@ -154,10 +95,7 @@ CONTROLS = {  # feature -> spec change
 @pytest.mark.parametrize("variant,fmt,feature", [(v, f, c) for v, f in CASES for c in CONTROLS
                                                  if c != "shared expert dropped" or v == "qwen2-moe"])
 def test_negative_control_moves_the_logits(models, variant, fmt, feature):
-    path, prompt = models[variant][fmt], PROMPTS[0]
-    on = _our_logits(path, prompt)
-    assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
-    moved = (_our_logits(path, prompt, CONTROLS[feature]) - on).abs().max().item()
+    moved = control_moves(models[variant][fmt], models[variant]["model"], PROMPTS[0], CONTROLS[feature])
     print(f"{variant}/{fmt} {feature}: max|dlogit| {moved:.2f}")
     assert moved > 100 * LOGIT_ATOL
 
@@ -281,9 +219,7 @@ def test_quantized_experts_within_tolerance(models, engines, variant, quant):
     assert not any(isinstance(lin, Linear) for lin in block.gate_up + block.down)  # none left dense
     ref = torch.cat([hf_forward(_hf_with_our_quantized_experts(models[variant]["model"], eng), p) for p in PROMPTS])
     for f in (prefill_logits, stepwise_logits):
-        ours = torch.cat([f(eng, p) for p in PROMPTS])
-        rel = ((ours - ref).norm() / ref.norm()).item()
-        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        rel, top1 = rel_top1(torch.cat([f(eng, p) for p in PROMPTS]), ref)
         print(f"{variant}/{quant}/{f.__name__}: rel {rel:.4f} top1 {top1:.3f}")
         assert rel <= max_rel and top1 >= min_top1
 
@@ -295,9 +231,7 @@ def test_bfloat16_within_tolerance(models, variant):
     eng = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="bfloat16", kv_cache_bytes=8 * 2**20,
                                  max_loras=0))
     ref = torch.cat([hf_forward(models[variant]["model"], p) for p in PROMPTS])
-    ours = torch.cat([prefill_logits(eng, p) for p in PROMPTS])
-    rel = ((ours - ref).norm() / ref.norm()).item()
-    top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    rel, top1 = rel_top1(torch.cat([prefill_logits(eng, p) for p in PROMPTS]), ref)
     print(f"{variant}/bf16: rel {rel:.4f} top1 {top1:.3f}")
     assert rel <= 0.08 and top1 >= 0.8
 

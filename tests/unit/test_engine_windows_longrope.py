@@ -19,17 +19,18 @@ import json
 import math
 import os
 import shutil
-import warnings
 
 import pytest
 import torch
 
 from actors.worker.engine.arch_spec import UnsupportedModel
-from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.types import EngineRequest
-from tests.engine_fixtures import prefill_logits, stepwise_logits
+from tests.engine_fixtures import prefill_logits
+from tests.family_checks import (GEN_TOKENS, LOGIT_ATOL, assert_batched_equals_alone,
+                                 assert_greedy_matches_transformers, assert_native_matches_torch_path,
+                                 assert_two_ranks_equal_one, build_models, control_moves, engine_cache, greedy,
+                                 hf_forward, our_logits, worst_logit_error)
 from tests.family_models import ORIG_MAX, WINDOW, WINDOW_VARIANTS, build, write_gguf
-from tests.unit.test_engine_families import GEN_TOKENS, LOGIT_ATOL, _our_logits, greedy, hf_forward, run_all
 
 _g = torch.Generator().manual_seed(11)
 LONG = [torch.randint(3, 260, (n,), generator=_g).tolist() for n in (48, 40)]  # > ORIG_MAX and > WINDOW
@@ -40,58 +41,19 @@ CASES = [(v, f) for v in WINDOW_VARIANTS for f in ("hf", "gguf")]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("windows")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: build(name, folder) for name in WINDOW_VARIANTS}
-
-
-_ENGINES: dict = {}
+    return build_models(build, WINDOW_VARIANTS, tmp_path_factory.mktemp("windows"))
 
 
 @pytest.fixture(scope="module")
 def engines(models):
     """engine(variant, format, native=True, max_model_len=None): float32 engines, made once per module."""
-    def get(variant, fmt, native=True, max_model_len=None):
-        key = (variant, fmt, native, max_model_len)
-        if key not in _ENGINES:
-            _ENGINES[key] = LLMEngine(EngineConfig(
-                model_path=models[variant][fmt], dtype="float32", kv_cache_bytes=8 * 2**20, max_num_seqs=8,
-                max_loras=0, native_kernels=native, max_model_len=max_model_len))
-        return _ENGINES[key]
-    yield get
-    _ENGINES.clear()
-
-
-def chunked_logits(engine, prompt: list[int], first: int) -> torch.Tensor:
-    """Logits of ``prompt`` prefilled in two chunks: ``first`` tokens fresh, the rest after the cached prefix (the
-    prefix-cache / chunked-prefill attention path)."""
-    from actors.worker.engine.model import BatchMetadata
-
-    table = engine.block_manager.allocate("__chunks__", len(prompt))
-    try:
-        bs, t = engine.config.block_size, engine.runner.tensor
-        slots = [table[p // bs] * bs + p % bs for p in range(len(prompt))]
-        out = []
-        for lo, hi in ((0, first), (first, len(prompt))):
-            n = hi - lo
-            meta = BatchMetadata(t(list(range(lo, hi))), t(slots[lo:hi]), t(slots[:hi]), [n], [hi], t(list(range(n))))
-            out.append(engine.model.forward(t(prompt[lo:hi]), meta, engine.kv.tensor))
-        return torch.cat(out)
-    finally:
-        engine.block_manager.free("__chunks__")
+    with engine_cache(models) as get:
+        yield get
 
 
 def _worst(engine, model, prompts, chunked: bool = True) -> float:
-    worst = 0.0
-    for p in prompts:
-        ref = hf_forward(model, p)
-        assert ref.std().item() >= 1.0
-        parts = [prefill_logits(engine, p), stepwise_logits(engine, p)]
-        if chunked and len(p) > WINDOW + 4:
-            parts.append(chunked_logits(engine, p, WINDOW + 3))
-        worst = max([worst] + [(x - ref).abs().max().item() for x in parts])
-    return worst
+    """Prefill, one-token steps and (chunked) a prefill chunked after WINDOW + 3 tokens, against transformers."""
+    return worst_logit_error(engine, model, prompts, chunk_at=WINDOW + 3 if chunked else None)
 
 
 # --------------------------------------------------------------------------------------- logits, greedy, batch
@@ -146,27 +108,12 @@ def test_phi3_long_table_on_a_short_sequence_is_transformers_long_factors(models
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 def test_greedy_32_tokens_match_transformers(models, engines, variant, fmt):
-    model, prompt = models[variant]["model"], LONG[0]
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=2)[0, len(prompt):].tolist()
-    eng = engines(variant, fmt)
-    eng.add_request(EngineRequest("g", tuple(prompt), greedy(GEN_TOKENS)))
-    assert run_all(eng)["g"] == ref
+    assert_greedy_matches_transformers(engines(variant, fmt), models[variant]["model"], LONG[0])
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
 def test_batched_equals_alone(engines, variant, fmt):
-    eng = engines(variant, fmt)
-    prompts = LONG + SHORT[1:]
-    alone = []
-    for i, p in enumerate(prompts):
-        eng.add_request(EngineRequest(f"a{i}", tuple(p), greedy(12)))
-        alone.append(run_all(eng)[f"a{i}"])
-    for i, p in enumerate(prompts):
-        eng.add_request(EngineRequest(f"b{i}", tuple(p), greedy(12)))
-    got = run_all(eng)
-    assert [got[f"b{i}"] for i in range(len(prompts))] == alone
+    assert_batched_equals_alone(engines(variant, fmt), LONG + SHORT[1:])
 
 
 @pytest.mark.parametrize("variant", list(WINDOW_VARIANTS))
@@ -177,10 +124,7 @@ def test_native_kernels_run_these_models_and_match_the_torch_path(engines, varia
         pytest.skip("no C++ compiler here: only the torch path exists")
     native, torch_path = engines(variant, "hf"), engines(variant, "hf", native=False)
     assert native.model.kernels is not None and native.runner.native_off_reason is None
-    for f in (prefill_logits, stepwise_logits):
-        a = torch.cat([f(native, p) for p in LONG])
-        b = torch.cat([f(torch_path, p) for p in LONG])
-        assert (a - b).abs().max().item() <= LOGIT_ATOL
+    assert_native_matches_torch_path(native, torch_path, LONG)
 
 
 # --------------------------------------------------------------------------------------- the kernel's window
@@ -249,16 +193,14 @@ CONTROLS = [("mistral", "window"), ("phi3", "longrope"), ("phi3", "short_only"),
 @pytest.mark.parametrize("variant,feature,fmt", [(v, f, fmt) for v, f in CONTROLS for fmt in ("hf", "gguf")])
 def test_negative_control_switching_a_feature_off_moves_the_logits(models, variant, feature, fmt):
     path, prompt = models[variant][fmt], LONG[0]
-    on = _our_logits(path, prompt)
-    assert (on - hf_forward(models[variant]["model"], prompt)).abs().max().item() <= LOGIT_ATOL
-    moved = (_our_logits(path, prompt, _off(feature)) - on).abs().max().item()
+    moved = control_moves(path, models[variant]["model"], prompt, _off(feature))
     print(f"{variant}/{fmt} without {feature}: max|dlogit| {moved:.2f}")
     assert moved > 100 * LOGIT_ATOL
 
 
 def test_the_window_changes_nothing_within_it(models):
     path, prompt = models["mistral"]["hf"], LONG[0][:WINDOW]
-    assert (_our_logits(path, prompt, _off("window")) - _our_logits(path, prompt)).abs().max().item() == 0.0
+    assert (our_logits(path, prompt, _off("window")) - our_logits(path, prompt)).abs().max().item() == 0.0
 
 
 # --------------------------------------------------------------------------------------- refusals
@@ -327,16 +269,7 @@ def test_longrope_attention_factor_default_is_the_paper_s(models):
 @pytest.mark.parametrize("variant", list(WINDOW_VARIANTS))
 def test_two_ranks_equal_one(models, engines, variant):
     """The window and the LongRoPE table on every rank; Phi-3's split projections shard as Llama's."""
-    one = engines(variant, "hf")
-    two = LLMEngine(EngineConfig(model_path=models[variant]["hf"], dtype="float32", kv_cache_bytes=8 * 2**20,
-                                 max_loras=0, tensor_parallel=2))
-    try:
-        assert (prefill_logits(two, LONG[0]) - prefill_logits(one, LONG[0])).abs().max().item() <= LOGIT_ATOL
-        two.add_request(EngineRequest("t", tuple(LONG[1]), greedy(8)))
-        one.add_request(EngineRequest("t", tuple(LONG[1]), greedy(8)))
-        assert run_all(two)["t"] == run_all(one)["t"]
-    finally:
-        two.close()
+    assert_two_ranks_equal_one(models[variant]["hf"], engines(variant, "hf"), LONG)
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -188,17 +188,22 @@ def test_the_validator_sets_the_parser_the_state_and_the_wrapped_grammar(model):
     assert comp.reasoning_parser is None
 
 
-def test_a_template_tag_that_is_a_special_token_is_refused_at_load(model, tmp_path):
+def _tags_made_special(src: str, dst) -> str:
+    """A copy of the model directory ``src`` at ``dst`` whose added tokens (the <think> tags) are special."""
     import shutil
 
-    from actors.validator.service import load_assets
-
-    bad = tmp_path / "bad"
-    shutil.copytree(model["dir"], bad)
-    spec = json.loads((bad / "tokenizer.json").read_text())
+    shutil.copytree(src, dst)
+    spec = json.loads((dst / "tokenizer.json").read_text())
     for t in spec["added_tokens"]:
         t["special"] = True
-    (bad / "tokenizer.json").write_text(json.dumps(spec))
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    return dst
+
+
+def test_a_template_tag_that_is_a_special_token_is_refused_at_load(model, tmp_path):
+    from actors.validator.service import load_assets
+
+    bad = _tags_made_special(model["dir"], tmp_path / "bad")
     with pytest.raises(ValueError, match="are special tokens"):
         load_assets({"artifact": str(bad), "format": "hf"})
     load_assets({"artifact": str(bad), "format": "hf", "reasoning_format": "none"})  # switched off: served as is
@@ -262,8 +267,6 @@ def test_responses_shapes_carry_a_reasoning_item():
 
 
 def test_registration_infers_stores_and_refuses_the_format(model, tmp_path):
-    import shutil
-
     from control.ops.cli import build_parser
     from control.ops.models_cli import RegistryCommandError, build_manifest
 
@@ -279,11 +282,6 @@ def test_registration_infers_stores_and_refuses_the_format(model, tmp_path):
     assert "reasoning_format" not in register(model["dir"] + "/", "--chat-template", f"@{tpl}")  # nothing implied
     with pytest.raises(RegistryCommandError, match="reasoning_format must be .*'harmony'"):
         register(model["dir"] + "/", "--reasoning-format", "harmony")
-    bad = tmp_path / "bad"
-    shutil.copytree(model["dir"], bad)
-    spec = json.loads((bad / "tokenizer.json").read_text())
-    for t in spec["added_tokens"]:
-        t["special"] = True
-    (bad / "tokenizer.json").write_text(json.dumps(spec))
+    bad = _tags_made_special(model["dir"], tmp_path / "bad")
     with pytest.raises(RegistryCommandError, match="<think> and </think> are special tokens"):
         register(str(bad) + "/")

@@ -18,6 +18,7 @@ from actors.text.loader import TextTokenizer, load_tokenizer
 from actors.text.tokenizer import GGUFTokenizer, TokenizerError
 from actors.worker.engine.detokenizer import IncrementalDetokenizer, load_token_bytes, token_bytes_table
 from tests.tokenizer_fixtures import FAMILIES, build, reference_corpus
+from tests.tokenizer_fixtures import streamed_detokenize as _streamed
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -74,18 +75,6 @@ def test_specials_added_tokens_and_decode(fixtures, family):
             ids = tok.encode(text)
             for skip in (True, False):
                 assert tok.decode(ids, skip_special_tokens=skip) == fx.reference.decode(ids, skip_special_tokens=skip)
-
-
-def _streamed(table: list[bytes], ids: list[int], rng: random.Random) -> str:
-    """Feed ``ids`` to the engine's detokenizer in random chunks (1-3 tokens) and join what it releases."""
-    detok = IncrementalDetokenizer(table)
-    out, i = [], 0
-    while i < len(ids):
-        k = rng.randint(1, 3)
-        out.append(detok.add_tokens(ids[i:i + k]))
-        i += k
-    out.append(detok.flush())
-    return "".join(out)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

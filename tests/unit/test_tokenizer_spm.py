@@ -31,6 +31,7 @@ from actors.text.tokenizer import GGUFTokenizer, TokenizerError
 from actors.worker.engine.detokenizer import IncrementalDetokenizer, TokenBytes, load_token_bytes, token_bytes_table
 from actors.worker.engine.hf_loader import token_tables
 from tests.spm_fixtures import SPACE, build_spm, corpus, write_spm_gguf
+from tests.tokenizer_fixtures import streamed_detokenize as _streamed
 
 
 @pytest.fixture(scope="module")
@@ -118,16 +119,6 @@ def test_bpe_by_score_is_llama_cpp_bigram_merge(fx, gguf_tok):
     texts = corpus() + ["  " * k + "x" + " " * k for k in range(1, 9)] + ["aaaa" * 5, "abab" * 7, "▁▁▁ ▁"]
     wrong = [t for t in texts if gguf_tok.encode(t) != _llama_cpp_spm(fx.tokens, fx.scores, fx.token_types, t)]
     assert not wrong, wrong[:3]
-
-
-def _streamed(table, ids, rng) -> str:
-    detok = IncrementalDetokenizer(table)
-    out, i = [], 0
-    while i < len(ids):
-        k = rng.randint(1, 3)
-        out.append(detok.add_tokens(ids[i:i + k]))
-        i += k
-    return "".join(out) + detok.flush()
 
 
 def test_streamed_detokenization_equals_one_shot_decode(fx):
