@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.e2e.helpers import tiny_deployment
-from tests.e2e.test_byom_live import TEMPLATE, _until_served
+from tests.e2e.helpers import CHATML, until_served
 from tests.e2e.test_registry_live import cli
 from tests.unit.test_engine_kquant import llama_quantize, needs_quantize
 
@@ -54,7 +54,7 @@ def _artifacts(tmp: Path) -> dict[str, str]:
 
 def test_a_gptq_directory_and_a_q4_k_m_gguf_registered_live_answer(tmp_path, tiny_gguf):
     arts = _artifacts(tmp_path)
-    (tmp_path / "chatml.jinja").write_text(TEMPLATE)
+    (tmp_path / "chatml.jinja").write_text(CHATML)
     with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
         for name, artifact in arts.items():
             p = cli(sup, "models", "register", name, "1", "--artifact", artifact, "--chat-template",
@@ -63,7 +63,7 @@ def test_a_gptq_directory_and_a_q4_k_m_gguf_registered_live_answer(tmp_path, tin
         client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
         msgs = [{"role": "user", "content": "Say something."}]
         for name in arts:
-            _until_served(client, name)
+            until_served(client, name)
             full = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0)
             assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens >= 1
             text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
