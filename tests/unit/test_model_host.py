@@ -32,7 +32,8 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def _slot(share_key: str, weights: int, kv: int, extra: int = 0):
-    return SimpleNamespace(share_key=share_key, weights_bytes=weights, kv_bytes=kv, extra_bytes=extra)
+    return SimpleNamespace(share_key=share_key, weights_bytes=weights, kv_bytes=kv, extra_bytes=extra,
+                           sleep=None)  # HostSlot.sleep: awake (actors/worker/host_sleep.py)
 
 
 def _host(manifests: dict, budget: int = 100 * MiB) -> ModelHost:
