@@ -50,7 +50,7 @@ sys.exit(1 if missing else 0)
 endef
 export CHECK_DEPS
 
-.PHONY: venv install install-test browser run test chaos cluster-test clean-stamps nats-conf
+.PHONY: venv install install-test browser run test test-slow chaos cluster-test clean-stamps nats-conf
 
 venv: $(VENV)/bin/python
 
@@ -97,7 +97,13 @@ run: install
 	$(VENV)/bin/actorserve up $(ARGS)
 
 test: install-test
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not slow" $(PYTEST_ARGS)
+
+# The checks marked slow (tests marked @pytest.mark.slow: the live bring-your-own-model stacks, one per model
+# family group, ~2 min together), kept out of `make test` so that it stays under 20 minutes on 2 cores; .ci/run
+# runs them after it.
+test-slow: install-test
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYTEST_ARGS)
 
 # Fault injection under steady load (tests/chaos, collected only with ACTORSERVE_CHAOS=1): kill -9 a worker,
 # the validator, the active scheduler, a gateway; restart nats-server and etcd. Prints a table per fault.

@@ -17,7 +17,7 @@ from tests.e2e.helpers import (CHATML, build_long, chat_full_and_streamed, regis
                                until_served)
 from tests.e2e.test_registry_live import cli
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # `make test-slow` (.ci/run)
 WORKER_ARGS = {"worker": ["--kv-cache-bytes", "8000000", "--no-progress"]}
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {

@@ -20,7 +20,7 @@ from tests.e2e.helpers import (build_long, chat_full_and_streamed, register_chat
                                until_served)
 from tests.e2e.test_byom_live import WORKER_ARGS
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # `make test-slow` (.ci/run)
 PROMPT = "Tell me a long story about a red fox, a blue bird and a green frog who walk to the sea together."
 
 

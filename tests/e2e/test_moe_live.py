@@ -17,7 +17,7 @@ from tests.e2e.helpers import (build_long, chat_full_and_streamed, register_chat
 from tests.e2e.test_byom_live import SCHEMA, WORKER_ARGS
 from tests.e2e.test_registry_live import cli
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # `make test-slow` (.ci/run)
 
 
 def _qwen3_moe(tmp: Path) -> str:

@@ -19,7 +19,7 @@ from tests.e2e.helpers import CHATML, until_served
 from tests.e2e.test_registry_live import cli
 from tests.unit.test_engine_kquant import llama_quantize, needs_quantize
 
-pytestmark = [pytest.mark.timeout(420), needs_quantize]
+pytestmark = [pytest.mark.timeout(420), needs_quantize, pytest.mark.slow]  # `make test-slow` (.ci/run)
 WORKER_ARGS = {"worker": ["--kv-cache-bytes", "8000000", "--no-progress"]}
 
 

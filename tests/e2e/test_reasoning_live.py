@@ -20,7 +20,7 @@ from tests.e2e.helpers import tiny_deployment, until_served
 from tests.e2e.test_byom_live import SCHEMA, TOOL
 from tests.e2e.test_registry_live import cli
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # `make test-slow` (.ci/run)
 WORKER_ARGS = {"worker": ["--kv-cache-bytes", "8000000", "--no-progress", "--dtype", "float32",
                           "--quantization", "none"]}
 MSGS = [{"role": "user", "content": "Think, then answer."}]
