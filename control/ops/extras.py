@@ -13,7 +13,6 @@ extra == "sim"``), i.e. from pyproject.toml, so this module keeps no second list
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import re
 import sys
@@ -30,6 +29,8 @@ _EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 def extra_requirements() -> dict[str, tuple[str, ...]]:
     """Extra name -> the distribution names it requires (``{"sim": ("scipy", "matplotlib"), ...}``), from the
     installed ``actorserve`` metadata; empty when the package is not installed (running from a bare checkout)."""
+    import importlib.metadata as md  # ~24 ms (email, zipfile): read only when a verb declares an extra
+
     try:
         reqs = md.requires(PACKAGE) or []
     except md.PackageNotFoundError:
@@ -46,6 +47,8 @@ def extra_requirements() -> dict[str, tuple[str, ...]]:
 @lru_cache(maxsize=1)
 def _modules_of_distributions() -> dict[str, tuple[str, ...]]:
     """Distribution name (lower case) -> its top-level import names, for the installed distributions."""
+    import importlib.metadata as md  # as in extra_requirements: kept out of every `actorserve` start
+
     out: dict[str, list[str]] = {}
     for module, dists in md.packages_distributions().items():
         for d in dists:
