@@ -138,7 +138,7 @@ def test_a_decode_step_reads_only_the_selected_experts_and_groups_rows_by_expert
     the row) plus the router's; 32 rows make one gate/up and one down product per distinct selected expert, each
     over all the rows that chose it (not one per row)."""
     eng = engines("mixtral", "hf")
-    block = eng.model.moe[0]
+    block = eng.model.mlp.blocks[0]
     d, f, E = eng.model_config.hidden_size, eng.model_config.ffn_size, NUM_EXPERTS
     router_flops = lambda rows: 2 * rows * d * E  # noqa: E731
     x1 = torch.randn(1, d, generator=torch.Generator().manual_seed(1))
@@ -199,7 +199,7 @@ def _hf_with_our_quantized_experts(model, engine):
             attn.q_proj.weight.copy_(qkv[:q]), attn.k_proj.weight.copy_(qkv[q:q + kv])
             attn.v_proj.weight.copy_(qkv[q + kv:]), attn.o_proj.weight.copy_(lw.o.dequantize().float())
             experts = (getattr(layer, "block_sparse_moe", None) or layer.mlp).experts  # transformers 5: fused
-            block = engine.model.moe[i]
+            block = engine.model.mlp.blocks[i]
             for e in range(cfg.num_experts):
                 experts.gate_up_proj[e].copy_(block.gate_up[e].dequantize().float())
                 experts.down_proj[e].copy_(block.down[e].dequantize().float())
@@ -215,7 +215,7 @@ def test_quantized_experts_within_tolerance(models, engines, variant, quant):
 
     max_rel, min_top1 = QUANT_TOLERANCES[quant]
     eng = engines(variant, "hf", quantization=quant)
-    block = eng.model.moe[0]
+    block = eng.model.mlp.blocks[0]
     assert not any(isinstance(lin, Linear) for lin in block.gate_up + block.down)  # none left dense
     ref = torch.cat([hf_forward(_hf_with_our_quantized_experts(models[variant]["model"], eng), p) for p in PROMPTS])
     for f in (prefill_logits, stepwise_logits):

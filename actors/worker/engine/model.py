@@ -301,6 +301,27 @@ class _Layer:
     k_norm: torch.Tensor | None = None  # [hd]
 
 
+class DenseMlp:
+    """The dense MLP part of a model (``LlamaModel.MLP``): SwiGLU over a fused gate/up and a down projection, with
+    the step's LoRA deltas (torch path; the native path runs the same expressions in C++). Mixture-of-experts
+    models use moe.py's ``MoeMlp`` in its place, through the same two calls."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def fields(self, w, make_linear, layer: int) -> dict:
+        """The ``_Layer`` fields of layer ``layer``'s MLP from its weights (``w(name)`` pops one): ``gate_up``
+        ([2f, d]) and ``down`` ([d, f]) built by ``make_linear(weight, name)``."""
+        return {"gate_up": make_linear(torch.cat([w("w_gate"), w("w_up")]), "gate_up"),
+                "down": make_linear(w("w_down"), "down")}
+
+    def __call__(self, lw: _Layer, x: torch.Tensor, meta: BatchMetadata, layer: int) -> torch.Tensor:
+        """The MLP's output [T, d] for the normed hidden states ``x`` [T, d]."""
+        gu = _adapted(lw.gate_up, x, meta.lora, layer, "gate_up")
+        f = gu.shape[-1] // 2
+        return _adapted(lw.down, F.silu(gu[:, :f]) * gu[:, f:], meta.lora, layer, "down")
+
+
 class LlamaModel:
     """Stateless-weights Llama: ``forward(ids, meta, kv_cache) -> logits`` [S', vocab] float32.
 
@@ -312,6 +333,8 @@ class LlamaModel:
     ``DynamicRotary``), a tied head is the embedding. Per-head q/k norms need ``QkNormModel``. A spec the
     native kernels do not cover runs the torch path; ``native_off_reason`` says why (``actorserve status``).
     """
+
+    MLP = DenseMlp  # the MLP part's class (model families with another MLP name theirs)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  make_linear=None, native_kernels: bool = True) -> None:
@@ -326,6 +349,7 @@ class LlamaModel:
         self.lm_head_1 = dense(weights["lm_head"], "lm_head")  # packed where possible
         if config.qk_norm and not isinstance(self, QkNormModel):
             raise ValueError("a qk_norm spec needs QkNormModel (model_families.build_model picks it)")
+        self.mlp = self.MLP(config)  # the MLP part (DenseMlp; moe.py's MoeMlp for mixtures of experts)
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             w = lambda n: weights.pop(f"layers.{i}.{n}")  # noqa: E731
@@ -336,7 +360,7 @@ class LlamaModel:
                 attn_norm=w("attn_norm"), ffn_norm=w("ffn_norm"),
                 qkv=qkv,
                 o=make_linear(w("wo"), "o"),
-                **self._mlp_fields(w, make_linear, i),
+                **self.mlp.fields(w, make_linear, i),
                 q_norm=w("q_norm") if config.qk_norm else None,
                 k_norm=w("k_norm") if config.qk_norm else None,
             ))
@@ -381,7 +405,7 @@ class LlamaModel:
             for layer, lw in enumerate(self.layers):
                 h = h + self._attention(lw, h, meta, kv_cache[layer], cos, sin, layer)
                 x = rms_norm(h, lw.ffn_norm, cfg.rms_eps)
-                h = h + self._mlp(lw, x, meta, layer)
+                h = h + self.mlp(lw, x, meta, layer)
         h = rms_norm(h[meta.logits_indices], self.norm, cfg.rms_eps)
         if h.shape[0] > 1 and not isinstance(self.lm_head_1, PackedLinear):
             # [V, d] @ [d, S]: measured 1.7x faster than x @ W^T for the 49152x576 head at S=32..64
@@ -390,19 +414,6 @@ class LlamaModel:
         # greedy max needs (over the transposed mm output it took 3.4 ms at 32 rows, not 0.55).
         # Head + float + max measured 3.7 / 5.3 ms against 6.6 / 16.6 ms for the mm path at 32 / 64 rows.
         return self.lm_head_1(h).float()
-
-    def _mlp_fields(self, w, make_linear, layer: int) -> dict:
-        """The ``_Layer`` fields of layer ``layer``'s MLP from its weights (``w(name)`` pops one): the fused
-        gate/up and the down projection. Mixture-of-experts models replace it (moe.py)."""
-        return {"gate_up": make_linear(torch.cat([w("w_gate"), w("w_up")]), "gate_up"),
-                "down": make_linear(w("w_down"), "down")}
-
-    def _mlp(self, lw: _Layer, x: torch.Tensor, meta: BatchMetadata, layer: int) -> torch.Tensor:
-        """The MLP's output [T, d] for the normed hidden states x [T, d] (torch path): SwiGLU with the step's
-        LoRA deltas. Mixture-of-experts models replace it (moe.py)."""
-        gu = _adapted(lw.gate_up, x, meta.lora, layer, "gate_up")
-        f = gu.shape[-1] // 2
-        return _adapted(lw.down, F.silu(gu[:, :f]) * gu[:, f:], meta.lora, layer, "down")
 
     def _layers_native(self, h: torch.Tensor, meta: BatchMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer loop of ``forward`` on the C++ kernels: the same expressions (residual adds, RMSNorm,

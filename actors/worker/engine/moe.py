@@ -99,31 +99,43 @@ def build_block(config, w, make_linear) -> MoeBlock:
     return MoeBlock(router, gate_up, downs, config.num_experts_per_tok, config.norm_topk_prob, shared)
 
 
-class _MoeMixin:
-    """Replaces the dense MLP of ``LlamaModel`` by a ``MoeBlock`` per layer (``self.moe[layer]``); the
-    attention is the base class's. LoRA adapters do not reach the experts: a batch that carries any is refused."""
+class MoeMlp:
+    """The MLP part of a mixture-of-experts model (``LlamaModel.MLP``, beside model.py's ``DenseMlp``): one
+    ``MoeBlock`` per layer (``blocks[layer]``). LoRA adapters do not reach the experts: a batch that carries any is
+    refused (ValueError)."""
 
-    def _mlp_fields(self, w, make_linear, layer: int) -> dict:
-        if layer == 0:
-            self.moe: list[MoeBlock] = []
-        self.moe.append(build_block(self.config, w, make_linear))
+    def __init__(self, config) -> None:
+        self.config = config
+        self.blocks: list[MoeBlock] = []
+
+    def fields(self, w, make_linear, layer: int) -> dict:
+        """Builds layer ``layer``'s block from its router and stacked experts (``w(name)`` pops one); the layer
+        record's dense MLP fields stay empty."""
+        self.blocks.append(build_block(self.config, w, make_linear))
         return {"gate_up": None, "down": None}
 
-    def _mlp(self, lw, x: torch.Tensor, meta, layer: int) -> torch.Tensor:
+    def __call__(self, lw, x: torch.Tensor, meta, layer: int) -> torch.Tensor:
+        """The block's output [T, d] for the normed hidden states ``x`` [T, d]."""
         if meta.lora is not None:
             raise ValueError(f"LoRA adapters are not supported for mixture-of-experts models "
                              f"({self.config.architecture})")
-        return self.moe[layer](x)
+        return self.blocks[layer](x)
 
 
-class MixtralModel(_MoeMixin, LlamaModel):
+class MixtralModel(LlamaModel):
     """Mixtral: Llama attention, a mixture-of-experts MLP (top-k renormalised)."""
 
+    MLP = MoeMlp
 
-class Qwen2MoeModel(_MoeMixin, LlamaModel):
+
+class Qwen2MoeModel(LlamaModel):
     """Qwen2-MoE (Qwen1.5-MoE): Qwen2's attention (Q/K/V biases), routed experts (``norm_topk_prob``) and a
     shared expert gated by ``sigmoid(x w^T)``."""
 
+    MLP = MoeMlp
 
-class Qwen3MoeModel(_MoeMixin, QkNormModel):
+
+class Qwen3MoeModel(QkNormModel):
     """Qwen3-MoE: Qwen3's attention (per-head q/k RMSNorm), a mixture-of-experts MLP (``norm_topk_prob``)."""
+
+    MLP = MoeMlp
