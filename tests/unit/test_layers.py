@@ -280,3 +280,25 @@ def test_floor_check_fails_on_a_cycle_between_units_of_one_floor(tmp_path):
     graph = project_graph(tmp_path, floors)
     assert find_cycle(graph) is None  # no module cycle: a.x -> b.y -> a.z
     assert floor_violations(graph, floors, {}) == ["cycle of units: a -> b -> a"]
+
+
+def mixin_classes(root: Path, packages: Iterable[str] = PACKAGES) -> list[str]:
+    """``"path:line Name"`` of every class whose name ends in ``Mixin`` under ``packages`` of ``root`` (issue [19]:
+    classes are built from parts with named interfaces, never mixins that reach into a host's privates)."""
+    found = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and node.name.endswith("Mixin"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_no_mixin_classes():
+    assert mixin_classes(ROOT) == []
+
+
+def test_the_mixin_check_finds_a_planted_mixin(tmp_path):
+    (tmp_path / "actors").mkdir()
+    (tmp_path / "actors" / "host.py").write_text("class _HelperMixin:\n    pass\n\nclass Host(_HelperMixin):\n    pass\n")
+    assert mixin_classes(tmp_path, ("actors",)) == ["actors/host.py:1 _HelperMixin"]
