@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from bus import jsonline
+
 __all__ = ["BATCH_ENDPOINTS", "WINDOWS", "BatchLine", "LineError", "parse_input", "new_batch_id", "batch_view",
            "result_line", "MAX_LINES"]
 
@@ -109,9 +111,9 @@ def new_batch_id() -> str:
 def result_line(custom_id: str, request_id: str, status: int, body: Any) -> bytes:
     """One JSONL line of the output file (status 200) or the error file (any other status: ``body`` is the
     error body ``{"error": {...}}`` the request was answered with)."""
-    return orjson.dumps({"id": "batch_req_" + uuid.uuid4().hex[:24], "custom_id": custom_id,
-                         "response": {"status_code": status, "request_id": request_id, "body": body},
-                         "error": None}) + b"\n"
+    return jsonline.line({"id": "batch_req_" + uuid.uuid4().hex[:24], "custom_id": custom_id,
+                          "response": {"status_code": status, "request_id": request_id, "body": body},
+                          "error": None})
 
 
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",

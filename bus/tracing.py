@@ -25,6 +25,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Awaitable, Iterator, Mapping
 
+from bus import jsonline
+
 ENV_TRACES = "ACTORSERVE_TRACES"
 EXPORTERS = ("none", "console", "otlp", "file:<path>")
 TRACEPARENT = "traceparent"
@@ -247,18 +249,17 @@ def _json_lines_exporter_class() -> type:
 
         def export(self, spans) -> Any:
             """Append ``spans``, one write per batch; FAILURE when the file cannot be written."""
-            import orjson
             from opentelemetry.sdk.trace.export import SpanExportResult
             lines = []
             for s in spans:
                 ctx, parent = s.get_span_context(), s.parent
-                lines.append(orjson.dumps({
+                lines.append(jsonline.line({
                     "name": s.name, "service": s.resource.attributes.get("service.name", ""),
                     "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
                     "parent_span_id": f"{parent.span_id:016x}" if parent is not None else "",
                     "start": s.start_time / 1e9, "end": (s.end_time or time.time_ns()) / 1e9,
                     "status": s.status.status_code.name, "attributes": dict(s.attributes or {}),
-                }, default=str) + b"\n")
+                }, default=str))
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 try:

@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from actors import job_store as store
-from bus import subjects
+from bus import jsonline, subjects
 from bus.kv import KvConflict, KvError
 from gateway.openai_format import ApiError
 
@@ -201,8 +201,8 @@ class JobsApi:
         if rec.get("output_ref"):
             data = await self.obj.get(rec["output_ref"])
         else:
-            data = orjson.dumps({"id": job_id, "custom_id": None, "response": None if rec.get("error") else
-                                 {"status_code": 200, "body": rec.get("result")}, "error": rec.get("error")}) + b"\n"
+            data = jsonline.line({"id": job_id, "custom_id": None, "response": None if rec.get("error") else
+                                  {"status_code": 200, "body": rec.get("result")}, "error": rec.get("error")})
         return web.Response(body=data, content_type="application/jsonl")
 
     async def list(self, request: web.Request) -> web.Response:

@@ -29,10 +29,9 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
-import orjson
-
 from actors.aio import cancel_tasks
 from actors import job_batches as batch_lines, job_files as files, job_store as store
+from bus import jsonline
 from gateway import responses_format as rf
 from gateway.openai_format import ApiError
 
@@ -204,7 +203,7 @@ def _request_id(body: dict | None, bid: str, index: int) -> str:
 
 
 def _expired_line(custom_id: str) -> bytes:
-    return orjson.dumps({"id": "batch_req_" + uuid.uuid4().hex[:24], "custom_id": custom_id, "response": None,
-                         "error": {"code": "batch_expired",
-                                   "message": "This request could not be executed before the completion window "
-                                              "expired."}}) + b"\n"
+    return jsonline.line({"id": "batch_req_" + uuid.uuid4().hex[:24], "custom_id": custom_id, "response": None,
+                          "error": {"code": "batch_expired",
+                                    "message": "This request could not be executed before the completion window "
+                                               "expired."}})

@@ -20,7 +20,7 @@ import orjson
 from actors.aio import cancel_tasks
 from actors import job_store as store
 from actors.jobs.batch_runner import BatchRunner
-from bus import streams
+from bus import jsonline, streams
 from bus.base import BusError
 from gateway import pipeline
 from gateway.frontend import new_request_id
@@ -166,7 +166,7 @@ class JobsService:
         await store.update_job(self.kv, tenant, job_id, store.finalizing)
         update: dict = {"request_counts": counts}
         if rec.get("batch"):
-            data = b"".join(orjson.dumps(r) + b"\n" for r in results)
+            data = b"".join(jsonline.line(r) for r in results)
             await self.obj.put(f"out/{job_id}", data)
             update["output_ref"] = f"out/{job_id}"
         elif results:
