@@ -31,6 +31,7 @@ class Variant:
     family: str  # model_type
     config: dict = field(default_factory=dict)  # extra config.json fields
     gguf: bool = True  # llama.cpp has a convention for it (dynamic NTK RoPE: none)
+    qk_norm_centre: float = 3.0  # q/k norm weights ~ centre + N(0, 0.5): sharp attention, so the norms matter
 
 
 VARIANTS = {
@@ -82,11 +83,23 @@ GEMMA_VARIANTS = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, gguf=False),
 }
 
+# The same features as GGUF files carry them (written by llama.cpp's converter: tests/unit/test_engine_gemma.py).
+# GGUF has no query_pre_attn_scalar (llama.cpp scales by head_dim ** -0.5 below 27B sizes) nor layer types (its
+# patterns: Gemma 2 alternates, Gemma 3 has a full layer every sixth): these variants are what such a file can say.
+_GEMMA_GGUF = {**{k: v for k, v in _GEMMA.items() if k != "layer_types"}, "query_pre_attn_scalar": 16}
+GEMMA_GGUF_VARIANTS = {
+    "gemma2-gguf": Variant("gemma2", {**GEMMA_VARIANTS["gemma2"].config, "query_pre_attn_scalar": 16}, gguf=False),
+    "gemma3-gguf": Variant("gemma3_text", {**_GEMMA_GGUF, "num_hidden_layers": 6,
+                                           "rope_parameters": GEMMA_VARIANTS["gemma3"].config["rope_parameters"]},
+                           gguf=False, qk_norm_centre=0.0),  # Gemma's 1 + w: multipliers ~1. At 3.0 (x4) six
+}                                                        # layers are ill-conditioned: transformers' own float32 is
+                                                         # 7.7e-4 from its float64 (1e-4 is the bound here)
+
 
 def variant_of(name: str) -> Variant:
     """The variant ``name`` of VARIANTS, WINDOW_VARIANTS or GEMMA_VARIANTS (looked up at call time: tests add
     variants)."""
-    for table in (VARIANTS, WINDOW_VARIANTS, GEMMA_VARIANTS):
+    for table in (VARIANTS, WINDOW_VARIANTS, GEMMA_VARIANTS, GEMMA_GGUF_VARIANTS):
         if name in table:
             return table[name]
     raise KeyError(name)
@@ -111,8 +124,8 @@ def _hf_config(variant: Variant):
     return AutoConfig.for_model(variant.family, **base)
 
 
-def _scale(model, seed: int) -> None:
-    """Scale / perturb the weights in place (module docstring)."""
+def _scale(model, seed: int, qk_norm_centre: float = 3.0) -> None:
+    """Scale / perturb the weights in place (module docstring); q/k norm weights centred on ``qk_norm_centre``."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda t, s: torch.randn(t.shape, generator=g) * s  # noqa: E731
     d = model.config.hidden_size
@@ -120,7 +133,7 @@ def _scale(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 big = name.endswith(("q_norm.weight", "k_norm.weight"))
-                p.copy_((3.0 if big else 1.0) + rnd(p, 0.5 if big else 0.2))
+                p.copy_((qk_norm_centre if big else 1.0) + rnd(p, 0.5 if big else 0.2))
             elif name.endswith(".bias"):
                 p.copy_(rnd(p, 0.5))
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -145,7 +158,7 @@ def hf_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     eager = {"attn_implementation": "eager"} if cfg.model_type.startswith("gemma") else {}  # SDPA has no soft-cap
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **eager).eval()
-    _scale(model, seed)
+    _scale(model, seed, variant.qk_norm_centre)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     return model

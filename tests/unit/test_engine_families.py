@@ -293,13 +293,13 @@ def test_gguf_of_another_architecture_is_refused(models, tmp_path):
     import gguf
 
     path = str(tmp_path / "x.gguf")
-    w = gguf.GGUFWriter(path, "gemma2")
+    w = gguf.GGUFWriter(path, "gptneox")
     w.add_block_count(1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _refused(path, "gemma2")
+    _refused(path, "gptneox")
 
 
 # --------------------------------------------------------------------------------------- transformers' GGUF reader

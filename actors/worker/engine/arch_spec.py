@@ -39,6 +39,7 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # mixture-of-experts MLPs (moe.py, decision 0047)
 GGUF_ARCHES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's general.architecture -> our family (Mixtral: llama + experts)
+GEMMA_GGUF = {"gemma2": "gemma2", "gemma3": "gemma3_text"}  # likewise; their windows, caps, scale: gemma.py from_gguf
 ROPE_SCALINGS = (None, "linear", "dynamic", "llama3", "longrope")
 
 
@@ -108,6 +109,17 @@ class ModelConfig:
         """From ``dataclasses.asdict`` output (unknown keys ignored: an older cache entry is read again)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def kv_release_window(config: ModelConfig | None) -> int | None:
+    """The window (tokens) every layer's attention stays within, or None: the span behind which a sequence's KV
+    blocks may be released (block_manager.release_before_window). A model with full-attention layers beside
+    sliding ones (Gemma's ``layer_windows`` with a 0) has none: its full layers read every key."""
+    if config is None:
+        return None
+    if config.layer_windows is None:
+        return config.sliding_window
+    return max(config.layer_windows) if all(config.layer_windows) else None
 
 
 def native_unsupported(config: ModelConfig) -> str | None:
@@ -421,7 +433,7 @@ def _gguf_window_and_longrope(reader, arch: str, names: dict, ctx: int, head_dim
     ``rope_factors_long`` / ``rope_factors_short`` tensors, ``rope.scaling.original_context_length``,
     ``rope.scaling.attn_factor``: llama.cpp's conversion/phi.py). UnsupportedModel names a key or tensor."""
     p, out = arch + ".", {}
-    window = _field(reader, p + "attention.sliding_window")
+    window = None if arch in GEMMA_GGUF else _field(reader, p + "attention.sliding_window")  # gemma.py reads it
     if window is not None and int(window) > 0:
         if arch not in ("llama", "phi3"):
             raise UnsupportedModel(f"GGUF {p}attention.sliding_window {window} is not supported for {arch}")
@@ -460,9 +472,9 @@ def from_gguf(reader) -> ModelConfig:
     """The spec of an open ``gguf.GGUFReader`` (llama.cpp's keys ``{arch}.*``; ``rope_freqs`` read here for
     llama3 scaling). UnsupportedModel names the key."""
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_FAMILIES and arch not in GGUF_ARCHES:
+    if arch not in GGUF_FAMILIES and arch not in GGUF_ARCHES and arch not in GEMMA_GGUF:
         raise UnsupportedModel(f"GGUF general.architecture {arch!r} is not supported (supported: "
-                               f"{', '.join(GGUF_FAMILIES)})")
+                               f"{', '.join((*GGUF_FAMILIES, *GGUF_ARCHES, *GEMMA_GGUF))})")
     p = arch + "."
     hidden, heads = int(_field(reader, p + "embedding_length")), int(_field(reader, p + "attention.head_count"))
     head_dim = int(_field(reader, p + "attention.key_length", 0) or _field(reader, p + "rope.dimension_count", 0)

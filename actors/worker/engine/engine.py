@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .arch_spec import kv_release_window
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, replay
 from .hardware import DTYPES
 from .iteration_scheduler import StepPlan
@@ -122,7 +123,7 @@ class LLMEngine:
         """Block space, scheduler and stop rules over the runner's KV blocks (at load, after ``resize_kv``)."""
         self.blocks = KVBlocks(self.config, self.runner.num_blocks, self.runner.position_limit,
                                self.runner.admit_gate,
-                               getattr(getattr(self.runner, "model_config", None), "sliding_window", None))
+                               kv_release_window(getattr(self.runner, "model_config", None)))
         self.block_manager, self.scheduler = self.blocks.block_manager, self.blocks.scheduler
         self.max_model_len = self.blocks.max_model_len
         self.stop_rules = StopRules(self._eos_token_ids, self.max_model_len)

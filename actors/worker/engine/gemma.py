@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) on the torch path (issue [22] item 1, in part: Hugging Face directories).
+"""Gemma 2 and Gemma 3 (text) on the torch path (issue [22] item 1): Hugging Face directories and GGUF files.
 
 What sets them apart from Llama (Gemma Team 2024, "Gemma 2: Improving Open Language Models at a Practical Size";
 2025, "Gemma 3 Technical Report"; transformers' ``modeling_gemma2`` / ``modeling_gemma3``):
@@ -84,6 +84,60 @@ def from_hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
         attn_softcap=_cap(cfg.get("attn_logit_softcapping")), final_softcap=_cap(cfg.get("final_logit_softcapping")),
         rope_local_theta=local_theta)
+
+
+# llama.cpp's per-architecture conventions for Gemma GGUF files (src/models/gemma2.cpp, gemma3.cpp and
+# llama-hparams.h of the llama.cpp sources docs/bench.md unpacks): the sliding-window pattern when the file has
+# none (every 2nd / every 6th layer full), Gemma 2's default window and caps, and the block counts of the 27B
+# models, whose attention is scaled by (hidden / heads) ** -0.5 instead of head_dim ** -0.5 (their
+# query_pre_attn_scalar; GGUF files carry no such key).
+_GGUF_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GGUF_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
+_GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA3_SWA_THETA = 10000.0  # llama-hparams.h rope_freq_base_train_swa, when the file has no rope.freq_base_swa
+
+
+def from_gguf(fields: dict, spec: ModelConfig) -> ModelConfig:
+    """The spec of a ``gemma2`` / ``gemma3`` GGUF file: ``spec`` as arch_spec.from_gguf read the shared keys,
+    completed from ``fields`` ({key: value} of the file's metadata) with llama.cpp's meaning of its Gemma keys
+    (constants above): windows per layer (``attention.sliding_window``, ``attention.sliding_window_pattern`` as a
+    period or a per-layer array), soft-caps, the local RoPE base (``rope.freq_base_swa``), the attention scale.
+    Norm weights are already ``1 + w`` in such files (the converter folds them). UnsupportedModel names a key the
+    engine does not model (Gemma 3 attention soft-capping, a per-layer array of the wrong length)."""
+    gguf_arch = spec.architecture
+    p = gguf_arch + "."
+    get = lambda key, default=None: fields.get(p + key, default)  # noqa: E731
+    defaults = _GEMMA2_DEFAULTS if gguf_arch == "gemma2" else {}
+    window = int(get("attention.sliding_window", defaults.get("attention.sliding_window", 0)) or 0)
+    swa = _swa_layers(get("attention.sliding_window_pattern", _GGUF_PATTERN[gguf_arch]), spec.num_layers, p)
+    if gguf_arch == "gemma3" and get("attn_logit_softcapping") is not None:
+        raise UnsupportedModel(f"GGUF {p}attn_logit_softcapping: Gemma 3 has no attention soft-capping "
+                               "(llama.cpp ignores the key; this engine does not guess)")
+    windows = tuple(window if s else 0 for s in swa) if window > 0 else (0,) * spec.num_layers
+    local = get("rope.freq_base_swa")
+    if gguf_arch == "gemma3":
+        local = float(local if local is not None else _GEMMA3_SWA_THETA) if window > 0 else None
+    elif local is not None and float(local) != spec.rope_theta:
+        raise UnsupportedModel(f"GGUF {p}rope.freq_base_swa {local}: Gemma 2 rotates every layer with one base")
+    big = spec.num_layers == _GGUF_27B_BLOCKS[gguf_arch]
+    return dataclasses.replace(
+        spec, architecture=arch_spec.GEMMA_GGUF[gguf_arch], qk_norm=gguf_arch == "gemma3",
+        sliding_window=window or None, layer_windows=windows, rope_local_theta=local,
+        query_pre_attn_scalar=float(spec.hidden_size // spec.num_heads if big else spec.head_dim),
+        attn_softcap=_cap(get("attn_logit_softcapping", defaults.get("attn_logit_softcapping"))),
+        final_softcap=_cap(get("final_logit_softcapping", defaults.get("final_logit_softcapping"))))
+
+
+def _swa_layers(pattern, layers: int, p: str) -> list[bool]:
+    """Which layers slide: llama.cpp ``set_swa_pattern`` (layer i slides unless ``i % n == n - 1``; n = 0: all)
+    for a period ``n``, or the file's per-layer booleans."""
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise UnsupportedModel(f"GGUF {p}attention.sliding_window_pattern has {len(pattern)} entries for "
+                                   f"{layers} layers")
+        return [bool(x) for x in pattern]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(layers)]
 
 
 def _cap(value) -> float | None:

@@ -1,8 +1,9 @@
 """GGUF loader: the architecture spec (``ModelConfig``, arch_spec.py) and dequantized weights as torch tensors.
 
 Families ``llama`` (Mistral too), ``qwen2``, ``qwen3``, ``phi3`` (fused ``attn_qkv`` / ``ffn_up`` split at load,
-LongRoPE factor tensors read into the spec), ``qwen2moe``, ``qwen3moe`` and Mixtral (``llama`` with
-``llama.expert_count``; its experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``)
+LongRoPE factor tensors read into the spec), ``qwen2moe``, ``qwen3moe``, Mixtral (``llama`` with
+``llama.expert_count``; its experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``), ``gemma2``
+and ``gemma3`` (text; norms already ``1 + w``, sandwich norms ``post_attention_norm`` / ``post_ffw_norm``)
 (``general.architecture``), with llama.cpp's conventions per
 architecture (``convert_hf_to_gguf.py``). Reads the file with ``gguf.GGUFReader`` (memory-mapped) and
 dequantizes each tensor with ``gguf.quants.dequantize`` (numpy float32), then converts to the requested dtype.
@@ -29,7 +30,8 @@ import gguf
 from gguf.quants import dequantize
 
 from .arch_spec import ModelConfig, UnsupportedModel, check_tensors, from_gguf  # noqa: F401 (ModelConfig re-exported)
-from .arch_spec import FUSED, LONGROPE_TENSORS, split_fused, unfuse_found
+from . import gemma
+from .arch_spec import FUSED, GEMMA_GGUF, LONGROPE_TENSORS, split_fused, unfuse_found
 
 # GGUF tensor name -> our weight name (``{i}`` = layer index).
 _LAYER_NAMES = {
@@ -55,6 +57,8 @@ _LAYER_NAMES = {
     "ffn_gate_shexp": "shexp_gate",
     "ffn_up_shexp": "shexp_up",
     "ffn_down_shexp": "shexp_down",
+    "post_attention_norm": "post_attn_norm",  # Gemma 2 / 3 sandwich norms (gemma.py); their ffn_norm is the pre-MLP one
+    "post_ffw_norm": "post_ffn_norm",
 }
 _CONSUMED = ("rope_freqs.weight",) + LONGROPE_TENSORS  # read into the spec (arch_spec.from_gguf)
 # phi3 (llama.cpp's PHI3 tensors): Q/K/V in one ``attn_qkv``, gate and up in one ``ffn_up`` (gate rows first, as
@@ -63,8 +67,13 @@ _PHI3_FUSED = {"attn_qkv": "wqkv", "ffn_up": "w_gate_up"}
 
 
 def read_config(reader: gguf.GGUFReader) -> ModelConfig:
-    """The spec from GGUF metadata (arch_spec.from_gguf); UnsupportedModel for other architectures / values."""
-    return from_gguf(reader)
+    """The spec from GGUF metadata (arch_spec.from_gguf; Gemma's own keys: gemma.from_gguf); UnsupportedModel for
+    other architectures / values."""
+    spec = from_gguf(reader)
+    if spec.architecture in GEMMA_GGUF:
+        spec = gemma.from_gguf({k: f.contents() for k, f in reader.fields.items()
+                                if k.startswith(spec.architecture + ".")}, spec)
+    return spec
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
