@@ -1,12 +1,14 @@
 """Gemma 2 soft-capping cost: decode steps of a Gemma 2 model of realistic width (random weights) with its attention and
 final-logit soft-caps, against the same model with the caps removed, in one run (issue [22] item 1).
 
-With caps, ``GemmaModel`` computes attention scores explicitly (scale, ``cap * tanh(s / cap)``, mask, float32
-softmax); without them it runs SDPA with the same mask and scale (actors/worker/engine/gemma.py). The figure is the
+Decode attention runs in the C++ paged decode kernel, which applies the scale, the window and the soft-cap
+(csrc/cpu_kernels.cpp; cap 0 = none), as the worker runs it; ``--torch``: the torch path, where capped attention
+computes the scores explicitly (scale, ``cap * tanh(s / cap)``, mask, float32 softmax) and uncapped attention runs
+SDPA with the same mask and scale (actors/worker/engine/gemma.py). The figure is the
 ratio of decode tokens per second, capped / uncapped, at 1 and 32 rows over a cached context; the same weights,
 the same cache, steps interleaved so that machine noise hits both alike. Prints the CPU.
 
-    python -m bench.softcap_bench [--hidden 1024] [--layers 4] [--context 512] [--steps 20] [--dtype float32]
+    python -m bench.softcap_bench [--hidden 1024] [--layers 4] [--context 512] [--steps 20] [--dtype float32] [--torch]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _model(args, capped: bool, weights):
                       query_pre_attn_scalar=float(hd), attn_softcap=50.0, final_softcap=30.0)
     if not capped:
         cfg = dataclasses.replace(cfg, attn_softcap=None, final_softcap=None)
-    return cfg, build_model(cfg, dict(weights), args.context + 8, native_kernels=False)
+    return cfg, build_model(cfg, dict(weights), args.context + 8, native_kernels=not args.torch)
 
 
 def _weights(args, dtype):
@@ -88,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=256, help="sliding window of the even layers (tokens)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--torch", action="store_true", help="decode attention on the torch path (no C++ kernel)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     print(f"CPU: {cpu_name() or '?'}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
-          f"hidden {args.hidden}, {args.layers} layers, context {args.context}, {args.dtype}")
+          f"hidden {args.hidden}, {args.layers} layers, context {args.context}, {args.dtype}, "
+          f"decode attention: {'torch' if args.torch else 'C++ kernel'}")
     weights = _weights(args, dtype)
     for rows in (1, 32):
         models = {capped: _model(args, capped, weights) for capped in (True, False)}

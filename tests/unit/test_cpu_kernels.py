@@ -53,6 +53,37 @@ def test_paged_decode_attention(dtype, H, Hkv, hd, nseq):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hkv,hd", [(8, 4, 128), (6, 2, 24)])  # 24: the scalar path
+@pytest.mark.parametrize("window", [0, 21])
+def test_paged_decode_attention_soft_caps_the_scores(dtype, H, Hkv, hd, window):
+    """Gemma 2's attention soft-cap in the kernel: softmax over ``cap * tanh(scale * q.k / cap)`` of the keys in the
+    window, against the explicit expression (a cap low enough to bind; without it the output moves)."""
+    torch.manual_seed(3)
+    bs, nb, cap, scale = 16, 64, 2.0, 0.3
+    kc, vc = torch.randn(nb, bs, Hkv, hd, dtype=dtype), torch.randn(nb, bs, Hkv, hd, dtype=dtype)
+    lens = torch.tensor([1, 17, 200, 64, 33], dtype=torch.int32)
+    width = -(-int(lens.max()) // bs)
+    tables = torch.stack([torch.randperm(nb)[:width] for _ in lens]).to(torch.int32)
+    rows = torch.tensor([4, 0, 2, 6, 5], dtype=torch.int32)
+    q = torch.randn(7, H, hd, dtype=dtype)
+    out, uncapped = torch.zeros(7, H, hd, dtype=dtype), torch.zeros(7, H, hd, dtype=dtype)
+    KERNELS.paged_decode_attention(q, out, kc, vc, rows, tables, lens, scale, window, cap)
+    KERNELS.paged_decode_attention(q, uncapped, kc, vc, rows, tables, lens, scale, window)
+    for s in range(5):
+        n, r = int(lens[s]), int(rows[s])
+        lo = max(0, n - window) if window else 0
+        k = kc.index_select(0, tables[s].long()).reshape(-1, Hkv, hd)[lo:n].float()  # [L, Hkv, hd]
+        v = vc.index_select(0, tables[s].long()).reshape(-1, Hkv, hd)[lo:n].float()
+        qs = q[r].float().reshape(Hkv, H // Hkv, hd)
+        scores = torch.einsum("hgd,lhd->hgl", qs, k) * scale
+        probs = (torch.tanh(scores / cap) * cap).softmax(-1)
+        ref = torch.einsum("hgl,lhd->hgd", probs, v).reshape(H, hd)
+        torch.testing.assert_close(out[r].float(), ref, **TOL[dtype])
+        if n > 1:
+            assert (out[r].float() - uncapped[r].float()).abs().max() > 10 * TOL[dtype]["atol"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("d", [576, 40])  # 40: 16-lane vectors plus a scalar tail
 def test_add_rms_norm(dtype, rows, d):

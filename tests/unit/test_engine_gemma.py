@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from actors.worker.engine import cpu_kernels
 from actors.worker.engine.engine import EngineConfig, LLMEngine
 
 from tests.family_checks import (LOGIT_ATOL, assert_batched_equals_alone, assert_greedy_matches_transformers,
@@ -44,26 +45,36 @@ def engines(models):
         yield get
 
 
+# native: decode attention by the C++ kernel (scale, window, soft-cap inside it) where it builds; else torch's
+NATIVE = [True, False] if cpu_kernels.load() is not None else [False]
+
+
+@pytest.mark.parametrize("native", NATIVE, ids=lambda n: "native" if n else "torch")
 @pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
-def test_logits_match_transformers(models, engines, variant):
-    worst = worst_logit_error(engines(variant), models[variant]["model"], PROMPTS, chunk_at=19)
-    print(f"{variant}: max|dlogit| {worst:.2e}")
+def test_logits_match_transformers(models, engines, variant, native):
+    worst = worst_logit_error(engines(variant, native=native), models[variant]["model"], PROMPTS, chunk_at=19)
+    print(f"{variant} ({'native' if native else 'torch'} decode attention): max|dlogit| {worst:.2e}")
     assert worst <= LOGIT_ATOL
 
 
+@pytest.mark.parametrize("native", NATIVE, ids=lambda n: "native" if n else "torch")
 @pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
-def test_greedy_32_tokens_match_transformers(models, engines, variant):
-    assert_greedy_matches_transformers(engines(variant), models[variant]["model"], PROMPTS[0])
+def test_greedy_32_tokens_match_transformers(models, engines, variant, native):
+    assert_greedy_matches_transformers(engines(variant, native=native), models[variant]["model"], PROMPTS[0])
 
 
+@pytest.mark.parametrize("native", NATIVE, ids=lambda n: "native" if n else "torch")
 @pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
-def test_batched_equals_alone(engines, variant):
-    assert_batched_equals_alone(engines(variant), PROMPTS)
+def test_batched_equals_alone(engines, variant, native):
+    assert_batched_equals_alone(engines(variant, native=native), PROMPTS)
 
 
 def test_the_torch_path_and_why(engines):
+    """The fused Llama kernels do not run Gemma (status says why); its decode attention does, when it builds."""
     eng = engines("gemma2")
     assert eng.model.kernels is None and "Gemma" in eng.runner.native_off_reason
+    assert (eng.model.decode_kernels is not None) == (cpu_kernels.load() is not None)
+    assert engines("gemma2", native=False).model.decode_kernels is None
 
 
 def _off(feature: str):

@@ -206,7 +206,7 @@ class CpuKernels:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         sigs = {
             "actorserve_paged_decode_attention": [i32, p, i64, p, i64, p, p, p, p, i64, p, i32, i32, i32, i32, i32, f32,
-                                                  i32],
+                                                  i32, f32],
             "actorserve_add_rms_norm": [i32, p, p, p, p, i64, i32, f32],
             "actorserve_rope_kv": [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p],
             "actorserve_silu_mul": [i32, p, p, i64, i32],
@@ -235,13 +235,15 @@ class CpuKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float, window: int = 0) -> None:
+                               context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> None:
         """Attention of the 1-token queries ``q[rows]`` into ``out[rows]``, K/V read in place.
 
         q, out: [T, H, hd] (row-strided, heads contiguous), the cache's dtype.  k_cache, v_cache:
         [num_blocks, block_size, Hkv, hd] contiguous.  rows, context_lens: int32 [S]; block_tables:
         int32 [S, max_blocks] contiguous.  ``scale``: softmax temperature (1/sqrt(hd) as SDPA).  ``window``
         (tokens, 0 = none): sliding-window attention, a query of context n sees keys n - window .. n - 1.
+        ``softcap`` (> 0): scaled scores become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's
+        attention soft-capping); 0 = none.
         """
         T, H, hd = q.shape
         _, bs, Hkv, hd_k = k_cache.shape
@@ -254,7 +256,7 @@ class CpuKernels:
         self._rc(self._paged_decode_attention(
             _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), rows.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            context_lens.data_ptr(), rows.numel(), H, Hkv, hd, bs, scale, window), "attention")
+            context_lens.data_ptr(), rows.numel(), H, Hkv, hd, bs, scale, window, softcap), "attention")
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:

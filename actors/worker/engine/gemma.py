@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import arch_spec
+from . import arch_spec, cpu_kernels
 from .arch_spec import ModelConfig, UnsupportedModel
 from .model import BatchMetadata, LlamaModel, RotaryEmbedding, _block_tables_from_slots, rms_norm
 
@@ -179,6 +179,10 @@ class GemmaModel(LlamaModel):
             self.local_rope = RotaryEmbedding(config.head_dim, config.rope_local_theta, max_positions, device)
         self.scale = config.query_pre_attn_scalar ** -0.5
         self.windows = config.layer_windows or (config.sliding_window or 0,) * config.num_layers
+        # the step's decodes through the native paged decode attention (scale, window and soft-cap in the kernel:
+        # csrc/cpu_kernels.cpp) where it runs this dtype and device; else the torch path below
+        self.decode_kernels = (cpu_kernels.load() if native_kernels and cpu_kernels.CpuKernels.supports(self.dtype, device)
+                               else None)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -227,7 +231,9 @@ class GemmaModel(LlamaModel):
             starts.append(start)
             start += n
         dec = [s for s, n in enumerate(meta.query_lens) if n == 1]
-        if dec:
+        if dec and self.decode_kernels is not None and cache.dtype == q.dtype:
+            self._native_decodes(q, out, dec, starts, meta, tables, cache, window)
+        elif dec:
             lens = [meta.context_lens[s] for s in dec]
             nblk = -(-max(lens) // bs)
             blocks = torch.tensor([tables[s][: -(-c // bs)] + [tables[s][0]] * (nblk - -(-c // bs))
@@ -252,6 +258,20 @@ class GemmaModel(LlamaModel):
                                                          allowed.unsqueeze(0))[0]
         return out
 
+    def _native_decodes(self, q: torch.Tensor, out: torch.Tensor, dec: list[int], starts: list[int], meta: BatchMetadata,
+                        tables, cache: torch.Tensor, window: int) -> None:
+        """The one-token queries of sequences ``dec`` into ``out`` by cpu_kernels.paged_decode_attention: K/V read
+        in place from ``cache`` [2, blocks, bs, Hkv, hd], scaled by ``query_pre_attn_scalar ** -0.5``, soft-capped
+        (``attn_softcap``), within ``window`` (0 = none)."""
+        lens = [meta.context_lens[s] for s in dec]
+        bs = cache.shape[2]
+        width = max(-(-c // bs) for c in lens)
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        blocks = i32([list(tables[s][: -(-c // bs)]) + [0] * (width - -(-c // bs)) for s, c in zip(dec, lens)])
+        self.decode_kernels.paged_decode_attention(
+            q, out, cache[0], cache[1], i32([starts[s] for s in dec]), blocks, i32(lens), self.scale, window,
+            self.config.attn_softcap or 0.0)
+
     def _scores(self, q: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """q [B, n, H, hd] over the K/V of ``blocks`` [B, nblk] (``allowed`` bool [B, n, nblk * bs]) -> [B, n, H, hd]."""
         cfg = self.config
@@ -265,14 +285,20 @@ class GemmaModel(LlamaModel):
         if cap is None:
             o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                                scale=self.scale)
-        else:  # one KV head at a time: its K / V rows are strided matrices bmm reads in place (no [B,Hkv,L,hd] copy)
-            o = torch.empty_like(qg)
+        else:  # one KV head at a time: its K / V rows are strided matrices bmm reads in place (no [B,Hkv,L,hd] copy;
+            o = torch.empty_like(qg)  # one matmul over the [B, Hkv, hd, L] view was 6x slower in float32 at 32 rows)
             for h in range(Hkv):
-                scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).float() * self.scale  # [B, n * G, L]
-                scores = torch.tanh(scores / cap) * cap
-                probs = scores.masked_fill_(~mask[:, 0], float("-inf")).softmax(-1).to(q.dtype)
-                o[:, h] = torch.bmm(probs, v[:, :, h])
+                o[:, h] = torch.bmm(self._capped_probs(torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)), mask[:, 0],
+                                                       q.dtype), v[:, :, h])
         return o.view(B, Hkv, n, G, hd).permute(0, 2, 1, 3, 4).reshape(B, n, Hkv * G, hd)
+
+    def _capped_probs(self, scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Softmax (float32, then ``dtype``) of raw scores [..., L] scaled, soft-capped (``cap * tanh(s / cap)``)
+        and masked where ``allowed`` (bool, broadcast) is False; in place on a float32 copy of ``scores``."""
+        cap = self.config.attn_softcap
+        s = scores.float() if scores.dtype != torch.float32 else scores
+        s.mul_(self.scale / cap).tanh_().mul_(cap).masked_fill_(~allowed, float("-inf"))
+        return torch.softmax(s, -1).to(dtype)
 
 
 def dataclasses_replace_qk(config: ModelConfig) -> ModelConfig:

@@ -27,6 +27,11 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__)
+// glibc's libmvec: 16 float32 exp at once (AVX-512 variant of expf, max error 4 ulp).
+extern "C" __m512 _ZGVeN16v_expf(__m512);
+#endif
+
 namespace {
 
 using actorserve::store;
@@ -36,6 +41,29 @@ using actorserve::to_f32;
 // Scores of the t0 leading tokens (outside a sliding window) set to -inf: softmax gives them 0.
 inline void mask_before(float* scores, int rows, int ctx, int t0) {
   for (int r = 0; r < rows && t0 > 0; ++r) std::fill(scores + static_cast<size_t>(r) * ctx, scores + static_cast<size_t>(r) * ctx + t0, -INFINITY);
+}
+
+// Attention soft-capping (Gemma 2: Gemma Team 2024, section 2): scores[r][t] -> cap * tanh(scores[r][t] / cap) for
+// the unmasked tokens t0 .. ctx - 1 of each of ``rows`` rows (cap <= 0: none).  tanh(x) = sign(x) (1 - e) / (1 + e),
+// e = exp(-2|x|): no overflow, and vectorised with the same libmvec expf the softmax uses.
+void softcap_rows(float* scores, int rows, int ctx, int t0, float cap) {
+  if (!(cap > 0.f)) return;
+  const float inv = 1.f / cap;
+  for (int r = 0; r < rows; ++r) {
+    float* sr = scores + static_cast<size_t>(r) * ctx;
+    int t = t0;
+#if defined(__AVX512F__)
+    const __m512 vinv = _mm512_set1_ps(-2.f * inv), vcap = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.f);
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (; t + 16 <= ctx; t += 16) {
+      const __m512 x = _mm512_loadu_ps(sr + t);
+      const __m512 e = _ZGVeN16v_expf(_mm512_mul_ps(_mm512_andnot_ps(sign, x), vinv));  // exp(-2|x| / cap)
+      const __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+      _mm512_storeu_ps(sr + t, _mm512_or_ps(_mm512_mul_ps(th, vcap), _mm512_and_ps(sign, x)));
+    }
+#endif
+    for (; t < ctx; ++t) sr[t] = cap * std::tanh(sr[t] * inv);
+  }
 }
 
 void softmax_rows(float* scores, int G, int ctx) {
@@ -75,10 +103,6 @@ inline void store16(uint16_t* p, __m512 x) {  // x already bf16-exact
 }
 
 
-}  // namespace
-// glibc's libmvec: 16 float32 exp at once (AVX-512 variant of expf, max error 4 ulp).
-extern "C" __m512 _ZGVeN16v_expf(__m512);
-namespace {
 
 // softmax_rows with 16 lanes at a time (tail lanes masked: they read -inf, contribute exp = 0).
 void softmax_rows_avx512(float* scores, int G, int ctx) {
@@ -117,7 +141,7 @@ constexpr int kPrefetchTokens = 8;
 
 template <typename T, int G>
 void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int t0, int hd, int bs,
-                  int64_t tok_stride, int h0, int nh, float* scores, float* acc) {
+                  int64_t tok_stride, int h0, int nh, float* scores, float* acc, float cap) {
   const int C = hd / 16;
   mask_before(scores, nh * G, ctx, t0);
   auto row = [&](const T* base, int t) {
@@ -140,6 +164,7 @@ void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table,
       for (int g = 0; g < G; ++g) scores[static_cast<size_t>(hh * G + g) * ctx + t] = _mm512_reduce_add_ps(a[g]);
     }
   }
+  softcap_rows(scores, nh * G, ctx, t0, cap);
   softmax_rows_avx512(scores, nh * G, ctx);
   for (int i = 0; i < nh * G * hd; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
   for (int t = t0; t < ctx; ++t) {  // pass 2: acc[hh * G + g] += p[hh * G + g][t] * v_t
@@ -163,11 +188,11 @@ void heads_avx512(const float* qf, const T* k, const T* v, const int32_t* table,
 
 template <typename T>
 bool heads_fast(int G, const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int t0, int hd, int bs,
-                int64_t tok_stride, int h0, int nh, float* scores, float* acc) {
+                int64_t tok_stride, int h0, int nh, float* scores, float* acc, float cap) {
   if (hd % 16 != 0) return false;
   switch (G) {
 #define AS_CASE(n) \
-    case n: heads_avx512<T, n>(qf, k, v, table, ctx, t0, hd, bs, tok_stride, h0, nh, scores, acc); return true;
+    case n: heads_avx512<T, n>(qf, k, v, table, ctx, t0, hd, bs, tok_stride, h0, nh, scores, acc, cap); return true;
     AS_CASE(1) AS_CASE(2) AS_CASE(3) AS_CASE(4) AS_CASE(5) AS_CASE(6) AS_CASE(7) AS_CASE(8)
 #undef AS_CASE
     default: return false;
@@ -176,7 +201,7 @@ bool heads_fast(int G, const float* qf, const T* k, const T* v, const int32_t* t
 #else
 template <typename T>
 bool heads_fast(int, const float*, const T*, const T*, const int32_t*, int, int, int, int, int64_t, int, int, float*,
-                float*) {
+                float*, float) {
   return false;
 }
 #endif
@@ -184,7 +209,7 @@ bool heads_fast(int, const float*, const T*, const T*, const int32_t*, int, int,
 // One head of one sequence, portable C++ (no AVX-512, or a head_dim / group size it does not cover).
 template <typename T>
 void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, int ctx, int t0, int G, int hd,
-                 int bs, int64_t tok_stride, int h, float* scores, float* acc) {
+                 int bs, int64_t tok_stride, int h, float* scores, float* acc, float cap) {
   mask_before(scores, G, ctx, t0);
   for (int t = t0; t < ctx; ++t) {  // pass 1: scores[g][t] = q_g . k_t
     const T* kt = k + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * tok_stride + h * hd;
@@ -196,6 +221,7 @@ void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, 
       scores[static_cast<size_t>(g) * ctx + t] = dot;
     }
   }
+  softcap_rows(scores, G, ctx, t0, cap);
   softmax_rows(scores, G, ctx);
   std::fill(acc, acc + G * hd, 0.f);
   for (int t = t0; t < ctx; ++t) {  // pass 2: acc_g += p_g[t] * v_t
@@ -214,7 +240,8 @@ void head_scalar(const float* qf, const T* k, const T* v, const int32_t* table, 
 template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, T* out, int64_t out_row_stride, const T* k,
                       const T* v, const int32_t* rows, const int32_t* tables, int64_t table_stride,
-                      const int32_t* lens, int num_seqs, int H, int Hkv, int hd, int bs, float scale, int window) {
+                      const int32_t* lens, int num_seqs, int H, int Hkv, int hd, int bs, float scale, int window,
+                      float cap) {
   const int G = H / Hkv;
   const int64_t tok_stride = static_cast<int64_t>(Hkv) * hd;  // elements between tokens of a block
   const int nh = num_seqs >= 2 * omp_get_max_threads() ? Hkv : 1;
@@ -233,10 +260,10 @@ void decode_attention(const T* q, int64_t q_row_stride, T* out, int64_t out_row_
       const T* qrow = q + rows[s] * q_row_stride + static_cast<int64_t>(h0) * G * hd;
       for (int i = 0; i < nh * G * hd; ++i) qf[i] = to_f32(qrow[i]) * scale;
       scores.resize(static_cast<size_t>(nh) * G * ctx);
-      if (!heads_fast(G, qf.data(), k, v, table, ctx, t0, hd, bs, tok_stride, h0, nh, scores.data(), acc.data())) {
+      if (!heads_fast(G, qf.data(), k, v, table, ctx, t0, hd, bs, tok_stride, h0, nh, scores.data(), acc.data(), cap)) {
         for (int hh = 0; hh < nh; ++hh)
           head_scalar(qf.data() + hh * G * hd, k, v, table, ctx, t0, G, hd, bs, tok_stride, h0 + hh,
-                      scores.data() + static_cast<size_t>(hh) * G * ctx, acc.data() + hh * G * hd);
+                      scores.data() + static_cast<size_t>(hh) * G * ctx, acc.data() + hh * G * hd, cap);
       }
       T* orow = out + rows[s] * out_row_stride + static_cast<int64_t>(h0) * G * hd;
       for (int i = 0; i < nh * G * hd; ++i) store(orow + i, acc[i]);
@@ -249,16 +276,16 @@ void decode_attention(const T* q, int64_t q_row_stride, T* out, int64_t out_row_
 extern "C" int actorserve_paged_decode_attention(
     int dtype, const void* q, int64_t q_row_stride, void* out, int64_t out_row_stride, const void* k,
     const void* v, const int32_t* rows, const int32_t* tables, int64_t table_stride, const int32_t* lens,
-    int num_seqs, int H, int Hkv, int hd, int bs, float scale, int window) {
-  if (Hkv <= 0 || H % Hkv != 0 || hd <= 0 || bs <= 0 || window < 0) return 1;
+    int num_seqs, int H, int Hkv, int hd, int bs, float scale, int window, float softcap) {
+  if (Hkv <= 0 || H % Hkv != 0 || hd <= 0 || bs <= 0 || window < 0 || softcap < 0.f) return 1;
   if (dtype == 0) {
     decode_attention(static_cast<const float*>(q), q_row_stride, static_cast<float*>(out), out_row_stride,
                      static_cast<const float*>(k), static_cast<const float*>(v), rows, tables, table_stride,
-                     lens, num_seqs, H, Hkv, hd, bs, scale, window);
+                     lens, num_seqs, H, Hkv, hd, bs, scale, window, softcap);
   } else if (dtype == 1) {
     decode_attention(static_cast<const uint16_t*>(q), q_row_stride, static_cast<uint16_t*>(out),
                      out_row_stride, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), rows,
-                     tables, table_stride, lens, num_seqs, H, Hkv, hd, bs, scale, window);
+                     tables, table_stride, lens, num_seqs, H, Hkv, hd, bs, scale, window, softcap);
   } else {
     return 2;
   }
