@@ -182,6 +182,45 @@ def test_a_one_row_step_of_the_whole_model_reads_two_experts_per_layer(engines):
     assert len(gate_up) == cfg.num_layers * TOP_K and all(a[0] == 1 for a, _ in gate_up)
 
 
+def test_quantized_experts_call_the_native_kernel_once_per_selected_expert(engines):
+    """The native path (int8 experts: quant_blocks.QuantLinear over the C++ ``qgemm``): counted at the kernel's own
+    entry (the CpuKernels method the expert linears hold, wrapped here; no counter inside the engine). One row:
+    one gate/up and one down call for each of the top-2 experts; 32 rows: one of each per distinct selected expert,
+    each over all the rows that chose it."""
+    from actors.worker.engine.quant_blocks import QuantLinear
+
+    eng = engines("mixtral", "hf", quantization="int8")
+    block = eng.model.mlp.blocks[0]
+    lins = block.gate_up + block.down
+    if not all(isinstance(lin, QuantLinear) for lin in lins):
+        pytest.skip(f"int8 experts are {type(lins[0]).__name__} here, not the native QuantLinear (no C++ kernels)")
+    kernels, packs = lins[0].kernels, {id(lin.packed): n for n, lin in enumerate(lins)}
+    calls: list[tuple[int, int]] = []  # (expert linear index, rows)
+    real = kernels.qgemm
+
+    def spy(x, packed, *args, **kw):
+        if id(packed) in packs:
+            calls.append((packs[id(packed)], x.shape[0]))
+        return real(x, packed, *args, **kw)
+
+    kernels.qgemm = spy
+    try:
+        with torch.inference_mode():
+            block(torch.randn(1, eng.model_config.hidden_size, generator=torch.Generator().manual_seed(1)))
+            one, calls[:] = list(calls), []
+            x32 = torch.randn(32, eng.model_config.hidden_size, generator=torch.Generator().manual_seed(2))
+            _, chosen = block.route(x32)
+            block(x32)
+    finally:
+        del kernels.qgemm  # the instance attribute: the class's method again
+    assert len(one) == 2 * TOP_K and all(rows == 1 for _, rows in one)
+    rows_per_expert = torch.bincount(chosen.reshape(-1), minlength=NUM_EXPERTS)
+    selected = int((rows_per_expert > 0).sum())
+    assert len(calls) == 2 * selected < 2 * 32
+    gate_up_rows = sorted(rows for n, rows in calls if n < NUM_EXPERTS)
+    assert gate_up_rows == sorted(n for n in rows_per_expert.tolist() if n)
+
+
 # --------------------------------------------------------------------------------------- quantized, memory
 
 
