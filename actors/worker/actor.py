@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "only to measure the platform (actorserve bench platform; actors/worker/zero_compute.py)")
     parser.add_argument("--zero-compute-step-ms", type=float, default=0.0, metavar="MS",
                         help="with --engine zero-compute: sleep per step standing for a forward pass (default 0)")
+    parser.add_argument("--zero-compute-curve", default=None, metavar="PATH",
+                        help="with --engine zero-compute: sleep per step as this measured throughput curve says (JSON "
+                        "of actorserve profile --json; ITL at the step's decode rows plus its prefill)")
     parser.add_argument("--pool", default="default", help="accelerator pool this worker belongs to (its etcd "
                         "record's \"pool\"; the pool records of `actorserve pools`)")
 

@@ -43,7 +43,7 @@ def build_engine(manifest: dict, args: argparse.Namespace):
         return ZeroComputeEngine(ZeroComputeConfig(
             manifest["artifact"], kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=manifest.get("context_length") or None,
-            step_ms=getattr(args, "zero_compute_step_ms", 0.0)))
+            step_ms=getattr(args, "zero_compute_step_ms", 0.0), curve=_zero_compute_curve(args)))
     t0 = time.monotonic()
     choice = choose_path(manifest, args)
     choose_s = time.monotonic() - t0
@@ -79,3 +79,20 @@ def tensor_parallel_of(manifest: dict, args: argparse.Namespace) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel must be an integer >= 1, got {n!r}")
     return n
+
+
+def _zero_compute_curve(args):
+    """The ThroughputCurve of ``--zero-compute-curve PATH`` (JSON as ``actorserve profile --json`` writes), or
+    None. ValueError naming the file when it is not a curve."""
+    path = getattr(args, "zero_compute_curve", None)
+    if not path:
+        return None
+    import json
+
+    from control.policy.curves import ThroughputCurve
+
+    try:
+        with open(path) as f:
+            return ThroughputCurve.from_json(json.load(f))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--zero-compute-curve {path}: {exc}") from None

@@ -27,6 +27,11 @@ word each), so the text is readable and every token decodes on its own. With ``e
 Logprobs, when asked for, are 0.0 (probability 1: the output is fixed) with the token itself as the only
 top entry. Structured outputs (``params.grammar``) are refused with ValueError (the worker answers 400).
 ``step_ms``: each step sleeps that long (ms) to stand for a forward pass; 0 (default) returns at once.
+``curve`` (a measured ``ThroughputCurve``, control/policy/curves.py): each step sleeps what the curve says a step
+of its shape takes instead (``ThroughputCurve.step_ms_at``: ITL at its decode rows plus a lone prefill of its
+prompt tokens), so the stack sees a real engine's timing without its CPU use: ``actorserve bench sim-check
+--engine zero-compute`` holds the simulator to the live stack's queueing, batching and scheduling this way
+(issue [29] item 4).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from actors.text.gguf_meta import read_gguf_metadata
 from actors.worker.engine.detokenizer import token_bytes_table
 from actors.worker.engine.engine import LLMEngine
 from actors.worker.engine.runner import RunnerInput, RunnerOutput, RowSampling
+from control.policy.curves import ThroughputCurve
 
 ENGINE_NAME = "zero-compute"
 CYCLE_LEN = 16  # distinct tokens of the output cycle
@@ -57,6 +63,7 @@ class ZeroComputeConfig:
     enable_prefix_caching: bool = True
     eos_after: int = 0  # > 0: the eos_after-th output token is EOS (ends it unless ignore_eos); 0: never
     step_ms: float = 0.0  # sleep per step standing for a forward pass (ms); 0: none
+    curve: ThroughputCurve | None = None  # sleep per step as this measured curve says (not with step_ms)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -68,6 +75,10 @@ class ZeroComputeConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.eos_after < 0 or self.step_ms < 0:
             raise ValueError("eos_after and step_ms must be >= 0")
+        if self.curve is not None and self.step_ms:
+            raise ValueError("give step_ms or curve, not both")
+        if self.curve is not None and not self.curve.prefill:
+            raise ValueError("the curve needs prefill points (actorserve profile measures them)")
 
 
 def word_cycle(token_bytes: list[bytes], n: int = CYCLE_LEN) -> tuple[int, ...]:
@@ -147,10 +158,12 @@ class ZeroComputeRunner:
         return {}
 
     def execute(self, batch: RunnerInput) -> RunnerOutput:
-        """The next cycle token of every sampling row, after ``step_ms`` of sleep; logprobs 0.0 with the token
-        itself as the only top entry."""
+        """The next cycle token of every sampling row, after ``step_ms`` (or the curve's time for this step) of
+        sleep; logprobs 0.0 with the token itself as the only top entry."""
         if self.config.step_ms:
             time.sleep(self.config.step_ms / 1e3)
+        elif self.config.curve is not None:
+            time.sleep(self.config.curve.step_ms_at(*step_shape(batch)) / 1e3)
         tokens = [self._next_token(row.sampling) for row in batch.sampling_rows]
         lps = [None if row.sampling.params.logprobs is None else (t, 0.0, ((t, 0.0),))
                for row, t in zip(batch.sampling_rows, tokens)]
@@ -161,6 +174,13 @@ class ZeroComputeRunner:
         if self.config.eos_after and i + 1 == self.config.eos_after and self.eos_token_ids:
             return self.eos_token_ids[0]
         return self.cycle[i % len(self.cycle)]
+
+
+def step_shape(batch: RunnerInput) -> tuple[int, int]:
+    """(decode rows, prefill tokens) of a step: a decode is a one-token row of a request that has generated
+    before; every other row's tokens (prompt chunks, a preempted request's recompute) are prefill."""
+    decodes = sum(1 for r in batch.seqs if r.num_new_tokens == 1 and r.sampling is not None and r.sampling.output_ids)
+    return decodes, batch.num_batched_tokens - decodes
 
 
 class ZeroComputeEngine(LLMEngine):

@@ -135,6 +135,14 @@ class ThroughputCurve:
         xs = [float(p.prompt_tokens) for p in self.prefill]
         return max(0.0, _extend(xs, [p.ttft_ms for p in self.prefill], prompt_tokens))
 
+    def step_ms_at(self, decode_rows: int, prefill_tokens: int) -> float:
+        """Modelled wall time (ms) of one engine step that decodes ``decode_rows`` sequences and prefills
+        ``prefill_tokens`` prompt tokens: the ITL at that batch plus a lone prefill of that many tokens (the
+        profile measures the two apart; a mixed step is taken as their sum). 0.0 for an empty step; ValueError
+        when prefill tokens are asked of a curve without prefill points."""
+        ms = self.itl_ms_at(decode_rows) if decode_rows > 0 else 0.0
+        return ms + (self.ttft_ms_at(prefill_tokens) if prefill_tokens > 0 else 0.0)
+
     def max_batch_at(self, itl_slo_ms: float) -> float:
         """The largest (fractional) batch within the measured range whose ITL meets ``itl_slo_ms``: the largest
         measured batch that meets it, continued along the segment to the next point up to the SLO (0.0 when no

@@ -126,3 +126,28 @@ def test_rng_state_round_trips(runner):
     state = runner.rng_state(rng)
     assert isinstance(state, bytes)
     assert runner.rng_state(runner.new_rng(None, state)) == state
+
+
+def test_zero_compute_sleeps_what_the_curve_says_a_step_of_its_shape_takes(tiny_path, monkeypatch):
+    """``curve``: a step sleeps ``ThroughputCurve.step_ms_at(decode rows, prefill tokens)`` (issue [29] item 4):
+    a lone prefill of 12 tokens, then a step of two decodes beside a 5-token prefill chunk."""
+    from actors.worker import zero_compute
+    from control.policy.curves import DecodePoint, PrefillPoint, ThroughputCurve
+
+    curve = ThroughputCurve("local", 0.0, "test", (DecodePoint(1, 20.0, 50.0), DecodePoint(4, 40.0, 100.0)),
+                            (PrefillPoint(10, 200.0), PrefillPoint(20, 300.0)))
+    slept: list[float] = []
+    monkeypatch.setattr(zero_compute.time, "sleep", slept.append)
+    seqs = Seqs(ZeroComputeRunner(ZeroComputeConfig(tiny_path, kv_cache_bytes=2 * 2**20, block_size=BLOCK,
+                                                    curve=curve)))
+    seqs.add("a", list(range(3, 15)))
+    seqs.add("b", list(range(3, 9)))
+    seqs.run([seqs.row("a"), seqs.row("b")])  # two prompts: 18 prefill tokens
+    seqs.add("c", list(range(3, 8)))
+    rows = [seqs.row("a"), seqs.row("b"), seqs.row("c")]
+    assert zero_compute.step_shape(RunnerInput(rows, BLOCK)) == (2, 5)
+    seqs.run(rows)
+    assert slept == pytest.approx([curve.ttft_ms_at(18) / 1e3, (curve.itl_ms_at(2) + curve.ttft_ms_at(5)) / 1e3])
+    assert slept[0] == pytest.approx(0.28) and slept[1] == pytest.approx((50 + 50 / 3) / 1e3 + 0.15)
+    with pytest.raises(ValueError, match="not both"):
+        ZeroComputeConfig(tiny_path, step_ms=1.0, curve=curve)
