@@ -83,17 +83,18 @@ GEMMA_VARIANTS = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, gguf=False),
 }
 
-# The same features as GGUF files carry them (written by llama.cpp's converter: tests/unit/test_engine_gemma.py).
+# The same features as GGUF files carry them (written here and by llama.cpp's converter: test_engine_gemma.py).
 # GGUF has no query_pre_attn_scalar (llama.cpp scales by head_dim ** -0.5 below 27B sizes) nor layer types (its
 # patterns: Gemma 2 alternates, Gemma 3 has a full layer every sixth): these variants are what such a file can say.
 _GEMMA_GGUF = {**{k: v for k, v in _GEMMA.items() if k != "layer_types"}, "query_pre_attn_scalar": 16}
 GEMMA_GGUF_VARIANTS = {
-    "gemma2-gguf": Variant("gemma2", {**GEMMA_VARIANTS["gemma2"].config, "query_pre_attn_scalar": 16}, gguf=False),
+    "gemma2-gguf": Variant("gemma2", {**GEMMA_VARIANTS["gemma2"].config, "query_pre_attn_scalar": 16}),
+    # q/k norm multipliers ~1 (Gemma's 1 + w, w ~ 0): at 3.0 (x4) six layers are ill-conditioned, transformers'
+    # own float32 is 7.7e-4 from its float64 (1e-4 is the bound here)
     "gemma3-gguf": Variant("gemma3_text", {**_GEMMA_GGUF, "num_hidden_layers": 6,
                                            "rope_parameters": GEMMA_VARIANTS["gemma3"].config["rope_parameters"]},
-                           gguf=False, qk_norm_centre=0.0),  # Gemma's 1 + w: multipliers ~1. At 3.0 (x4) six
-}                                                        # layers are ill-conditioned: transformers' own float32 is
-                                                         # 7.7e-4 from its float64 (1e-4 is the bound here)
+                           qk_norm_centre=0.0),
+}
 
 
 def variant_of(name: str) -> Variant:
@@ -105,7 +106,7 @@ def variant_of(name: str) -> Variant:
     raise KeyError(name)
 
 
-GGUF_ARCH = {"mistral": "llama"}  # llama.cpp writes MistralForCausalLM as llama (convert_hf_to_gguf.py)
+GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}  # llama.cpp's names of them (convert_hf_to_gguf.py)
 
 # Scaled RoPE variants (feature: rope type) and the features each variant's negative control switches off.
 FEATURES = {"llama2": ("rope",), "llama3": ("rope", "tie"), "llama-dynamic": ("rope",),
@@ -217,11 +218,21 @@ _GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}  # phi3
 
 
+# Gemma's sandwich norms (llama.cpp's MODEL_TENSOR.ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM)
+_GEMMA_GGUF_LAYER = {**_GGUF_LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+
+
 def gguf_tensors(model) -> dict[str, np.ndarray]:
-    """llama.cpp-named float32 tensors of ``model`` (module docstring)."""
+    """llama.cpp-named float32 tensors of ``model`` (module docstring); Gemma's norm weights written as ``1 + w``
+    (llama.cpp's conversion/gemma.py)."""
     cfg = model.config
     arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
     sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:
+        sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
@@ -229,7 +240,7 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         parts = name.split(".", 3)
         if parts[:2] != ["model", "layers"]:
             continue
-        gname = f"blk.{parts[2]}.{_GGUF_LAYER[parts[3]]}"
+        gname = f"blk.{parts[2]}.{(_GEMMA_GGUF_LAYER if gemma else _GGUF_LAYER)[parts[3]]}"
         if arch == "llama" and gname.endswith("attn_q.weight"):
             arr = _permute(arr, cfg.num_attention_heads)
         elif arch == "llama" and gname.endswith("attn_k.weight"):
@@ -241,7 +252,8 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
 def add_gguf_hparams(w, cfg) -> dict:
     """Writes the hyperparameters every llama.cpp architecture here shares (block count, context, widths, heads,
     RoPE dimension and base, RMS epsilon; key/value lengths where head_dim is not hidden / heads) of the
-    transformers config ``cfg`` to the GGUFWriter ``w``. Returns the config's ``rope_parameters`` (a dict)."""
+    transformers config ``cfg`` to the GGUFWriter ``w``. Returns the config's ``rope_parameters`` (a dict; a Gemma 3
+    config's full-attention set, its sliding set's base written as ``rope.freq_base_swa``)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -254,7 +266,13 @@ def add_gguf_hparams(w, cfg) -> dict:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    local = None
+    if "full_attention" in rope:  # Gemma 3: the full layers' RoPE, the sliding layers' base apart (conversion/base.py)
+        local = (rope.get("sliding_attention") or {}).get("rope_theta")
+        rope = dict(rope["full_attention"])
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    if local is not None:
+        w.add_rope_freq_base_swa(float(local))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     return rope
 
@@ -288,8 +306,12 @@ def write_gguf(model, path: str, extra_tensors: dict | None = None, drop: tuple 
         w.add_rope_scaling_attn_factors(spec.rope_attention_factor)
     elif kind != "default":
         raise ValueError(f"no llama.cpp convention for rope type {kind!r}")
-    if getattr(cfg, "sliding_window", None) and cfg.model_type in ("mistral", "phi3"):
+    if getattr(cfg, "sliding_window", None) and cfg.model_type in ("mistral", "phi3", "gemma2", "gemma3_text"):
         w.add_sliding_window(cfg.sliding_window)  # {arch}.attention.sliding_window (llama.cpp writes none for Mistral)
+    if arch in ("gemma2", "gemma3"):  # as llama.cpp's conversion/gemma.py writes them
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, key, None):
+                w.add_float32(f"{arch}.{key}", float(getattr(cfg, key)))
     for key, value in (extra_uint32 or {}).items():
         w.add_uint32(key, value)
     if rope_type is not None:

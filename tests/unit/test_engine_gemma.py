@@ -7,8 +7,8 @@ Models: tests/family_models.py ``GEMMA_VARIANTS`` (tiny, random, scaled): two la
 layers' linearly scaled one (10^6, x2). Prompts of 48, 40 and 7 tokens. Negative controls: each feature switched
 off in our model moves the logits by more than 100 x LOGIT_ATOL.
 
-GGUF: llama.cpp's convert_hf_to_gguf.py writes GEMMA_GGUF_VARIANTS (what a GGUF can say: no
-query_pre_attn_scalar, llama.cpp's layer patterns) and our loader serves its files at transformers' logits; the
+GGUF: GEMMA_GGUF_VARIANTS (what a GGUF can say: no query_pre_attn_scalar, llama.cpp's layer patterns) written by
+our test writer and by llama.cpp's convert_hf_to_gguf.py; our loader serves both at transformers' logits; the
 spec's llama.cpp conventions are checked on metadata alone. Refused: LoRA adapters. Soft-capping speed:
 bench/softcap_bench.py.
 """
@@ -144,34 +144,44 @@ def _convert(hf_dir: str, folder, outtype: str = "f32") -> str:
 
 @pytest.fixture(scope="module")
 def gguf_models(tmp_path_factory):
-    """{variant: {"model", "hf", "gguf"}} of GEMMA_GGUF_VARIANTS, the GGUF written by llama.cpp's converter."""
+    """{variant: {"model", "hf", "gguf", "folder"}} of GEMMA_GGUF_VARIANTS; "gguf": our writer's file
+    (tests/family_models.py, llama.cpp's conventions)."""
     out = {}
     for name in GEMMA_GGUF_VARIANTS:
         folder = tmp_path_factory.mktemp(name)
-        built = build(name, folder)
-        out[name] = {**built, "gguf": _convert(built["hf"], folder)}
+        out[name] = {**build(name, folder), "folder": folder}
     return out
 
 
 @pytest.mark.parametrize("variant", list(GEMMA_GGUF_VARIANTS))
+def test_our_gguf_matches_transformers(gguf_models, variant):
+    """Our writer's file (as llama.cpp's converter lays one out) served within LOGIT_ATOL; no llama.cpp needed."""
+    _assert_gguf_serves_transformers(gguf_models[variant], gguf_models[variant]["gguf"], variant)
+
+
+@pytest.mark.parametrize("variant", list(GEMMA_GGUF_VARIANTS))
 def test_llama_cpp_converter_output_matches_transformers(gguf_models, variant):
-    """The converter's file (norms folded to ``1 + w``, no query_pre_attn_scalar, windows by llama.cpp's layer
-    pattern) read by our loader serves transformers' float32 logits within LOGIT_ATOL, prefill and step by step,
-    and the same 32 greedy tokens."""
+    """llama.cpp's converter's file (norms folded to ``1 + w``, no query_pre_attn_scalar, windows by llama.cpp's
+    layer pattern) read by our loader serves transformers' float32 logits within LOGIT_ATOL, prefill and step by
+    step, and the same 32 greedy tokens."""
+    m = gguf_models[variant]
+    _assert_gguf_serves_transformers(m, _convert(m["hf"], m["folder"]), variant)
+
+
+def _assert_gguf_serves_transformers(m: dict, path: str, variant: str) -> None:
     import gguf
 
-    m = gguf_models[variant]
-    reader = gguf.GGUFReader(m["gguf"])
+    reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     assert arch == variant.split("-")[0]
-    eng = LLMEngine(EngineConfig(model_path=m["gguf"], dtype="float32", kv_cache_bytes=8 * 2**20, max_loras=0))
+    eng = LLMEngine(EngineConfig(model_path=path, dtype="float32", kv_cache_bytes=8 * 2**20, max_loras=0))
     cfg = eng.model_config
     assert cfg.architecture == ("gemma2" if arch == "gemma2" else "gemma3_text")
     assert cfg.layer_windows == tuple(16 if t == "sliding_attention" else 0
                                       for t in m["model"].config.layer_types)
     assert 0 in cfg.layer_windows and 16 in cfg.layer_windows
     worst = worst_logit_error(eng, m["model"], PROMPTS, chunk_at=19)
-    print(f"{variant} (llama.cpp's GGUF): max|dlogit| {worst:.2e}")
+    print(f"{variant} ({path.rsplit('/', 1)[-1]}): max|dlogit| {worst:.2e}")
     assert worst <= LOGIT_ATOL
     assert_greedy_matches_transformers(eng, m["model"], PROMPTS[0])
 
