@@ -56,7 +56,8 @@ def build_engine(manifest: dict, args: argparse.Namespace):
                        memory_budget_bytes=getattr(args, "memory_budget_bytes", 0) or 0,
                        max_loras=getattr(args, "max_loras", 4), max_cpu_loras=getattr(args, "max_cpu_loras", 16),
                        max_lora_rank=getattr(args, "max_lora_rank", 16),
-                       tensor_parallel=tensor_parallel_of(manifest, args))
+                       tensor_parallel=tensor_parallel_of(manifest, args),
+                       small_step_tokens=getattr(args, "small_step_tokens", 1))
     engine = LLMEngine(cfg)
     engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
     engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included
