@@ -127,7 +127,8 @@ def native_unsupported(config: ModelConfig) -> str | None:
     cannot run this model, or None when they can. Their RoPE reads one static cos/sin table by position, and
     their fused projection-to-cache step has no place for a per-head norm."""
     if config.architecture in ("gemma2", "gemma3_text"):
-        return "Gemma's sandwich norms, GeGLU, soft-capping and per-layer windows are not in the native kernels"
+        return ("Gemma's sandwich norms, GeGLU and per-layer RoPE are not in the fused native kernels (its decode "
+                "attention, soft-cap and windows included, runs the native paged kernel)")
     if config.num_experts:
         return "mixture-of-experts MLP blocks (moe.py) run on the torch path"
     if config.qk_norm:

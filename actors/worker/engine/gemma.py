@@ -17,7 +17,8 @@ What sets them apart from Llama (Gemma Team 2024, "Gemma 2: Improving Open Langu
 Attention (``_attend``): the step's decodes together, each prefill chunk alone, K/V gathered from the paged cache;
 a soft-capped layer computes its scores explicitly (scale, cap, mask, float32 softmax: SDPA cannot soft-cap), an
 uncapped one runs SDPA with the same mask and scale. bench/softcap_bench.py measures the capped decode against the
-same model with the caps removed. The native kernels do not run these models (arch_spec.native_unsupported).
+same model with the caps removed. The fused native kernels do not run these models (arch_spec.native_unsupported);
+the step's decodes go through the native paged decode attention where it builds (``_native_decodes``).
 """
 
 from __future__ import annotations
