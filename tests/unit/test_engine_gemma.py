@@ -214,6 +214,8 @@ def test_gguf_spec_follows_llama_cpp_conventions():
         gemma.from_gguf({"gemma3.attn_logit_softcapping": 50.0}, g3)
     with pytest.raises(UnsupportedModel, match="freq_base_swa"):
         gemma.from_gguf({"gemma2.rope.freq_base_swa": 500.0}, base)
+    with pytest.raises(UnsupportedModel, match="sliding_window 0"):  # found by a tryout: llama.cpp masks every key
+        gemma.from_gguf({"gemma2.attention.sliding_window": 0}, base)
 
 
 def test_full_layers_keep_their_keys(models, engines):

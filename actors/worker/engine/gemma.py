@@ -110,6 +110,9 @@ def from_gguf(fields: dict, spec: ModelConfig) -> ModelConfig:
     get = lambda key, default=None: fields.get(p + key, default)  # noqa: E731
     defaults = _GEMMA2_DEFAULTS if gguf_arch == "gemma2" else {}
     window = int(get("attention.sliding_window", defaults.get("attention.sliding_window", 0)) or 0)
+    if gguf_arch == "gemma2" and window < 1:  # llama.cpp keeps Gemma 2's sliding layers and masks every key on them
+        raise UnsupportedModel(f"GGUF {p}attention.sliding_window {window}: Gemma 2's sliding layers need a window "
+                               ">= 1 (llama.cpp would mask every key of those layers)")
     swa = _swa_layers(get("attention.sliding_window_pattern", _GGUF_PATTERN[gguf_arch]), spec.num_layers, p)
     if gguf_arch == "gemma3" and get("attn_logit_softcapping") is not None:
         raise UnsupportedModel(f"GGUF {p}attn_logit_softcapping: Gemma 3 has no attention soft-capping "

@@ -1,4 +1,4 @@
-"""Tryout (issue [22]): tiny Gemma 2 and Gemma 3 GGUF files (our writer, tests/family_models.py) registered live
+"""Issue [22]: tiny Gemma 2 and Gemma 3 GGUF files (our writer, tests/family_models.py) registered live
 through ``actorserve models register`` beside the default model, answering chat through the official ``openai``
 client past the sliding window; ``actorserve status`` names them and does not say their soft-cap misses the
 native kernel (their decode attention runs it)."""
