@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-step-tokens", type=int, default=1, metavar="N",
                         help="steps of at most N tokens run on one torch thread (default 1: a one-row decode; 0: "
                         "never). Served beside the other actors, a 2-thread team loses more to the platform's "
-                        "wake-ups than the second thread gains on a 1-row step (decision 0051)")
+                        "wake-ups than the second thread gains on a 1-row step (decision 0051); a --host keeps 0")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="compute dtype (default auto: the fastest correct path for this CPU and model, "
                         "chosen with --quantization; docs/engine.md, docs/decisions/0028-default-kernel-choice.md)")

@@ -57,7 +57,7 @@ def build_engine(manifest: dict, args: argparse.Namespace):
                        max_loras=getattr(args, "max_loras", 4), max_cpu_loras=getattr(args, "max_cpu_loras", 16),
                        max_lora_rank=getattr(args, "max_lora_rank", 16),
                        tensor_parallel=tensor_parallel_of(manifest, args),
-                       small_step_tokens=getattr(args, "small_step_tokens", 1))
+                       small_step_tokens=small_step_tokens(args))
     engine = LLMEngine(cfg)
     engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
     engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included
@@ -97,3 +97,12 @@ def _zero_compute_curve(args):
             return ThroughputCurve.from_json(json.load(f))
     except (OSError, ValueError) as exc:
         raise ValueError(f"--zero-compute-curve {path}: {exc}") from None
+
+
+def small_step_tokens(args: argparse.Namespace) -> int:
+    """``--small-step-tokens`` of a one-version worker (decision 0051); 0 in a multi-version host (``--host``):
+    its versions step on threads of their own in one process and ``torch.set_num_threads`` is process-wide, so
+    one version's one-thread step would change the thread count under another's (one host test timed out with
+    the switch on and never without it)."""
+    return 0 if getattr(args, "host", False) else int(getattr(args, "small_step_tokens", 1))
+
