@@ -1,4 +1,4 @@
-"""``--small-step-tokens`` (decision 0051): a one-version worker runs one-token steps on one thread by default; a
+"""``--small-step-tokens`` (decision 0051): a one-version worker runs one-token steps on one thread when asked; a
 multi-version host never switches (its versions' engine threads share the process-wide thread count)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(["--model", "tiny@1", *argv])
 
 
-def test_a_worker_switches_one_token_steps_and_a_host_does_not():
-    assert small_step_tokens(_args()) == 1
-    assert small_step_tokens(_args("--small-step-tokens", "0")) == 0
+def test_a_worker_switches_one_token_steps_when_asked_and_a_host_does_not():
+    assert small_step_tokens(_args()) == 0
+    assert small_step_tokens(_args("--small-step-tokens", "1")) == 1
     assert small_step_tokens(_args("--small-step-tokens", "8")) == 8
     assert small_step_tokens(_args("--host")) == 0
     assert small_step_tokens(_args("--host", "--small-step-tokens", "4")) == 0
