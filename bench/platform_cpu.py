@@ -84,6 +84,19 @@ def nats_counters(monitor_url: str) -> dict[str, float]:
     return {k: float(v.get(k, 0)) for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes")}
 
 
+def jetstream_counters(monitor_url: str) -> dict[str, float]:
+    """nats-server JetStream totals from ``/jsz?streams=true`` ({} when unreachable): ``js_stored`` (messages
+    ever stored, the sum of every stream's ``last_seq``: stream publishes and KV puts/deletes, each one write to
+    the store) and ``js_api`` (JetStream API calls: message gets and deletes, consumer pulls, infos)."""
+    try:
+        v = orjson.loads(_get(monitor_url.rstrip("/") + "/jsz?streams=true"))
+    except (OSError, ValueError):
+        return {}
+    stored = sum(float((st.get("state") or {}).get("last_seq", 0))
+                 for acc in v.get("account_details") or [] for st in acc.get("stream_detail") or [])
+    return {"js_stored": stored, "js_api": float((v.get("api") or {}).get("total", 0))}
+
+
 def nats_monitor_url(state_dir: Path) -> str | None:
     """The embedded nats-server's monitoring URL from ``<state_dir>/nats.conf`` (``http: "HOST:PORT"``)."""
     try:

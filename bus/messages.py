@@ -236,6 +236,10 @@ class ApiRequest(Message):
     marks: dict[str, float] = field(default_factory=dict)  # timing marks, stage -> epoch s
     adapter: str | None = None  # resolved LoRA adapter ("name:adapter" references; registry record checked)
     adapter_path: str = ""  # the adapter's PEFT directory from its registry record (never from the client)
+    # subject the receiver takes step frames on (bus.subjects.frames; StepFrame): workers then put this request's
+    # chunks into one message per step per receiver instead of one per chunk on ``reply``. "" = no frames (a
+    # receiver that does not read them: every chunk goes to ``reply``, as before)
+    frames: str = ""
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,7 @@ class GenerateRequest(Message):
     # actors/cache_salt.py) and the tenant's fair-share weight (the worker's KV share under contention)
     cache_salt: str = ""
     tenant_weight: float = 1.0
+    frames: str = ""  # the receiver's step-frame subject (ApiRequest.frames; "" = every chunk on ``reply``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -341,6 +346,32 @@ class Chunk(Message):
     def failure(self) -> ServeError | None:
         """``error`` as a :class:`bus.errors.ServeError` (None: no error)."""
         return ServeError.from_wire(self.error) if self.error is not None else None
+
+
+@dataclass(frozen=True)
+class StepFrame(Message):
+    """Worker -> one receiver's frame subject (bus.subjects.frames): every chunk of one engine step for the
+    requests of that receiver (a gateway or the jobs frontend), in the order the worker produced them (issue
+    [25], docs/decisions/0052-step-frames.md). One message per step per receiver instead of one per chunk;
+    each chunk keeps its request id and seq, so order and gap detection are per request as before.
+
+    Wire: ``{"chunks": [<Chunk>, ...]}``, each item exactly the JSON of :meth:`Chunk.encode` (so a worker
+    joins chunks it already encoded, :meth:`join`, without encoding twice)."""
+
+    chunks: tuple[Chunk, ...] = ()
+
+    @staticmethod
+    def join(encoded: list[bytes]) -> bytes:
+        """The wire bytes of a frame of already-encoded chunks (``Chunk.encode()`` each, in order)."""
+        return b'{"chunks":[' + b",".join(encoded) + b"]}"
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "StepFrame":
+        """Decode; ValueError if ``chunks`` is not a list of chunk objects (or one of them lacks a field)."""
+        items = obj.get("chunks")
+        if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+            raise ValueError("StepFrame: 'chunks' must be a list of objects")
+        return cls(tuple(Chunk.from_dict(x) for x in items))
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,19 @@ def gateway_replies(gateway_id: str) -> str:
     return f"{INBOX}.*.gw.{_token(gateway_id, 'gateway id')}.*"
 
 
+def frames(receiver_id: str) -> str:
+    """``as.int.frames.<receiver_id>``: step frames for one receiver (a gateway, or the jobs actor's frontend):
+    one message per worker step holding every chunk of that receiver's requests in the step (bus.messages.
+    StepFrame, docs/decisions/0052-step-frames.md). Outside every tenant's ``_INBOX.<tenant>.>``: a frame mixes
+    tenants, so only internal roles may read it."""
+    return f"as.int.frames.{_token(receiver_id, 'receiver id')}"
+
+
+def frames_all() -> str:
+    """``as.int.frames.*``: every receiver's step frames (the permission pattern of the roles)."""
+    return "as.int.frames.*"
+
+
 def sched_journal(name: str, version: str) -> str:
     """``as.int.sched.<name>.<version>.journal``: JetStream subject of the scheduler's durable queue journal."""
     return f"as.int.sched.{_token(name, 'model')}.{_token(version, 'version')}.journal"

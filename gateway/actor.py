@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-id", default=None, help="unique id (default gw-<pid>)")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="request body limit (413 above)")
     parser.add_argument("--default-deadline-ms", type=int, default=120_000, help="deadline of requests without one")
+    parser.add_argument("--no-step-frames", dest="step_frames", action="store_false",
+                        help="ask workers for one message per chunk instead of one step frame per step "
+                        "(docs/decisions/0052-step-frames.md; for comparisons)")
     parser.add_argument("--tls-cert", metavar="PEM", default=None,
                         help=f"serve HTTPS with this certificate (default: ${ENV_HTTPS_CERT}; none: plain HTTP)")
     parser.add_argument("--tls-key", metavar="PEM", default=None,
@@ -80,7 +83,8 @@ async def build(ctx: ActorContext, gid: str) -> None:
 
     args, reg = ctx.args, ctx.registry
     ssl_ctx = https_context(args)
-    fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms), metrics=True)
+    fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms,
+                                                      step_frames=getattr(args, "step_frames", True)), metrics=True)
     bus = ctx.bus
     await _report_load(ctx, fe, gid)
     tenancy = Tenancy(reg, bus.js(), gateway_id=gid, models=fe.resolver)

@@ -43,6 +43,7 @@ class FrontendConfig:
     max_deadline_ms: int = 3_600_000  # largest accepted deadline_ms
     inactivity_s: float = 60.0  # max silence between chunks (s)
     validator_ack_s: float = 2.0  # wait for a validator to take the request (s)
+    step_frames: bool = True  # ask workers for step frames (one message per step, bus.messages.StepFrame)
 
     def __post_init__(self) -> None:
         subjects.gateway_replies(self.gateway_id)
@@ -100,18 +101,22 @@ class Frontend:
         self.table = InflightTable()
         self.shed = ShedHints()  # refusals learnt from the schedulers' answers (gateway/shed.py)
         self._sub = None
+        self._frames_sub = None
 
     async def start(self) -> None:
-        """Subscribe to this gateway's reply subjects; fail streams fast on NATS disconnect."""
+        """Subscribe to this gateway's reply subjects and its step frames; fail streams fast on NATS disconnect."""
         self._sub = await self.bus.subscribe(subjects.gateway_replies(self.cfg.gateway_id), self._on_chunk)
+        if self.cfg.step_frames:
+            self._frames_sub = await self.bus.subscribe(subjects.frames(self.cfg.gateway_id), self._on_frame)
         self.bus.on_disconnect(lambda: self.table.fail_all(ServeError(
             503, "lost connection to the message bus", type="unavailable", code="bus_disconnected",
             retryable=True, retry_after=1.0)))
 
     async def stop(self) -> None:
         """Unsubscribe (requests in flight end by their own deadlines)."""
-        if self._sub:
-            await self._sub.unsubscribe()
+        for sub in (self._sub, self._frames_sub):
+            if sub:
+                await sub.unsubscribe()
 
     async def _on_chunk(self, msg: Msg) -> None:
         try:
@@ -119,14 +124,34 @@ class Frontend:
             if msg.reply and ReceiverProbe.matches(obj):  # a worker asks whether we still listen
                 rid = msg.subject.rsplit(".", 1)[-1]  # the reply subject's request token (the one it was sent)
                 return await msg.respond(ProbeAnswer(self.table.get(rid) is not None).encode())
-            chunk = Chunk.from_dict(obj) if isinstance(obj, dict) else Chunk.decode(msg.data)
-            if self.observer is not None:
-                self.observer.on_chunk(chunk)
-            if chunk.error is not None:
-                self._learn(chunk)
-            self.table.deliver(chunk)
+            self._take(Chunk.from_dict(obj) if isinstance(obj, dict) else Chunk.decode(msg.data))
         except ValueError as exc:
             log.warning("undecodable chunk on %s: %s", msg.subject, exc)
+
+    async def _on_frame(self, msg: Msg) -> None:
+        """A worker's step frame (bus.messages.StepFrame): its chunks for this gateway's requests, each delivered
+        as if it came alone; an undecodable item is logged and the others still delivered (its request sees
+        the gap)."""
+        try:
+            items = orjson.loads(msg.data).get("chunks")
+            if not isinstance(items, list):
+                raise ValueError("'chunks' is not a list")
+        except (ValueError, AttributeError) as exc:
+            log.warning("undecodable step frame on %s: %s", msg.subject, exc)
+            return
+        for item in items:
+            try:
+                self._take(Chunk.from_dict(item) if isinstance(item, dict) else Chunk.decode(b""))
+            except ValueError as exc:
+                log.warning("undecodable chunk in a step frame on %s: %s", msg.subject, exc)
+
+    def _take(self, chunk: Chunk) -> None:
+        """Hand one chunk to its waiter (observer told, a refusal learnt from an error chunk)."""
+        if self.observer is not None:
+            self.observer.on_chunk(chunk)
+        if chunk.error is not None:
+            self._learn(chunk)
+        self.table.deliver(chunk)
 
     def _learn(self, chunk: Chunk) -> None:
         """Learn a refusal hint from a request's final error chunk (a scheduler's refusal, relayed)."""
@@ -171,7 +196,8 @@ class Frontend:
             self.observer.on_submit(request_id, tenant, f"{name}@{version}", marks.get("gateway_in"))
         req = ApiRequest(request_id, tenant, model, name, version, endpoint, body.raw,
                          subjects.gateway_reply(tenant, self.cfg.gateway_id, request_id), priority, deadline, marks,
-                         adapter=adapter, adapter_path=self.resolver.snapshot.adapter_path(name, adapter))
+                         adapter=adapter, adapter_path=self.resolver.snapshot.adapter_path(name, adapter),
+                         frames=subjects.frames(self.cfg.gateway_id) if self.cfg.step_frames else "")
         content_log.log_content("request body", request_id, body.raw)  # only with ACTORSERVE_LOG_PROMPTS=1
         try:
             await self._hand_to_validator(req)

@@ -290,7 +290,7 @@ class ValidatorService:
                 out.append(GenerateRequest(rid, req.tenant, req.name, req.version, req.reply, tuple(ids),
                                            params.seeded(i), req.priority, req.deadline, marks, echo_text=echo,
                                            choice_index=index, adapter=req.adapter,
-                                           adapter_path=req.adapter_path, **tool_kw, **think))
+                                           adapter_path=req.adapter_path, frames=req.frames, **tool_kw, **think))
         return out
 
     def _prepare_prompt(self, req: ApiRequest, validated: ValidatedRequest, prompt, assets: ModelAssets

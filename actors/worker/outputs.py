@@ -14,9 +14,13 @@ from actors import content_log
 from actors.worker.live import Live
 from bus import subjects, tracing
 from bus.base import Bus, BusError, NoResponders
-from bus.messages import Chunk, CompletionRecord, ProbeAnswer, ReceiverProbe, WorkerStats
+from bus.messages import Chunk, CompletionRecord, ProbeAnswer, ReceiverProbe, StepFrame, WorkerStats
 
 log = logging.getLogger(__name__)
+
+# A step frame holds chunks up to this many bytes before a new one is opened: well under NATS's default
+# max_payload (1 MiB), so 32 streams of logprobs with 20 alternatives each still fit in a few messages.
+FRAME_MAX_BYTES = 256 * 1024
 
 
 async def probe_receiver(bus: Bus, reply: str, request_id: str, timeout: float = 1.0) -> bool:
@@ -102,17 +106,29 @@ class Outbox:
 
     ``live`` is the worker's table of held requests (request id -> :class:`Live`): a final chunk takes its
     request out of it. ``on_resumed(lv)`` is called at the first chunk of a sequence migrated here.
+
+    Step frames (issue [25], decision 0052): the chunks of a request whose receiver asked for them
+    (``GenerateRequest.frames``) are not published one by one: between two flushes they gather into one
+    :class:`bus.messages.StepFrame` per frame subject (a new frame once one holds ``frame_max_bytes``), which
+    takes the place in the send order of its first chunk. Chunks of one request keep their order (they are
+    in one frame, or in frames published in order on one connection).
     """
 
     def __init__(self, bus: Bus, worker_id: str, live: dict[str, Live],
-                 on_resumed: Callable[[Live], None] | None = None) -> None:
+                 on_resumed: Callable[[Live], None] | None = None, frame_max_bytes: int = FRAME_MAX_BYTES) -> None:
         self.bus, self.worker_id, self.live, self.on_resumed = bus, worker_id, live, on_resumed
+        self.frame_max_bytes = frame_max_bytes
         self.num_finished = 0  # requests ended (final chunk collected), any reason
         self.num_aborted = 0  # of those, ended by ``finish(..., aborted=True)``
-        self._queue: list[tuple[str, bytes]] = []  # (subject, payload) collected, not yet published
+        self.num_frames = 0  # step frames published (each holds >= 1 chunk)
+        self.num_framed_chunks = 0  # chunks published inside step frames
+        # (subject, payload) collected, not yet published; a step frame's payload is the list of its chunks'
+        # encoded bytes, joined at flush
+        self._queue: list[tuple[str, bytes | list[bytes]]] = []
+        self._open: dict[str, tuple[list[bytes], list[int]]] = {}  # frame subject -> (its parts, [its bytes])
 
     def __len__(self) -> int:
-        """Messages collected and not yet flushed."""
+        """Messages collected and not yet flushed (a step frame counts once)."""
         return len(self._queue)
 
     def event(self, subject: str, data: bytes) -> None:
@@ -127,10 +143,24 @@ class Outbox:
             self.on_resumed(lv)  # the hand-over gap of a migrated sequence ends here
         if chunk.text:
             content_log.log_content("output", lv.req.request_id, chunk.text)  # ACTORSERVE_LOG_PROMPTS=1 only
-        self._queue.append((lv.req.reply, chunk.encode()))
+        if lv.req.frames:
+            self._frame(lv.req.frames, chunk.encode())
+        else:
+            self._queue.append((lv.req.reply, chunk.encode()))
         if chunk.final:
             self.live.pop(lv.req.request_id, None)
             self.num_finished += 1
+
+    def _frame(self, subject: str, data: bytes) -> None:
+        """Add an encoded chunk to the open step frame of ``subject`` (opened here, in send order, when there is
+        none or the open one would pass ``frame_max_bytes``)."""
+        parts, size = self._open.get(subject, (None, [0]))
+        if parts is None or (parts and size[0] + len(data) > self.frame_max_bytes):
+            parts, size = [], [0]
+            self._open[subject] = (parts, size)
+            self._queue.append((subject, parts))
+        parts.append(data)
+        size[0] += len(data) + 1
 
     def finish(self, lv: Live, err: dict, status: str = "error", aborted: bool = False) -> None:
         """End ``lv`` with the error ``err`` (a ``ServeError`` wire dict): a final ``abort`` chunk and its completion
@@ -169,8 +199,12 @@ class Outbox:
     async def flush(self) -> int:
         """Publish everything collected, in order; returns how many messages were published or failed.
         Cancelled midway: the messages not yet tried stay collected for the next flush."""
-        batch, self._queue = self._queue, []
+        batch, self._queue, self._open = self._queue, [], {}
         for i, (subject, data) in enumerate(batch):
+            if isinstance(data, list):
+                self.num_frames += 1
+                self.num_framed_chunks += len(data)
+                data = StepFrame.join(data)
             try:
                 await self.bus.publish(subject, data)
             except BusError as exc:

@@ -18,7 +18,8 @@ Roles and what they do on NATS (read from actors/*, gateway/*, bus/*, control/*)
   events, completion records and cancels; publishes error chunks, completion records, leader announcements;
   JetStream (its queue journal).
 * ``worker``: serves its dispatch subject; hears cancels; streams chunks to gateway reply subjects (and
-  probes them); publishes events, completion records, credits and statistics.
+  probes them) or in step frames to ``as.int.frames.<receiver>``; publishes events, completion records,
+  credits and statistics.
 * ``jobs``: the jobs actor, a frontend like the gateway (validate requests, cancels, its reply subjects)
   plus JetStream (jobs stream, KV bucket, object store).
 * ``control``: the rollout controller and the autoscaler (and other control-plane clients): hear completion
@@ -139,7 +140,7 @@ def _spec() -> dict[str, dict[str, Any]]:
                          objects=(JOBS_OBJECTS,), acks=(USAGE_STREAM,), streams_used=(JOBS_STREAM,)),
             "subscribe": [subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.API_RESPONSES,
                           *subjects.API_RESPONSES_OPS, *subjects.API_FILES_OPS, *subjects.API_BATCHES_OPS,
-                          gw_replies, done, any_of(subjects.stats),
+                          gw_replies, subjects.frames_all(), done, any_of(subjects.stats),
                           any_of(subjects.gateway_cancel),  # cancel look-ups between gateways
                           subjects.load_of_kind("scheduler")],  # queues and tenant shares (operator dashboard)
             "responses": True,  # reply-subject probes from workers, NATS API request acks
@@ -161,7 +162,8 @@ def _spec() -> dict[str, dict[str, Any]]:
             "responses": True,  # acks of submits
         },
         "worker": {
-            "publish": [gw_replies, any_of(subjects.sched_events), done, any_of(subjects.credits),
+            "publish": [gw_replies, subjects.frames_all(), any_of(subjects.sched_events), done,
+                        any_of(subjects.credits),
                         any_of(subjects.stats), any_of(subjects.sched_migrate)],  # + hand-overs (resume)
             "subscribe": [any_of(subjects.work), cancel, any_of(subjects.host_load)],  # + load asks (hosts)
             "responses": True,  # dispatch acks
@@ -169,7 +171,7 @@ def _spec() -> dict[str, dict[str, Any]]:
         "jobs": {
             "publish": [subjects.VALIDATE, cancel]
             + _jetstream(buckets=(JOBS_BUCKET, QUOTA_BUCKET), objects=(JOBS_OBJECTS,), acks=(JOBS_STREAM,)),  # quota: budgets
-            "subscribe": [gw_replies],
+            "subscribe": [gw_replies, subjects.frames_all()],
             "responses": True,  # reply-subject probes from workers
         },
         "control": {

@@ -25,7 +25,7 @@ SAMPLES = [
     subjects.API_CHAT, subjects.API_COMPLETIONS, subjects.API_CANCEL, subjects.VALIDATE,
     subjects.sched_submit("m", "v1"), subjects.sched_events("m", "v1"), subjects.sched_leader("m", "v1"),
     subjects.work("w1"), subjects.cancel("r1"), subjects.gateway_cancel("r1"), subjects.credits("m", "v1", "w1"),
-    subjects.stats("w1"),
+    subjects.stats("w1"), subjects.frames("gw-0"),
     subjects.done("m", "v1"), subjects.gateway_reply("acme", "gw-0", "r1"), "_INBOX.acme.x",
     "_INBOX.acme.a.b", "as.jobs.submit.acme", "as.other", "_INBOX_worker.x", "_INBOX_gateway.x",
     "_INBOX_scheduler.x",

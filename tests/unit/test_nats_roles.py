@@ -50,6 +50,14 @@ def test_the_brief_s_examples_are_not_allowed():
     assert [r for r in ROLES if "_INBOX.*.>" in _all(r, "publish")] == ["gateway"]
 
 
+def test_step_frames_only_from_workers_and_only_to_the_frontends():
+    """Frames mix tenants (decision 0052): workers publish them, gateways and the jobs frontend read them,
+    and they lie outside every tenant inbox (a tenant's user may subscribe only under ``_INBOX.<tenant>``)."""
+    assert [r for r in ROLES if subjects.frames_all() in _all(r, "publish")] == ["worker"]
+    assert [r for r in ROLES if subjects.frames_all() in _all(r, "subscribe")] == ["gateway", "jobs"]
+    assert not subjects.frames("gw-1").startswith(subjects.INBOX)
+
+
 def test_a_role_that_publishes_nothing_is_denied_everything():
     assert role_permissions("control")["publish"] == {"deny": [">"]}
     assert "allow_responses" not in role_permissions("control")
