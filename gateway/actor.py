@@ -84,10 +84,15 @@ async def build(ctx: ActorContext, gid: str) -> None:
     args, reg = ctx.args, ctx.registry
     ssl_ctx = https_context(args)
     fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms,
-                                                      step_frames=getattr(args, "step_frames", True)), metrics=True)
+                                                      step_frames=getattr(args, "step_frames", True)),
+                              metrics="meter")
     bus = ctx.bus
     await _report_load(ctx, fe, gid)
     tenancy = Tenancy(reg, bus.js(), gateway_id=gid, models=fe.resolver)
+    if tenancy.usage is not None:  # request metrics from the records this gateway meters (gateway/metrics.py)
+        tenancy.usage.on_records.append(fe.observer.apply_many)
+    else:
+        await fe.observer.hear_done()
     await tenancy.start()
     ctx.on_stop(tenancy.stop, what="tenancy")
     drain_end: list[float] = []  # monotonic deadline of the drain, set when the stop begins
@@ -106,9 +111,10 @@ async def build(ctx: ActorContext, gid: str) -> None:
     log.info("gateway %s listening on %s://%s:%d", gid, "https" if ssl_ctx else "http", args.host, args.port)
 
 
-async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: bool = False) -> Frontend:
+async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: bool | str = False) -> Frontend:
     """Connect the context's bus and start a :class:`gateway.frontend.Frontend` on it with a model
-    resolver over the context's registry (and the gateway's request metrics when ``metrics``); each is
+    resolver over the context's registry (and the gateway's request metrics when ``metrics``: ``"meter"`` when
+    the caller feeds them the usage meter's records, else they hear completion records themselves); each is
     stopped on the context's stop. Used by the gateway and the jobs actor."""
     from gateway.frontend import Frontend
     from gateway.models import ModelResolver
@@ -122,7 +128,7 @@ async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: boo
         from gateway.metrics import GatewayMetrics
 
         fe.observer = GatewayMetrics(bus)
-        await fe.observer.start()
+        await fe.observer.start(hear_done=metrics != "meter")
         ctx.on_stop(fe.observer.stop, what="gateway metrics")
     await fe.start()
     ctx.on_stop(fe.stop, what="front end")

@@ -5,9 +5,11 @@
   (:meth:`GatewayMetrics.on_submit` / :meth:`GatewayMetrics.on_chunk`, called by ``Frontend``).
   Requests this process did not serve (async jobs, another gateway's) are not in this gateway's TTFT;
   see docs/observability.md.
-* Every other request-level metric comes from completion records (``as.int.done.*.*``), heard in the
-  queue group ``gateway-metrics`` so that each record is counted by exactly one gateway: with several
-  gateways, ``sum()`` over them is the deployment's total; with one, it is all of it.
+* Every other request-level metric comes from completion records, each counted by exactly one gateway: the
+  records this gateway's usage meter applies (gateway/usage.py ``on_records``: the gateways share one durable
+  consumer of ``AS_DONE``), or, in a gateway without JetStream, the records heard on ``as.int.done.*.*`` in the
+  queue group ``gateway-metrics``. With several gateways, ``sum()`` over them is the deployment's total; with
+  one, it is all of it.
 * The same records give ``actorserve_request_success_total{finished_reason}`` and the per-request prompt /
   generated token histograms, the sources of vLLM's names (every ``/metrics`` also serves ``vllm:*``
   aliases of these series, actors/metrics_vllm.py).
@@ -90,10 +92,21 @@ class GatewayMetrics:
                                                   explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
         self.workers.register()
 
-    async def start(self) -> None:
-        """Subscribe to completion records (queue group) and worker statistics."""
-        self._subs = [await self.bus.subscribe(subjects.done_all(), self._on_done, queue=METRICS_QUEUE),
-                      await self.bus.subscribe(subjects.stats_all(), self._on_stats)]
+    async def start(self, hear_done: bool = True) -> None:
+        """Subscribe to worker statistics and, with ``hear_done``, to completion records (queue group); without
+        it the records come through :meth:`apply_many` (the usage meter's ``on_records`` hook)."""
+        self._subs = [await self.bus.subscribe(subjects.stats_all(), self._on_stats)]
+        if hear_done:
+            await self.hear_done()
+
+    async def hear_done(self) -> None:
+        """Subscribe to completion records in the queue group ``gateway-metrics`` (a gateway without a usage meter)."""
+        self._subs.append(await self.bus.subscribe(subjects.done_all(), self._on_done, queue=METRICS_QUEUE))
+
+    def apply_many(self, records: list[CompletionRecord]) -> None:
+        """Observe completion records applied elsewhere (the usage meter's hook), each once."""
+        for rec in records:
+            self.apply(rec)
 
     async def stop(self) -> None:
         """Unsubscribe."""

@@ -13,6 +13,13 @@ budget first when it has one (gateway/budget_store.py, docs/budgets.md).
 One request fanned out into ``n`` choices
 produces ``n`` records (``choice_index`` 0..n-1): it counts as one request and its prompt once.
 Streamed, non-streamed and abandoned requests all end in exactly such a record.
+
+Batching (issue [25] item 2, decision 0052): after a fetch that brought records the meter waits until
+``min_interval_s`` (0.2 s) has passed since that fetch began before pulling again, so under load one pull, one
+usage and one quota write per tenant cover every record of the interval (usage and quota counters lag by at most
+that much more; each record is still acknowledged only once applied). ``on_records`` hooks see every record
+applied here (the gateway's request metrics, gateway/metrics.py: each record counted by the one gateway that
+meters it, without a subscription of their own).
 """
 
 from __future__ import annotations
@@ -81,8 +88,10 @@ class UsageMeter:
     budget settlement) or None (no cost).
     """
 
-    def __init__(self, js, quotas=None, budgets=None) -> None:
+    def __init__(self, js, quotas=None, budgets=None, min_interval_s: float = 0.2) -> None:
         self.js, self.quotas, self.budgets = js, quotas, budgets
+        self.min_interval_s = min_interval_s  # least time between the starts of two fetches that brought records (s)
+        self.on_records: list = []  # hooks ``f(records: list[CompletionRecord])``, called after records are applied
         self.kv = None
         self._task: asyncio.Task | None = None
         self._sub = None
@@ -103,31 +112,48 @@ class UsageMeter:
 
     async def _consume(self) -> None:
         while True:
+            t_fetch = time.monotonic()
             try:
                 msgs = await self._sub.fetch(100, timeout=1.0)
             except Exception as exc:  # BusError, or anything else: the meter must keep running
                 log.warning("usage fetch failed: %r", exc)
                 await asyncio.sleep(1.0)
                 continue
-            by_tenant: dict[str, list] = {}  # one fetch's records per tenant, metered together (decision 0029)
-            for m in msgs:
-                try:
-                    rec = CompletionRecord.decode(m.data)
-                except ValueError as exc:
-                    log.warning("undecodable completion record: %s", exc)
-                    await self._ack(m)
-                    continue
-                by_tenant.setdefault(rec.tenant, []).append((rec, m))
-            for pairs in by_tenant.values():
-                try:
-                    await self.apply_many([rec for rec, _ in pairs])
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    log.warning("metering %d record(s) failed (%r); they will be redelivered", len(pairs), exc)
-                    continue
-                for _, m in pairs:
-                    await self._ack(m)
+            await self._meter_batch(msgs)
+            if msgs:  # records keep coming: let the next interval's gather in the stream, then take them at once
+                await asyncio.sleep(max(0.0, t_fetch + self.min_interval_s - time.monotonic()))
+
+    async def _meter_batch(self, msgs: list) -> None:
+        """Apply one fetch's records per tenant, then acknowledge each tenant's (a tenant whose records failed
+        to apply is not acknowledged: redelivered after the ack wait); hooks see the records applied."""
+        by_tenant: dict[str, list] = {}  # one fetch's records per tenant, metered together (decision 0029)
+        for m in msgs:
+            try:
+                rec = CompletionRecord.decode(m.data)
+            except ValueError as exc:
+                log.warning("undecodable completion record: %s", exc)
+                await self._ack(m)
+                continue
+            by_tenant.setdefault(rec.tenant, []).append((rec, m))
+        for pairs in by_tenant.values():
+            try:
+                await self.apply_many([rec for rec, _ in pairs])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("metering %d record(s) failed (%r); they will be redelivered", len(pairs), exc)
+                continue
+            for _, m in pairs:
+                await self._ack(m)
+            self._tell([rec for rec, _ in pairs])
+
+    def _tell(self, records: list[CompletionRecord]) -> None:
+        """Give applied records to the ``on_records`` hooks (a failing hook is logged, never raised)."""
+        for hook in self.on_records:
+            try:
+                hook(records)
+            except Exception:
+                log.exception("usage record hook failed")
 
     @staticmethod
     async def _ack(m) -> None:

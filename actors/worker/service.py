@@ -405,8 +405,9 @@ class WorkerService:
             if self.on_first_token is not None:
                 hook, self.on_first_token = self.on_first_token, None
                 hook()
-            self.outbox.event(subjects.sched_events(lv.req.name, lv.req.version),
-                              b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
+            if not out.finished:  # ended in this step: its completion record, in the same flush, says more
+                self.outbox.event(subjects.sched_events(lv.req.name, lv.req.version),
+                                  b'{"request_id":"%s","event":"first_token"}' % lv.req.request_id.encode())
         # thinking, then tool calls, out of the text (docs/decisions/0044-reasoning-output.md, docs/tools.md)
         thought, text, calls = lv.split(out.text, len(out.new_token_ids), out.finished)
         if lv.echo_pending and lv.req.echo_text and (text or out.new_token_ids or out.finished):
