@@ -136,3 +136,41 @@ def test_config_rejects_bad_values(tiny_path):
         ZeroComputeConfig(tiny_path, max_num_seqs=0)
     with pytest.raises(ValueError, match="eos_after"):
         dataclasses.replace(ZeroComputeConfig(tiny_path), eos_after=-1)
+
+
+async def _events_and_frames(engine, req: GenerateRequest) -> tuple[list[dict], list]:
+    """The scheduler events and the step frames one request causes (its receiver asks for frames)."""
+    from bus.messages import StepFrame
+
+    bus = MemoryBus()
+    events, frames = [], []
+
+    async def on_event(msg):
+        import orjson
+        events.append(orjson.loads(msg.data))
+
+    async def on_frame(msg):
+        frames.append(StepFrame.decode(msg.data))
+    async with WorkerService(bus, engine, WorkerConfig("w1", "m", "1")):
+        await bus.subscribe(subjects.sched_events("m", "1"), on_event)
+        await bus.subscribe(subjects.frames("gw"), on_frame)
+        ack = await bus.request(subjects.work("w1"), Dispatch(req).encode(), 1.0)
+        assert DispatchAck.decode(ack.data).accepted
+        async with asyncio.timeout(5):
+            while not (frames and frames[-1].chunks[-1].final):
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+    return events, frames
+
+
+async def test_first_token_event_only_for_a_request_that_goes_on(tiny_path):
+    """Issue [25] item 2: a request that ends in the step of its first token sends no first-token event (its
+    completion record, in the same flush, ends it at the scheduler); one that goes on sends exactly one.
+    Both stream through step frames when the receiver asked for them."""
+    one = dataclasses.replace(gen("one", max_tokens=1), frames=subjects.frames("gw"))
+    events, frames = await _events_and_frames(zc(tiny_path), one)
+    assert events == [] and [c.final for f in frames for c in f.chunks] == [True]
+    many = dataclasses.replace(gen("many", max_tokens=4), frames=subjects.frames("gw"))
+    events, frames = await _events_and_frames(zc(tiny_path), many)
+    assert events == [{"request_id": "many", "event": "first_token"}]
+    assert [c.seq for f in frames for c in f.chunks] == list(range(4))

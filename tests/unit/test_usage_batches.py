@@ -71,3 +71,52 @@ async def test_a_batch_of_several_tenants_is_refused():
             CompletionRecord("b", "t2", "m", "1", "ok", "stop", 1, 1, {})]
     with pytest.raises(ValueError, match="one tenant"):
         await meter.apply_many(recs)
+
+
+class _Msg:
+    def __init__(self, rec: CompletionRecord) -> None:
+        self.data, self.acked = rec.encode(), False
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+class _Pull:
+    """A pull consumer that hands out the given batches, one per fetch, and records when each fetch began."""
+
+    def __init__(self, batches: list[list[_Msg]]) -> None:
+        self.batches, self.fetched_at = list(batches), []
+
+    async def fetch(self, batch: int, timeout: float) -> list[_Msg]:
+        import asyncio
+        self.fetched_at.append(time.monotonic())
+        if self.batches:
+            return self.batches.pop(0)
+        await asyncio.sleep(timeout)
+        return []
+
+
+async def test_hooks_see_applied_records_and_fetches_keep_the_interval():
+    """Issue [25] item 2: the gateway's metrics hear the records the meter applied (each once, after its ack);
+    after a fetch that brought records the next waits out ``min_interval_s``."""
+    import asyncio
+
+    buckets, now = MemoryBuckets(), time.time()
+    meter = UsageMeter(buckets, None, min_interval_s=0.3)
+    await meter.open(consume=False)
+    seen: list[str] = []
+    meter.on_records.append(lambda recs: seen.extend(r.request_id for r in recs))
+    meter.on_records.append(lambda recs: 1 / 0)  # a failing hook is logged, never stops the meter
+    recs = records(now)
+    msgs = [_Msg(r) for r in recs]
+    meter._sub = _Pull([msgs[:3], msgs[3:]])
+    task = asyncio.create_task(meter._consume())
+    await asyncio.sleep(0.45)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [r.request_id for r in recs] and all(m.acked for m in msgs)
+    t = meter._sub.fetched_at
+    assert t[1] - t[0] >= 0.29  # the second fetch waited for the interval
+    u = (await (await buckets.bucket(streams.USAGE)).get("u.acme")).value
+    assert sum(v["requests"] for v in u.values()) == 5  # choice 1 of a request is not a request of its own

@@ -110,3 +110,23 @@ def test_a_scrape_with_aliases_stays_cheap():
     with_aliases = best(lambda: generate_latest(VllmView()))
     print(f"\nscrape: {plain * 1e3:.2f} ms plain, {with_aliases * 1e3:.2f} ms with vLLM aliases")
     assert with_aliases < 4 * plain + 0.005
+
+
+async def test_request_metrics_hear_records_from_the_meter_or_the_queue_group():
+    """Decision 0052: a gateway with a usage meter takes its records from the meter's hook (no subscription to
+    ``as.int.done``, so no second delivery of each record); without one it hears them in the queue group."""
+    from bus import subjects
+    from gateway.metrics import METRICS_QUEUE
+
+    bus = MemoryBus()
+    gm = GatewayMetrics(bus)
+    await gm.start(hear_done=False)
+    assert [(s.subject, s.queue) for s in bus._subs] == [(subjects.stats_all(), "")]
+    seen = []
+    gm.apply = seen.append
+    recs = [CompletionRecord(f"h{i}", "acme", "vtest", "1", "ok", "stop", 1, 1, {}) for i in range(3)]
+    gm.apply_many(recs)
+    assert seen == recs
+    await gm.hear_done()
+    assert (subjects.done_all(), METRICS_QUEUE) in [(s.subject, s.queue) for s in bus._subs]
+    await gm.stop()
