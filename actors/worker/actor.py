@@ -306,7 +306,11 @@ def _follow_sleep(ctx: ActorContext, reg, svc: WorkerService, holder: list, info
 
     async def cancel() -> None:
         task.cancel()
-    ctx.on_stop(cancel, timeout_s=1.0, what="sleep watch")
+        from control.state.names import sleep_key
+
+        async with asyncio.timeout(1.0):  # its last command dies with it (a killed worker's is ignored by age)
+            await reg.delete(sleep_key(worker_id))
+    ctx.on_stop(cancel, timeout_s=1.5, what="sleep watch")
 
 
 def _track_gauges(ctx: ActorContext, svc: WorkerService) -> None:

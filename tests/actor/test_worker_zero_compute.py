@@ -36,24 +36,30 @@ def gen(rid: str, max_tokens: int = 8, **sp) -> GenerateRequest:
                            SamplingParams(max_tokens=max_tokens, temperature=0.8, **sp), deadline=time.time() + 30)
 
 
-async def run_one(engine, req: GenerateRequest) -> tuple[list[Chunk], list[CompletionRecord]]:
+async def serve_one(engine, req: GenerateRequest, decoders: dict, done) -> dict[str, list]:
+    """Dispatch ``req`` to a worker service over ``engine``; collect, per subject of ``decoders`` (subject ->
+    decode function), the decoded messages, until ``done(collected)`` (5 s at most)."""
     bus = MemoryBus()
-    chunks, records = [], []
-
-    async def on_chunk(msg):
-        chunks.append(Chunk.decode(msg.data))
-
-    async def on_rec(msg):
-        records.append(CompletionRecord.decode(msg.data))
+    got: dict[str, list] = {s: [] for s in decoders}
     async with WorkerService(bus, engine, WorkerConfig("w1", "m", "1")):
-        await bus.subscribe(req.reply, on_chunk)
-        await bus.subscribe(subjects.done("m", "1"), on_rec)
+        for subject, decode in decoders.items():
+            async def on(msg, subject=subject, decode=decode):
+                got[subject].append(decode(msg.data))
+            await bus.subscribe(subject, on)
         ack = await bus.request(subjects.work("w1"), Dispatch(req).encode(), 1.0)
         assert DispatchAck.decode(ack.data).accepted
         async with asyncio.timeout(5):
-            while not (chunks and chunks[-1].final and records):
+            while not done(got):
                 await asyncio.sleep(0.01)
-    return chunks, records
+        await asyncio.sleep(0.05)  # anything sent after the end would show up here
+    return got
+
+
+async def run_one(engine, req: GenerateRequest) -> tuple[list[Chunk], list[CompletionRecord]]:
+    done = subjects.done("m", "1")
+    got = await serve_one(engine, req, {req.reply: Chunk.decode, done: CompletionRecord.decode},
+                          lambda g: g[req.reply] and g[req.reply][-1].final and g[done])
+    return got[req.reply], got[done]
 
 
 async def test_streams_the_token_cycle_up_to_max_tokens(tiny_path):
@@ -140,27 +146,13 @@ def test_config_rejects_bad_values(tiny_path):
 
 async def _events_and_frames(engine, req: GenerateRequest) -> tuple[list[dict], list]:
     """The scheduler events and the step frames one request causes (its receiver asks for frames)."""
+    import orjson
     from bus.messages import StepFrame
 
-    bus = MemoryBus()
-    events, frames = [], []
-
-    async def on_event(msg):
-        import orjson
-        events.append(orjson.loads(msg.data))
-
-    async def on_frame(msg):
-        frames.append(StepFrame.decode(msg.data))
-    async with WorkerService(bus, engine, WorkerConfig("w1", "m", "1")):
-        await bus.subscribe(subjects.sched_events("m", "1"), on_event)
-        await bus.subscribe(subjects.frames("gw"), on_frame)
-        ack = await bus.request(subjects.work("w1"), Dispatch(req).encode(), 1.0)
-        assert DispatchAck.decode(ack.data).accepted
-        async with asyncio.timeout(5):
-            while not (frames and frames[-1].chunks[-1].final):
-                await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-    return events, frames
+    events, frames = subjects.sched_events("m", "1"), subjects.frames("gw")
+    got = await serve_one(engine, req, {events: orjson.loads, frames: StepFrame.decode},
+                          lambda g: g[frames] and g[frames][-1].chunks[-1].final)
+    return got[events], got[frames]
 
 
 async def test_first_token_event_only_for_a_request_that_goes_on(tiny_path):

@@ -95,6 +95,16 @@ def until_served(client, model: str, timeout_s: float = 180.0) -> None:
             time.sleep(1.0)
 
 
+def register_all(sup, tmp, models: dict[str, str]):
+    """Register each ``{name: artifact}`` (:func:`register_chatml`); returns an ``openai`` client of the
+    deployment's gateway (timeout 60 s, no retries)."""
+    import openai
+
+    for name, artifact in models.items():
+        register_chatml(sup, tmp, name, artifact)
+    return openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
+
+
 def chat_full_and_streamed(client, model: str, msgs: list[dict], max_tokens: int):
     """A greedy chat of ``max_tokens`` tokens, not streamed then streamed: asserts it stopped or reached the length
     with at least one token, and that the streamed text equals the other's. Returns the non-streamed response."""

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import openai
 import pytest
 
-from tests.e2e.helpers import (build_long, chat_full_and_streamed, register_chatml, tiny_deployment,
+from tests.e2e.helpers import (build_long, chat_full_and_streamed, register_all, tiny_deployment,
                                until_served)
 from tests.e2e.test_byom_live import WORKER_ARGS
 
@@ -39,9 +38,7 @@ def _models(tmp: Path) -> dict[str, str]:
 def test_a_mistral_gguf_and_phi3_and_gemma3_directories_registered_live_answer(tmp_path, tiny_gguf):
     models = _models(tmp_path)
     with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
-        for name, artifact in models.items():
-            register_chatml(sup, tmp_path, name, artifact)
-        client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
+        client = register_all(sup, tmp_path, models)
         for name in models:
             until_served(client, name)
             assert {name, f"{name}@1"} <= {m.id for m in client.models.list().data}

@@ -5,10 +5,9 @@ native kernel (their decode attention runs it)."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from tests.e2e.helpers import build_long, chat_full_and_streamed, register_chatml, tiny_deployment, until_served
+from tests.e2e.helpers import build_long, chat_full_and_streamed, register_all, tiny_deployment, until_served
 from tests.e2e.test_byom_live import WORKER_ARGS
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -22,9 +21,7 @@ def test_gemma_ggufs_registered_live_answer(tmp_path, tiny_gguf):
     models = {n: build_long(fm.GEMMA_GGUF_VARIANTS, fm.build, n, tmp_path, seed=5)["gguf"]
               for n in ("gemma2-gguf", "gemma3-gguf")}
     with tiny_deployment(tmp_path / "state", tiny_gguf, WORKER_ARGS) as sup:
-        for name, artifact in models.items():
-            register_chatml(sup, tmp_path, name, artifact)
-        client = openai.OpenAI(base_url=sup.http_url + "/v1", api_key=sup.dev_api_key, timeout=60, max_retries=0)
+        client = register_all(sup, tmp_path, models)
         for name in models:
             until_served(client, name)
             full = chat_full_and_streamed(client, name, [{"role": "user", "content": PROMPT}], 24)

@@ -174,7 +174,9 @@ class GemmaModel(LlamaModel):
               for i in range(config.num_layers)} if config.qk_norm else {}
         super().__init__(dataclasses_replace_qk(config), weights, max_positions, make_linear, native_kernels=False)
         self.config = config
-        self.native_off_reason = arch_spec.native_unsupported(config)
+        # why the fused native layer path is off (the decode attention below still runs native); None when the
+        # native kernels were not asked for at all, as the Llama decoder says (model.py)
+        self.native_off_reason = arch_spec.native_unsupported(config) if native_kernels else None
         self.post = post
         self.qk = qk
         device = str(self.embed.device)
