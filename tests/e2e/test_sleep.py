@@ -70,8 +70,19 @@ def _ask(sup, deadline_ms: int = 20000) -> httpx.Response:
                       json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "deadline_ms": deadline_ms}, timeout=60)
 
 
+def _until_workers_ready(sup, timeout: float = 60.0) -> None:
+    """Until the supervisor has seen every worker ready: a scale-down takes a worker it has not seen ready yet
+    first (it holds no work), so a count lowered before that may pick the older one (one CI run: worker-0 was
+    loaded 0.27 s after worker-1 and slept instead of it)."""
+    t_end = time.monotonic() + timeout
+    while not all(a.ready_at is not None and a.running for a in sup.actors if a.kind == "worker"):
+        assert time.monotonic() < t_end, "the workers were not all seen ready"
+        time.sleep(0.1)
+
+
 def test_sleep_wake_by_count_and_by_a_waiting_request(stack):
     sup = stack
+    _until_workers_ready(sup)
     pids = {a.name: a.pid for a in sup.actors if a.kind == "worker"}
     asyncio.run(_put_desired(sup.etcd_url, 1))
     states = _wait_states(sup, {"worker-1": "sleeping", "worker-0": "running"})
