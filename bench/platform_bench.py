@@ -23,7 +23,8 @@ Each phase also records NATS messages (nats-server ``/varz`` in_msgs / out_msgs)
 the worst per-request cost and the best req/s over the levels), ``levels.<c>`` (per level: ``per_process_ms``,
 ``loadgen_cpu_ms_per_request``, ``nats_msgs_per_request``, ``jetstream_per_request`` (``js_stored``: messages
 written to JetStream stores, stream publishes and KV puts; ``js_api``: JetStream API calls),
-``etcd_calls_per_request``), ``stream``, ``idle`` (``per_process_cpu_pct``), ``targets``, ``cpu``, ``load_avg``. docs/bench.md; decision 0029.
+``etcd_calls_per_request``), ``stream``, ``idle`` (``per_process_cpu_pct``), ``targets``, ``cpu``, ``load_avg``.
+docs/bench.md; decisions 0029 and 0052.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ async def build(ctx: ActorContext, gid: str) -> None:
     ssl_ctx = https_context(args)
     fe = await start_frontend(ctx, FrontendConfig(gid, default_deadline_ms=args.default_deadline_ms,
                                                       step_frames=getattr(args, "step_frames", True)),
-                              metrics="meter")
+                              metrics=True)
     bus = ctx.bus
     await _report_load(ctx, fe, gid)
     tenancy = Tenancy(reg, bus.js(), gateway_id=gid, models=fe.resolver)
@@ -111,11 +111,11 @@ async def build(ctx: ActorContext, gid: str) -> None:
     log.info("gateway %s listening on %s://%s:%d", gid, "https" if ssl_ctx else "http", args.host, args.port)
 
 
-async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: bool | str = False) -> Frontend:
+async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: bool = False) -> Frontend:
     """Connect the context's bus and start a :class:`gateway.frontend.Frontend` on it with a model
-    resolver over the context's registry (and the gateway's request metrics when ``metrics``: ``"meter"`` when
-    the caller feeds them the usage meter's records, else they hear completion records themselves); each is
-    stopped on the context's stop. Used by the gateway and the jobs actor."""
+    resolver over the context's registry (and the gateway's request metrics when ``metrics``: worker statistics
+    only; the caller gives them completion records, gateway/metrics.py); each is stopped on the context's stop.
+    Used by the gateway and the jobs actor."""
     from gateway.frontend import Frontend
     from gateway.models import ModelResolver
 
@@ -128,7 +128,7 @@ async def start_frontend(ctx: ActorContext, cfg: FrontendConfig, *, metrics: boo
         from gateway.metrics import GatewayMetrics
 
         fe.observer = GatewayMetrics(bus)
-        await fe.observer.start(hear_done=metrics != "meter")
+        await fe.observer.start(hear_done=False)
         ctx.on_stop(fe.observer.stop, what="gateway metrics")
     await fe.start()
     ctx.on_stop(fe.stop, what="front end")

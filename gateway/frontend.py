@@ -141,7 +141,9 @@ class Frontend:
             return
         for item in items:
             try:
-                self._take(Chunk.from_dict(item) if isinstance(item, dict) else Chunk.decode(b""))
+                if not isinstance(item, dict):
+                    raise ValueError(f"an item is a {type(item).__name__}, not an object")
+                self._take(Chunk.from_dict(item))
             except ValueError as exc:
                 log.warning("undecodable chunk in a step frame on %s: %s", msg.subject, exc)
 

@@ -120,12 +120,11 @@ class Outbox:
         self.frame_max_bytes = frame_max_bytes
         self.num_finished = 0  # requests ended (final chunk collected), any reason
         self.num_aborted = 0  # of those, ended by ``finish(..., aborted=True)``
-        self.num_frames = 0  # step frames published (each holds >= 1 chunk)
-        self.num_framed_chunks = 0  # chunks published inside step frames
         # (subject, payload) collected, not yet published; a step frame's payload is the list of its chunks'
         # encoded bytes, joined at flush
         self._queue: list[tuple[str, bytes | list[bytes]]] = []
-        self._open: dict[str, tuple[list[bytes], list[int]]] = {}  # frame subject -> (its parts, [its bytes])
+        self._open: dict[str, list[bytes]] = {}  # frame subject -> the parts of its open frame (also in _queue)
+        self._open_bytes: dict[str, int] = {}  # frame subject -> bytes of its open frame
 
     def __len__(self) -> int:
         """Messages collected and not yet flushed (a step frame counts once)."""
@@ -154,13 +153,13 @@ class Outbox:
     def _frame(self, subject: str, data: bytes) -> None:
         """Add an encoded chunk to the open step frame of ``subject`` (opened here, in send order, when there is
         none or the open one would pass ``frame_max_bytes``)."""
-        parts, size = self._open.get(subject, (None, [0]))
-        if parts is None or (parts and size[0] + len(data) > self.frame_max_bytes):
-            parts, size = [], [0]
-            self._open[subject] = (parts, size)
+        parts = self._open.get(subject)
+        if parts is None or self._open_bytes[subject] + len(data) > self.frame_max_bytes:
+            parts = self._open[subject] = []
+            self._open_bytes[subject] = 0
             self._queue.append((subject, parts))
         parts.append(data)
-        size[0] += len(data) + 1
+        self._open_bytes[subject] += len(data) + 1
 
     def finish(self, lv: Live, err: dict, status: str = "error", aborted: bool = False) -> None:
         """End ``lv`` with the error ``err`` (a ``ServeError`` wire dict): a final ``abort`` chunk and its completion
@@ -199,14 +198,10 @@ class Outbox:
     async def flush(self) -> int:
         """Publish everything collected, in order; returns how many messages were published or failed.
         Cancelled midway: the messages not yet tried stay collected for the next flush."""
-        batch, self._queue, self._open = self._queue, [], {}
+        batch, self._queue, self._open, self._open_bytes = self._queue, [], {}, {}
         for i, (subject, data) in enumerate(batch):
-            if isinstance(data, list):
-                self.num_frames += 1
-                self.num_framed_chunks += len(data)
-                data = StepFrame.join(data)
             try:
-                await self.bus.publish(subject, data)
+                await self.bus.publish(subject, StepFrame.join(data) if isinstance(data, list) else data)
             except BusError as exc:
                 log.warning("publish to %s failed: %s", subject, exc)
             except asyncio.CancelledError:

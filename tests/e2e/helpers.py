@@ -79,6 +79,16 @@ def register_chatml(sup, tmp, name: str, artifact: str) -> None:
     assert p.returncode == 0, p.stderr
 
 
+def wait_until(cond, timeout_s: float = 5.0, what: str = "the condition") -> None:
+    """Poll ``cond()`` every 50 ms until true; AssertionError naming ``what`` after ``timeout_s`` seconds."""
+    import time
+
+    t_end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < t_end, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.05)
+
+
 def until_served(client, model: str, timeout_s: float = 180.0) -> None:
     """Retries a one-token chat to ``model`` (``openai`` client) until it answers; fails after ``timeout_s``."""
     import time

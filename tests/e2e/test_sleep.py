@@ -18,6 +18,7 @@ import pytest
 from control.state.names import desired_key, workers_prefix
 from control.state.registry import Registry
 from tests.engine_fixtures import write_tiny_llama_gguf
+from tests.e2e.helpers import wait_until
 
 MODEL, VERSION = "tiny", "1"
 pytestmark = pytest.mark.timeout(300)
@@ -74,10 +75,8 @@ def _until_workers_ready(sup, timeout: float = 60.0) -> None:
     """Until the supervisor has seen every worker ready: a scale-down takes a worker it has not seen ready yet
     first (it holds no work), so a count lowered before that may pick the older one (one CI run: worker-0 was
     loaded 0.27 s after worker-1 and slept instead of it)."""
-    t_end = time.monotonic() + timeout
-    while not all(a.ready_at is not None and a.running for a in sup.actors if a.kind == "worker"):
-        assert time.monotonic() < t_end, "the workers were not all seen ready"
-        time.sleep(0.1)
+    wait_until(lambda: all(a.ready_at is not None and a.running for a in sup.actors if a.kind == "worker"), timeout,
+               "the supervisor seeing every worker ready")
 
 
 def test_sleep_wake_by_count_and_by_a_waiting_request(stack):

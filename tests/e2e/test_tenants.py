@@ -17,6 +17,7 @@ from bus.messages import CompletionRecord
 from bus.nats_bus import NatsBus
 from control.state.registry import Registry
 from control.state.tenants import TenantAdmin
+from tests.e2e.helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +55,14 @@ def new_tenant(sup, models=("tiny",), **quotas) -> tuple[str, str, str]:
             await adm.set_quota(name, **quotas)
         return name, key_id, key
     out = admin(sup, fn)
-    wait_until(lambda: all(httpx.get(sup.gateway_url(i) + "/v1/models", headers=bearer(out[2]),
+    picked_up(lambda: all(httpx.get(sup.gateway_url(i) + "/v1/models", headers=bearer(out[2]),
                                      timeout=10).status_code == 200 for i in range(sup.cfg.gateways)))
     return out
 
 
-def wait_until(cond, timeout_s: float = 5.0) -> None:
-    """Poll ``cond()`` every 50 ms until true (every gateway saw an etcd edit); AssertionError after the timeout."""
-    t_end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < t_end, "gateways did not pick up the tenant edit"
-        time.sleep(0.05)
+def picked_up(cond, timeout_s: float = 5.0) -> None:
+    """Until every gateway saw an etcd edit (``cond()``); AssertionError after the timeout."""
+    wait_until(cond, timeout_s, "gateways did not pick up the tenant edit")
 
 
 def bearer(key: str) -> dict:
@@ -98,10 +96,10 @@ def test_model_access_and_revocation_on_every_gateway(gw3):
     assert denied.json()["error"]["message"].replace("tiny", "X") == unknown.json()["error"]["message"].replace(
         "nope", "X")
     admin(gw3, lambda adm: adm.allow_models(name, ["tiny"]))
-    wait_until(lambda: {m["id"] for m in httpx.get(urls[2] + "/v1/models", headers=bearer(key)).json()["data"]}
+    picked_up(lambda: {m["id"] for m in httpx.get(urls[2] + "/v1/models", headers=bearer(key)).json()["data"]}
                == {"tiny", "tiny@1"})
     assert httpx.post(urls[2] + "/v1/completions", json=BODY, headers=bearer(key), timeout=60).status_code == 200
-    wait_until(lambda: httpx.get(urls[0] + "/v1/models/tiny@1", headers=bearer(key), timeout=30).status_code == 200)
+    picked_up(lambda: httpx.get(urls[0] + "/v1/models/tiny@1", headers=bearer(key), timeout=30).status_code == 200)
     got = httpx.get(urls[0] + "/v1/models/tiny@1", headers=bearer(key), timeout=30).json()
     assert got["id"] == "tiny@1" and got["object"] == "model"
     t0 = time.monotonic()

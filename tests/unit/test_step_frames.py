@@ -61,7 +61,6 @@ def test_one_frame_per_receiver_per_flush_in_order():
     assert _chunks_of(published[0][1]) == [("a1", 0, "x"), ("a2", 0, "z"), ("a1", 1, "w")]
     assert _chunks_of(published[2][1]) == [("b1", 0, "y")]
     assert Chunk.decode(published[1][1]).text == "p"
-    assert box.num_frames == 2 and box.num_framed_chunks == 4
     assert "a1" not in live and box.num_finished == 1  # the final chunk ended its request, framed or not
 
 
