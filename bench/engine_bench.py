@@ -209,7 +209,8 @@ def bench_engine(path: str, sz: Sizes, dtype: str, quantization: str | None, log
     max_len = max(max(sz.prefill), sz.prefix + sz.suffix, sz.prompt + sz.gen) + 16
     max_seqs = max(sz.levels)
     kv_tokens = max(max_seqs * (sz.prompt + sz.gen + 16), 2 * (sz.prefix + sz.suffix) + max(sz.prefill)) + 64
-    kwargs = dict(model_path=path, dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len)
+    kwargs = dict(model_path=path, dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len,
+                  row_kernels=choice.row_table)  # the worker's kernel per row count (row_kernels.py)
     if quantization and quantization != "none":
         kwargs["quantization"] = quantization
     import gguf
@@ -224,7 +225,7 @@ def bench_engine(path: str, sz: Sizes, dtype: str, quantization: str | None, log
     engine = LLMEngine(cfg)
     rng = random.Random(0)
     res: dict = {"dtype": str(getattr(engine, "dtype_name", cfg.dtype)), "quantization": engine.quantization,
-                 "path_choice": choice.reason}
+                 "path_choice": choice.reason, "row_kernels": choice.row_table}
     fm = flop_model(engine.model_config)
 
     res["decode_tok_s"] = {}
@@ -342,7 +343,8 @@ def run(model: str | None = None, quick: bool = False, dtype: str = "auto", quan
         "ratios": {k: eng["decode_tok_s"][k] / v for k, v in base["baseline_decode_tok_s"].items() if v > 0},
         "flop_model": {**fm, "formula": "decode token: 2N+2E+A*ctx; prefill P: 2NP+2E+A*P(P+1)/2 "
                        "(N: layer linear params, E: vocab*d, A: 4*layers*heads*head_dim)"},
-        "environment": environment(eng["dtype"], eng["quantization"], eng["path_choice"]),
+        "environment": {**environment(eng["dtype"], eng["quantization"], eng["path_choice"]),
+                        "row_kernels": eng["row_kernels"]},  # the kernel per row count run (row_kernels.py)
         "engine_stats": eng["engine_stats"],
         "sizes": sz.__dict__,
         "quick": quick,

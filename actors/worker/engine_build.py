@@ -57,7 +57,7 @@ def build_engine(manifest: dict, args: argparse.Namespace):
                        max_loras=getattr(args, "max_loras", 4), max_cpu_loras=getattr(args, "max_cpu_loras", 16),
                        max_lora_rank=getattr(args, "max_lora_rank", 16),
                        tensor_parallel=tensor_parallel_of(manifest, args),
-                       small_step_tokens=small_step_tokens(args))
+                       small_step_tokens=small_step_tokens(args), row_kernels=choice.row_table)
     engine = LLMEngine(cfg)
     engine.path_choice = choice  # the worker's etcd record shows it (run_worker)
     engine.load_phases["kernels"] = engine.load_phases.get("kernels", 0.0) + choose_s  # path choice included

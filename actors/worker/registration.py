@@ -34,6 +34,7 @@ def worker_info(engine, args: argparse.Namespace, worker_id: str, adapters=(), *
             "quantization": getattr(engine, "quantization", None),
             "path": getattr(getattr(engine, "path_choice", None), "reason", None),
             "holds": getattr(engine, "held", None),  # what the projections are held as (engine/kquant.py)
+            "row_kernels": _row_line(engine),  # the measured kernel per step row count (engine/row_kernels.py)
             "native_off": getattr(engine, "native_off_reason", None),  # torch path: why (arch_spec.native_unsupported)
             "max_num_seqs": args.max_num_seqs, "adapters": sorted(adapters), "pool": getattr(args, "pool", "default"),
             "engine": getattr(args, "engine", "torch"), **extra}
@@ -78,3 +79,12 @@ async def keep_registered(reg, holder: list, ref, worker_id: str, info: dict, tt
             except Exception as exc:  # etcd still away: keep trying, the service keeps running
                 outage.failed(exc)
                 await asyncio.sleep(1.0)
+
+
+def _row_line(engine) -> str | None:
+    """``"1 avx2, 2-4 avx512, 5-8 avx512, 9-32 avx512"`` for an engine running a measured row table, else None."""
+    try:
+        table = engine.row_table
+    except AttributeError:  # zero-compute: no runner attribute
+        return None
+    return table.line() if table is not None else None

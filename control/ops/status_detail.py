@@ -19,6 +19,8 @@ def worker_detail(info: Any) -> str:
         path += f" (torch path: {info['native_off']})"
     if path and info.get("holds"):  # the projections as held (engine/kquant.py: exact, dense or re-quantized)
         path += f" (holds {info['holds']})"
+    if path and info.get("row_kernels"):  # the measured kernel per step row count (engine/row_kernels.py)
+        path += f" (kernels by rows: {info['row_kernels']})"
     return ", ".join(p for p in (_sleep(info), path, describe(info.get("load_phases") or {}, info.get("load_s")),
                                  _residency(info.get("memory")), _ranks(info), _adapters(info)) if p)
 

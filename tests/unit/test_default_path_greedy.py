@@ -1,4 +1,5 @@
-"""The worker's default path (kernel_choice.choose with --dtype auto --quantization auto) against float32
+"""The worker's default path (kernel_choice.choose with --dtype auto --quantization auto, its kernel per row
+count included) against float32
 on the golden prompts of test_engine_reference.py (issue 15's correctness target).
 
 Both engines decode the eight prompts batched (as served), GEN_TOKENS greedy tokens each, EOS ignored.
@@ -53,7 +54,8 @@ def test_default_path_greedy_equals_float32_or_flips_at_near_ties():
     print(choice.line())
     kw = dict(model_path=MODEL_PATH, kv_cache_bytes=32 * 2**20, max_num_seqs=8)
     ref_tokens, ref_logits = greedy_with_logits(LLMEngine(EngineConfig(dtype="float32", **kw)))
-    eng = LLMEngine(EngineConfig(dtype=choice.dtype, quantization=choice.quantization, **kw))
+    eng = LLMEngine(EngineConfig(dtype=choice.dtype, quantization=choice.quantization, row_kernels=choice.row_table,
+                                 **kw))  # as the worker builds it: the measured kernel per row count included
     assert (eng.dtype_name, eng.quantization) == (choice.dtype, choice.quantization)
     got, _ = greedy_with_logits(eng)
     for n, bound in ((EQUAL_TOKENS, NEAR_TIE_GAP), (GEN_TOKENS, WIDE_TIE_GAP)):

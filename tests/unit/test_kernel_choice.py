@@ -154,7 +154,8 @@ def test_pins_are_not_measured(tiny, cache_dir, monkeypatch):
     assert (c.dtype, c.quantization) == ("bfloat16", "auto")
     c = kc.choose(tiny, "tiny@1", dtype="float32", manifest_quantization="int8")
     assert (c.dtype, c.quantization) == ("float32", "int8") and "manifest quantization int8" in c.reason
-    assert not (cache_dir / kc.CACHE_FILE).exists()
+    cached = kc._read_cache(cache_dir / kc.CACHE_FILE)  # a pinned quantized path: only its kernel per row count
+    assert not [k for k, v in cached.items() if "dtype" in v] and all(k.endswith(":rows") for k in cached)
 
 
 def test_measure_gives_rates_for_both_candidates(tiny):
@@ -179,6 +180,11 @@ def test_worker_defaults_to_the_chosen_path(tiny, cache_dir, capsys):
     choice = kc.choose(tiny, "tiny@1")  # the cached answer the worker used
     assert (engine.dtype_name, engine.quantization) == (choice.dtype, choice.quantization)
     assert f"worker: engine path {choice.reason}" in capsys.readouterr().err
+    from actors.worker.engine.row_kernels import RowTable
+    from actors.worker.registration import worker_info
+
+    assert engine.row_table == RowTable.from_json(choice.row_table)  # the measured kernel per row count, run
+    assert worker_info(engine, args, "w1")["row_kernels"] == (engine.row_table.line() if engine.row_table else None)
 
 
 def test_roofline_divides_by_the_peak_of_the_dtype_run():

@@ -49,3 +49,11 @@ def test_what_the_engine_holds_is_shown_beside_its_path():
     line = worker_detail({"dtype": "bfloat16", "quantization": "int4",
                           "holds": "int4, scale/zero in bfloat16 (Q4_K) x 6; bfloat16 (Q6_K) x 1"})
     assert line == "bfloat16+int4 (holds int4, scale/zero in bfloat16 (Q4_K) x 6; bfloat16 (Q6_K) x 1)"
+
+
+def test_the_kernel_per_row_count_is_shown_beside_the_path():
+    """Issue [24] item 1: the worker record's ``row_kernels`` (engine/row_kernels.py) after what it holds."""
+    line = worker_detail({"dtype": "bfloat16", "quantization": "int4", "holds": "int4 exact (Q4_1 blocks) (Q4_1) x 120",
+                          "row_kernels": "1 row avx2, 2-4 avx512, 5-8 avx512, 9-32 avx512"})
+    assert line == ("bfloat16+int4 (holds int4 exact (Q4_1 blocks) (Q4_1) x 120) "
+                    "(kernels by rows: 1 row avx2, 2-4 avx512, 5-8 avx512, 9-32 avx512)")

@@ -43,7 +43,7 @@ _DTYPES = DTYPES
 RUNNER_ATTRS = frozenset({
     "model", "kv", "tp", "adapters", "model_config", "dtype_name", "quantization", "weights_bytes",
     "weights_shared", "weights_cached", "load_phases", "lora_reserve_bytes", "position_limit", "structured",
-    "special_names", "name", "cycle", "num_blocks", "native_off_reason", "held",
+    "special_names", "name", "cycle", "num_blocks", "native_off_reason", "held", "row_table",
 })
 
 
@@ -76,6 +76,9 @@ class EngineConfig:
     tensor_parallel: int = 1  # ranks sharing the model (tensor_parallel.py; > 1: LoRA adapters are not served)
     tp_rank: int = 0  # this process's rank (0: the engine that schedules; followers are started by it)
     tp_init: str = ""  # followers: the group's rendezvous (tcp://127.0.0.1:PORT), set by rank 0
+    # CPU, quantized, one rank: the measured kernel per step row count (row_kernels.RowTable.to_json(), from
+    # kernel_choice.Choice.row_table); None = each projection as make_linear_factory builds it
+    row_kernels: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -95,6 +98,13 @@ class EngineConfig:
             raise ValueError("tensor_parallel must be >= 1 and tp_rank in 0 .. tensor_parallel - 1")
         if self.quantization not in (None, "auto", *QUANTIZERS):
             raise ValueError(f"quantization must be None or one of {sorted([*QUANTIZERS, 'auto'])}")
+        if self.row_kernels is not None:
+            from .row_kernels import RowTable
+
+            try:
+                RowTable.from_json(self.row_kernels)
+            except ValueError as exc:
+                raise ValueError(f"row_kernels: {exc}") from None
 
 
 class LLMEngine:

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 CACHE_FILE = "kernel_choice.json"
 CACHE_ENTRIES = 64  # newest entries kept in the cache file
-_SOURCES = ("quant.py", "model.py", "cpu_kernels.py", "kernel_policy.py", "kernel_choice.py")
+_SOURCES = ("quant.py", "quant_blocks.py", "model.py", "cpu_kernels.py", "kernel_policy.py", "kernel_choice.py",
+            "row_kernels.py")
 _PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
          "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # the last three: stacked experts (moe.py)
 
@@ -54,14 +55,24 @@ class Choice:
     reason: str
     measured: dict
     cached: str | None = None
+    row_table: dict | None = None  # the kernel per step row count (row_kernels.RowTable.to_json()), or None
+
+    def with_rows(self, table: dict | None) -> "Choice":
+        """This choice with ``row_table`` set."""
+        return Choice(self.dtype, self.quantization, self.reason, self.measured, self.cached, table)
 
     @property
     def label(self) -> str:
         return self.dtype + (f"+{self.quantization}" if self.quantization else "")
 
     def line(self) -> str:
-        """The start-up line: ``engine path bfloat16+int4: avx512_bf16, measured ...; cached <path>``."""
-        return f"engine path {self.reason}" + (f"; cached {self.cached}" if self.cached else "")
+        """The start-up line: ``engine path bfloat16+int4: avx512_bf16, measured ...; kernels by rows 1 avx2,
+        2-4 avx512, ...; cached <path>``."""
+        from .row_kernels import RowTable
+
+        rows = RowTable.from_json(self.row_table) if self.row_table else None
+        return (f"engine path {self.reason}" + (f"; kernels by rows {rows.line()}" if rows else "")
+                + (f"; cached {self.cached}" if self.cached else ""))
 
 
 @dataclass(frozen=True)
@@ -342,6 +353,62 @@ def _write_cache(path: Path, key: str, entry: dict) -> bool:
 
 def choose(model_path: str, model_version: str = "", device: str = "cpu", dtype: str = "auto",
            quantization: str = "auto", manifest_quantization: str | None = None, use_cache: bool = True) -> Choice:
+    """``choose_path`` and, for a quantized CPU path, the kernel per step row count (``row_table``): measured
+    on the model's projection shapes (``row_kernels.measure_rows``) and cached like the path, under its own
+    key; off with ``ACTORSERVE_ROW_KERNELS=0``.  Raises as ``choose_path``."""
+    choice = choose_path(model_path, model_version, device, dtype, quantization, manifest_quantization, use_cache)
+    if (not device.startswith("cpu") or choice.quantization not in policy.QUANTIZATIONS
+            or os.environ.get("ACTORSERVE_ROW_KERNELS", "1").strip() == "0"):
+        return choice
+    return choice.with_rows(_rows(model_path, choice, device, use_cache))
+
+
+def _rows(model_path: str, choice: Choice, device: str, use_cache: bool) -> dict | None:
+    """The row table of ``choice``'s path (cached under the path's key + ``:rows``), or None when fewer than
+    two kernels can serve its projections or measuring failed (logged: projections as built)."""
+    from . import cpu_kernels
+    from .hardware import isa_flags
+    from .row_kernels import table_of
+
+    path, key = cache_path(), cache_key(model_path, isa_flags(), device, choice.dtype, choice.quantization) + ":rows"
+    if use_cache:
+        hit = _read_cache(path).get(key)
+        if isinstance(hit, dict) and "table" in hit:
+            return hit["table"]
+    try:
+        table = table_of(measure_layer_rows(policy.Candidate(choice.dtype, choice.quantization),
+                                            read_shapes(model_path), cpu_kernels.load()))
+    except (RuntimeError, ValueError) as exc:  # a kernel that fails here would fail in the engine too
+        log.warning("kernel choice: timing %s per row count failed (%s); projections as built", choice.label, exc)
+        return None
+    out = table.to_json() if table else None
+    if use_cache:
+        _write_cache(path, key, {"table": out, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return out
+
+
+def measure_layer_rows(cand: policy.Candidate, shapes: Shapes, kernels, reps: int = 5, threads: int | None = 1):
+    """``row_kernels.measure_rows`` over one layer of ``cand``'s projections (built as ``measure`` builds them),
+    on ``threads`` torch threads (``measure``'s reason); {kernel: [ms at each of row_kernels.LEVELS]}."""
+    import torch
+
+    from .row_kernels import measure_rows
+
+    if kernels is None:
+        return {}
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        junk = torch.ones(2 * _llc_bytes() // 4, dtype=torch.float32)
+        dt = torch.bfloat16 if cand.dtype == "bfloat16" else torch.float32
+        return measure_rows(_layer_ops(cand, shapes, kernels), dt, junk.sum, reps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def choose_path(model_path: str, model_version: str = "", device: str = "cpu", dtype: str = "auto",
+                quantization: str = "auto", manifest_quantization: str | None = None, use_cache: bool = True) -> Choice:
     """Resolve ``dtype`` / ``quantization`` ("auto" or a pin, as the worker's flags) for ``model_path``.
 
     Precedence: the operator's explicit values, then a manifest pin (``kernel_policy.manifest_pin`` of

@@ -208,7 +208,7 @@ def zero_of(scale: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def int4_linear(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, dtype: torch.dtype, name: str,
-                kernels=None, dense_factory=None):
+                kernels=None, dense_factory=None, block_quant: bool | None = None):
     """(linear or None, form) holding the file's integers ``q`` (uint8 [out, in], 0..15) with per-32 ``scale``
     and ``mn`` (float32 [out, in / 32], ``w = q * scale - mn``), in the class ``quant.make_linear_factory``
     would pick for int4 where it holds them exactly:
@@ -220,7 +220,8 @@ def int4_linear(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, dtype: t
       "float32 ...") when the zero is not exact in float32 (the caller keeps the projection dense);
     * bfloat16: ``AmxInt4Linear`` where AMX runs, else ``Int4Linear``: scale and zero rounded once to bfloat16.
 
-    The dense copy for many rows follows make_linear_factory's rule (``dense_factory``)."""
+    The dense copy for many rows follows make_linear_factory's rule (``dense_factory``); ``block_quant`` is
+    ``block_quant_enabled``'s ``prefer`` (the measured kernel per row count, row_kernels.py)."""
     from .quant import (AmxInt4Linear, Int4Linear, SplitLinear, _swiglu_order, block_dense_above_rows,
                         block_quant_enabled, pack_int4_amx)
     from .quant_blocks import QuantLinear, pack_blocks
@@ -246,7 +247,7 @@ def int4_linear(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, dtype: t
         return lin, "int4, scale/zero in bfloat16"
     d, m = scale.half(), (-mn).half()
     half_exact = bool(torch.equal(d.float(), scale) and torch.equal(m.float(), -mn))
-    if (block_quant_enabled(dtype) and QuantLinear.supports(probe, kernels) and dtype in (torch.float32, torch.bfloat16)
+    if (block_quant_enabled(dtype, block_quant) and QuantLinear.supports(probe, kernels) and dtype in (torch.float32, torch.bfloat16)
             and (half_exact or dtype == torch.bfloat16)):
         lin = QuantLinear.from_packed(pack_blocks(q, d, m, 4), 4, out_f, kernels)
         form = "int4 exact (Q4_1 blocks)" if half_exact else "int4 blocks, scale/min in float16"
@@ -265,12 +266,13 @@ def int4_linear(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, dtype: t
 
 
 def file_precision_factory(make_linear, file: FileInt4, quantization: str | None, dtype: torch.dtype,
-                           pinned: bool, kernels=None, dense_factory=None, held: Held | None = None):
+                           pinned: bool, kernels=None, dense_factory=None, held: Held | None = None,
+                           block_quant: bool | None = None):
     """``make_linear(weight, name)`` for ``LlamaModel`` that holds each projection at the file's precision
     (module docstring).  ``make_linear``: the engine's quantizing factory (``quant.make_linear_factory``,
     or None for dense); the k-th call of a name is layer k's.  Each exact int4 projection is checked equal
     to the float weight it replaces (in the engine dtype); on a mismatch (a sharded or reordered weight)
-    the projection stays dense, logged.  ``held`` records the forms."""
+    the projection stays dense, logged.  ``held`` records the forms; ``block_quant``: as ``int4_linear``'s."""
     from .model import dense_linear_factory
 
     held = held if held is not None else Held()
@@ -289,7 +291,7 @@ def file_precision_factory(make_linear, file: FileInt4, quantization: str | None
         if quantization == "int4" and all(t in EXACT_INT4 for t in types) and weight.device.type == "cpu":
             q, s, mn = file.parts(layer, name)
             if tuple(q.shape) == tuple(weight.shape) and torch.equal(dequantize(q, s, mn).to(weight.dtype), weight):
-                lin, form = int4_linear(q, s, mn, weight.dtype, name, kernels, dense_factory)
+                lin, form = int4_linear(q, s, mn, weight.dtype, name, kernels, dense_factory, block_quant)
                 if lin is not None:
                     held.add(form, types)
                     return lin

@@ -267,9 +267,10 @@ def block_dense_above_rows(dtype: torch.dtype, kernels) -> int | None:
 BLOCK_BITS = {"int8": 8, "int4": 4}
 
 
-def block_quant_enabled(dtype: torch.dtype | str = torch.float32) -> bool:
+def block_quant_enabled(dtype: torch.dtype | str = torch.float32, prefer: bool | None = None) -> bool:
     """Whether ``QuantLinear`` (the block-quantized integer products) serves a ``dtype`` model's
-    quantized projections.  ``ACTORSERVE_BLOCK_QUANT=1`` / ``0`` forces it on / off; unset, it is on for
+    quantized projections.  ``ACTORSERVE_BLOCK_QUANT=1`` / ``0`` forces it on / off; unset, ``prefer`` decides
+    where given (the engine's measured kernel per row count, engine/row_kernels.py), else it is on for
     float32 models (where torch's packed kernels with float32 activations lose to dense float32: the
     "int8 trap") and off for bfloat16 (torch's packed int4/int8 with bf16 activations stay).
 
@@ -283,6 +284,8 @@ def block_quant_enabled(dtype: torch.dtype | str = torch.float32) -> bool:
     forced = os.environ.get("ACTORSERVE_BLOCK_QUANT", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
+    if prefer is not None:
+        return prefer
     return str(dtype).removeprefix("torch.") == "float32"
 
 
@@ -325,7 +328,7 @@ def resolve_quantization(name: str | None, model_path: str, dtype: str = "bfloat
 
 
 def make_linear_factory(quantization: str | None, dense_factory=None, dense_above_rows: int | None = None,
-                        kernels=None):
+                        kernels=None, block_quant: bool | None = None):
     """``make_linear(weight, name)`` for ``LlamaModel``; None (dense) when ``quantization`` is None.
 
     int4 with ``kernels`` (cpu_kernels.CpuKernels) that have AMX, on bf16 CPU weights of supported
@@ -336,7 +339,8 @@ def make_linear_factory(quantization: str | None, dense_factory=None, dense_abov
     given.  Otherwise (no kernels) torch's packed int8/int4: with ``dense_factory``
     (``make_linear(weight, name)`` of the dense kernel), each quantized projection is a
     ``SplitLinear`` with a dense copy of its quantized values, used above ``dense_above_rows`` rows
-    (default: the quantizer's measured ``DENSE_ABOVE_ROWS``)."""
+    (default: the quantizer's measured ``DENSE_ABOVE_ROWS``).  ``block_quant``: ``block_quant_enabled``'s
+    ``prefer`` (None: its default for the dtype)."""
     if quantization is None:
         return None
     cls = QUANTIZERS[quantization]
@@ -350,7 +354,7 @@ def make_linear_factory(quantization: str | None, dense_factory=None, dense_abov
     def make(weight: torch.Tensor, name: str):
         if quantization == "int4" and weight.dtype == torch.bfloat16 and AmxInt4Linear.supports(weight, kernels):
             return AmxInt4Linear(weight, kernels, swiglu=name == "gate_up" and weight.shape[0] % 32 == 0)
-        if (block_quant_enabled(weight.dtype) and QuantLinear.supports(weight, kernels)
+        if (block_quant_enabled(weight.dtype, block_quant) and QuantLinear.supports(weight, kernels)
                 and weight.dtype in BLOCK_DENSE_ABOVE_ROWS):
             above = block_dense_above_rows(weight.dtype, kernels) if dense_above_rows is None else dense_above_rows
             return split(QuantLinear(weight, BLOCK_BITS[quantization], kernels), weight, name, above)

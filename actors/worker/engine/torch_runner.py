@@ -23,6 +23,7 @@ from .memory import kv_bytes_for_budget, tensor_bytes
 from .model import BatchMetadata, packed_linear_factory
 from .model_families import build_model
 from .quant import make_linear_factory, quantized_kernels_pay, resolve_quantization
+from .row_kernels import RowTable, wrap_factory
 from .runner import RunnerInput, RunnerOutput, RunnerRow
 from .sampler import generator_state, make_generator, sample_batch, set_generator_state, top_logprobs
 from .structured import Structured
@@ -92,6 +93,7 @@ class TorchRunner:
         if self.tp is not None:
             packs = None  # the pack cache holds whole projections, not a rank's shard
         make = self._file_precision(packs.wrap(factory) if packs else factory, art)  # the file's precision (kquant.py)
+        make = wrap_factory(make, self.row_table, dtype)  # the measured kernel per row count (row_kernels.py)
         self.model = build_model(shard_cfg, art.weights, self.position_limit, make, config.native_kernels)
         self.held = make.held.line() if hasattr(make, "held") else (
             f"{self.quantization} re-quantized from the loaded floats (tensor parallel: the file's blocks are not "
@@ -122,11 +124,22 @@ class TorchRunner:
                         self.quantization, self.dtype_name, config.device)
         dense = packed_linear_factory(self.dtype, config.device) if config.quant_dense_copy else None
         kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
-        factory = make_linear_factory(self.quantization, dense, kernels=kernels)
-        variant = pack_variant(self._pinned())  # kquant decides which projections reach the factory
+        self.row_table = self._row_table(kernels)
+        self._block_quant = self.row_table.prefers_blocks() if self.row_table else None
+        factory = make_linear_factory(self.quantization, dense, kernels=kernels, block_quant=self._block_quant)
+        variant = pack_variant(self._pinned()) + f"-b{self._block_quant}"  # which projections reach the factory
         packs = PackCache(config.model_path, self.dtype, self.quantization, kernels, variant) \
             if config.weights_cache and factory is not None else None
         return factory, packs
+
+    def _row_table(self, kernels):
+        """The measured kernel per row count (``EngineConfig.row_kernels``) where it applies: CPU with the native
+        kernels, a quantized path, one rank; else None (projections as ``make_linear_factory`` builds them)."""
+        config = self.config
+        if (config.row_kernels is None or kernels is None or self.quantization is None
+                or config.tensor_parallel != 1):
+            return None
+        return RowTable.from_json(config.row_kernels)
 
     def _file_precision(self, make, art):
         """``make`` (or None: dense) wrapped by ``kquant.file_precision_factory`` for a one-rank GGUF (4-bit
@@ -148,7 +161,8 @@ class TorchRunner:
                                    self.model_config.num_kv_heads)
         dense = packed_linear_factory(self.dtype, config.device) if config.quant_dense_copy else None
         kernels = cpu_kernels.load() if config.native_kernels and config.device == "cpu" else None
-        return kquant.file_precision_factory(make, file, self.quantization, self.dtype, self._pinned(), kernels, dense)
+        return kquant.file_precision_factory(make, file, self.quantization, self.dtype, self._pinned(), kernels, dense,
+                                             block_quant=self._block_quant)
 
     def _pinned(self) -> bool:
         """Whether the quantization was asked for (``EngineConfig.quantization_pinned``; None: unless "auto")."""
@@ -182,6 +196,7 @@ class TorchRunner:
         self.tp, self.model, self.position_limit = None, other.model, other.position_limit
         self.native_off_reason = other.native_off_reason
         self.held = getattr(other, "held", None)
+        self.row_table = getattr(other, "row_table", None)
         self.weights_bytes, self.weights_shared = other.weights_bytes, True
         self._init_adapters(config.max_loras)
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, self.dtype, config.device)
