@@ -100,9 +100,9 @@ def _zero_compute_curve(args):
 
 
 def small_step_tokens(args: argparse.Namespace) -> int:
-    """``--small-step-tokens`` of a one-version worker (default 0, decision 0051); 0 in a multi-version host (``--host``):
+    """``--small-step-tokens`` of a one-version worker (default 1, decision 0051); 0 in a multi-version host (``--host``):
     its versions step on threads of their own in one process and ``torch.set_num_threads`` is process-wide, so
     one version's one-thread step would change the thread count under another's (one host test timed out with
     the switch on and never without it)."""
-    return 0 if getattr(args, "host", False) else int(getattr(args, "small_step_tokens", 0))
+    return 0 if getattr(args, "host", False) else int(getattr(args, "small_step_tokens", 1))
 

@@ -41,8 +41,11 @@ from tests.engine_fixtures import write_tiny_llama_gguf
 pytestmark = [pytest.mark.cluster]
 
 MODEL = "tiny"
-# 1 slot per worker: the worker is the bottleneck of a few concurrent long streams (accelerator-bound)
-WORKER_ARGS = ["--kv-cache-bytes", "8000000", "--max-num-seqs", "1", "--no-progress", "--drain-timeout", "8"]
+# 1 slot per worker: the worker is the bottleneck of a few concurrent long streams (accelerator-bound). Two-thread
+# steps, as BASE_RATE below was calibrated with: a one-slot worker's steps are all one-row steps, which the worker's
+# default runs on one thread (decision 0051), and a faster worker is not overloaded by the capped 3x step.
+WORKER_ARGS = ["--kv-cache-bytes", "8000000", "--max-num-seqs", "1", "--no-progress", "--drain-timeout", "8",
+               "--small-step-tokens", "0"]
 # Short cool-downs and windows so that a test sees a scale-up and a scale-down within a minute.
 POLICY = ["cpu.cooldown_up_s=2", "cpu.down_window_s=3", "cpu.cooldown_down_s=4",
           "pool.cooldown_up_s=2", "pool.down_window_s=3", "pool.cooldown_down_s=4",

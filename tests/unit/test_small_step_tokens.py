@@ -16,7 +16,8 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_a_worker_switches_one_token_steps_when_asked_and_a_host_does_not():
-    assert small_step_tokens(_args()) == 0
+    assert small_step_tokens(_args()) == 1  # the default since decision 0051's second measurement
+    assert small_step_tokens(_args("--small-step-tokens", "0")) == 0
     assert small_step_tokens(_args("--small-step-tokens", "1")) == 1
     assert small_step_tokens(_args("--small-step-tokens", "8")) == 8
     assert small_step_tokens(_args("--host")) == 0

@@ -20,6 +20,7 @@ ggml's docs/gguf.md (v2/v3: little-endian, u64 lengths and counts).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -376,8 +377,11 @@ def _rows(model_path: str, choice: Choice, device: str, use_cache: bool) -> dict
         if isinstance(hit, dict) and "table" in hit:
             return hit["table"]
     try:
-        table = table_of(measure_layer_rows(policy.Candidate(choice.dtype, choice.quantization),
-                                            read_shapes(model_path), cpu_kernels.load()))
+        shapes = read_shapes(model_path)
+        table = table_of(measure_layer_rows(policy.Candidate(choice.dtype, choice.quantization), shapes,
+                                            cpu_kernels.load()))
+        if table is not None and choice.dtype == "bfloat16" and _file_head_q8_0(model_path):
+            table = dataclasses.replace(table, head=table_of(measure_layer_head(shapes, cpu_kernels.load())))
     except (RuntimeError, ValueError) as exc:  # a kernel that fails here would fail in the engine too
         log.warning("kernel choice: timing %s per row count failed (%s); projections as built", choice.label, exc)
         return None
@@ -405,6 +409,32 @@ def measure_layer_rows(cand: policy.Candidate, shapes: Shapes, kernels, reps: in
         return measure_rows(_layer_ops(cand, shapes, kernels), dt, junk.sum, reps)
     finally:
         torch.set_num_threads(before)
+
+
+def measure_layer_head(shapes: Shapes, kernels, reps: int = 5, threads: int | None = 1):
+    """``row_kernels.measure_head_rows`` for the model's LM head shape, on ``threads`` torch threads."""
+    import torch
+
+    from .row_kernels import measure_head_rows
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        junk = torch.ones(2 * _llc_bytes() // 4, dtype=torch.float32)
+        return measure_head_rows(shapes.vocab, shapes.hidden, kernels, junk.sum, reps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _file_head_q8_0(model_path: str) -> bool:
+    """Whether the GGUF's LM head (``output.weight``, else the tied ``token_embd.weight``) is stored as Q8_0."""
+    from .kquant import head_name, tensor_table
+
+    if os.path.isdir(model_path):
+        return False
+    name = head_name(model_path)
+    return name is not None and tensor_table(model_path)[name][1] == "Q8_0"
 
 
 def choose_path(model_path: str, model_version: str = "", device: str = "cpu", dtype: str = "auto",

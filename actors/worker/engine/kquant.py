@@ -195,6 +195,37 @@ class FileInt4:
         return tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(a))) for a in (qs, ss, ms))
 
 
+def head_name(path: str) -> str | None:
+    """The GGUF tensor the LM head is read from: ``output.weight``, else the tied ``token_embd.weight``; None
+    when the file has neither (or is not a GGUF)."""
+    try:
+        table = tensor_table(path)
+    except (OSError, ValueError):
+        return None
+    return next((n for n in ("output.weight", "token_embd.weight") if n in table), None)
+
+
+def file_q8_0(path: str, name: str, kernels):
+    """The GGUF tensor ``name`` [out, in] as a ``QuantLinear`` over the file's own Q8_0 blocks (ggml's block_q8_0:
+    one half scale d and 32 int8 q per 34 bytes, ``w = d * q``), exactly; None when the tensor is absent, not
+    Q8_0, not 2-D, of a shape the block product cannot take (out % 16, in % 32), or without ``kernels``."""
+    from .quant_blocks import QuantLinear, pack_blocks
+
+    table = tensor_table(path)
+    if kernels is None or name not in table:
+        return None
+    dims, tname, off, _ = table[name]
+    if tname != "Q8_0" or len(dims) != 2 or dims[0] % 16 or dims[1] % 32:
+        return None
+    n, k = dims
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        raw = np.frombuffer(buf, dtype=np.uint8, count=n * k // 32 * 34, offset=off).reshape(n, k // 32, 34)
+        d = torch.from_numpy(np.ascontiguousarray(raw[..., :2]).view(np.float16).reshape(n, k // 32))
+        q = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k))
+        del raw
+    return QuantLinear.from_packed(pack_blocks((q.to(torch.int16) + 128).to(torch.uint8), d, None, 8), 8, n, kernels)
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """Float32 ``q * scale - mn`` per group of 32 inputs: q [out, in], scale / mn [out, in / 32]."""
     return q.float() * scale.repeat_interleave(GROUP, 1) - mn.repeat_interleave(GROUP, 1)

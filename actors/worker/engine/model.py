@@ -347,6 +347,8 @@ class LlamaModel:
         make_linear = make_linear or dense
         self.lm_head = Linear(weights["lm_head"])  # plain: [V, d] @ h^T for many rows unless packed (forward)
         self.lm_head_1 = dense(weights["lm_head"], "lm_head")  # packed where possible
+        # the head's product runs through lm_head_1 at every row count (kept when row_kernels wraps lm_head_1)
+        self.head_packed = isinstance(self.lm_head_1, PackedLinear)
         if config.qk_norm and not isinstance(self, QkNormModel):
             raise ValueError("a qk_norm spec needs QkNormModel (model_families.build_model picks it)")
         self.mlp = self.MLP(config)  # the MLP part (DenseMlp; moe.py's MoeMlp for mixtures of experts)
@@ -407,7 +409,7 @@ class LlamaModel:
                 x = rms_norm(h, lw.ffn_norm, cfg.rms_eps)
                 h = h + self.mlp(lw, x, meta, layer)
         h = rms_norm(h[meta.logits_indices], self.norm, cfg.rms_eps)
-        if h.shape[0] > 1 and not isinstance(self.lm_head_1, PackedLinear):
+        if h.shape[0] > 1 and not self.head_packed:
             # [V, d] @ [d, S]: measured 1.7x faster than x @ W^T for the 49152x576 head at S=32..64
             return (self.lm_head.weight @ h.t()).t().float()
         # Pre-packed (bf16): faster at every row count, and its [S, V] output is contiguous, which the

@@ -10,7 +10,8 @@
   numerically in tests/unit/test_engine_quant.py).
 
 Only the per-layer projections (fused QKV, O, fused gate/up, down) are quantized; the embedding /
-tied LM head, norms and the KV cache stay in the model dtype.  On devices other than CPU the same
+tied LM head, norms and the KV cache stay in the model dtype (a GGUF's Q8_0 LM head may also be held as its
+own blocks for small steps, where measured faster: row_kernels.compose_head).  On devices other than CPU the same
 quantized values are dequantized per call (correct, not fast).
 
 Small and large steps (``SplitLinear``): the packed int8/int4 CPU kernels win while a step is bound

@@ -49,6 +49,7 @@ class RowTable:
     levels: tuple[int, ...]
     picks: tuple[str, ...]
     ms: dict
+    head: "RowTable | None" = None  # the LM head's own table (``compose_head``), where its file holds Q8_0 blocks
 
     def __post_init__(self) -> None:
         if len(self.levels) != len(self.picks) or not self.levels or list(self.levels) != sorted(set(self.levels)):
@@ -71,8 +72,9 @@ class RowTable:
         return any(p in BLOCK_IMPLS for p in self.picks) and "torch" not in self.picks
 
     def to_json(self) -> dict:
-        """{"levels": [...], "picks": [...], "ms": {...}} (the cache entry and the worker's etcd record)."""
-        return {"levels": list(self.levels), "picks": list(self.picks), "ms": self.ms}
+        """{"levels": [...], "picks": [...], "ms": {...}, "head": {...} or None} (the cache entry, EngineConfig)."""
+        return {"levels": list(self.levels), "picks": list(self.picks), "ms": self.ms,
+                "head": self.head.to_json() if self.head else None}
 
     @classmethod
     def from_json(cls, data) -> "RowTable | None":
@@ -83,7 +85,7 @@ class RowTable:
             raise ValueError(f"row table: expected an object, got {type(data).__name__}")
         try:
             return cls(tuple(int(x) for x in data["levels"]), tuple(str(x) for x in data["picks"]),
-                       dict(data.get("ms") or {}))
+                       dict(data.get("ms") or {}), cls.from_json(data.get("head")))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"row table: field {exc} missing or malformed") from None
 
@@ -93,7 +95,7 @@ class RowTable:
         for level, name in zip(self.levels, self.picks):
             parts.append(f"{lo}-{level} {name}" if level > lo else f"{level} row{'s' if level > 1 else ''} {name}")
             lo = level + 1
-        return ", ".join(parts)
+        return ", ".join(parts) + (f"; LM head {self.head.line()}" if self.head else "")
 
 
 class RowKernelLinear:
@@ -233,6 +235,26 @@ def wrap_factory(make, table: RowTable | None, dtype: torch.dtype):
     return made
 
 
+def compose_head(dense, file_head, table: RowTable | None):
+    """The LM head for ``LlamaModel.lm_head_1``: ``dense`` (its bf16 ``PackedLinear``) unless ``table`` picks a
+    block product at some level and ``file_head`` (``kquant.file_q8_0``: the file's own Q8_0 blocks) is given;
+    then a ``RowKernelLinear`` over the winners (the other block build shares the pack) with ``dense`` beyond
+    the table.  Logits of the block product carry int8-activation rounding, as llama.cpp's of the same file."""
+    from .quant_blocks import QuantLinear
+
+    if table is None or file_head is None or not any(p in BLOCK_IMPLS for p in table.picks):
+        return dense
+    impls = {"dense": dense, _block_name(file_head.kernels): file_head}
+    for isa in usable_isas():
+        k = _isa_kernels(isa)
+        if k is not None and _block_name(k) not in impls:
+            impls[_block_name(k)] = QuantLinear.from_packed(file_head.packed, 8, file_head.out_features, k)
+    if any(p not in impls for p in table.picks):
+        log.warning("row kernels: LM head kernels %s not built; the head runs dense", sorted(set(table.picks)))
+        return dense
+    return RowKernelLinear({p: impls[p] for p in set(table.picks)}, table, dense)
+
+
 # ------------------------------------------------------------------------------------ measurement
 
 
@@ -243,18 +265,46 @@ def measure_rows(layer: list, dtype: torch.dtype, flush, reps: int = 5) -> dict[
     stream from memory as in decode.  Returns {kernel: [ms at each level]}."""
     alts = [alternatives(op, dtype) for op, _ in layer]
     names = [n for n in IMPLS if all(n in a for a in alts)]
+    per_kernel = {n: [a[n] for a in alts] for n in names}
+    return _time(per_kernel, [k for _, k in layer], dtype, flush, reps,
+                 lambda fns, xs: [f(x) for f, x in zip(fns, xs)])
+
+
+def measure_head_rows(vocab: int, hidden: int, kernels, flush, reps: int = 5) -> dict[str, list[float]]:
+    """ms of a bf16 LM head [vocab, hidden] per kernel at each of LEVELS rows: ``dense`` (oneDNN pre-packed, as
+    ``LlamaModel`` runs it) and the Q8_0 block product's builds (``usable_isas``); constant weights (a product's
+    speed does not depend on the values).  {} where the dense head is not pre-packed (no bf16 oneDNN) or without
+    ``kernels``."""
+    from .model import packed_linear_factory
+    from .quant_blocks import QuantLinear
+
+    make = packed_linear_factory(torch.bfloat16, "cpu")
+    if make is None or kernels is None or vocab % 16 or hidden % 32:
+        return {}
+    w = torch.full((vocab, hidden), 0.01, dtype=torch.bfloat16)
+    q = QuantLinear(w, 8, kernels)
+    heads = {"dense": make(w, "lm_head"), _block_name(kernels): q}
+    for isa in usable_isas():
+        k = _isa_kernels(isa)
+        if k is not None and _block_name(k) not in heads:
+            heads[_block_name(k)] = QuantLinear.from_packed(q.packed, 8, vocab, k)
+    return _time(heads, [hidden], torch.bfloat16, flush, reps, lambda f, xs: f(xs[0]))
+
+
+def _time(fns: dict, widths: list[int], dtype: torch.dtype, flush, reps: int, call) -> dict[str, list[float]]:
+    """Best-of-``reps`` ms of ``call(fn, xs)`` per named ``fn`` at each of LEVELS rows (xs: one input per width)."""
+    names = [n for n in IMPLS if n in fns]
     best = {n: [float("inf")] * len(LEVELS) for n in names}
     with torch.inference_mode():
         for i, rows in enumerate(LEVELS):
-            xs = [torch.empty(rows, k, dtype=dtype).uniform_(-1, 1) for _, k in layer]
-            calls = {n: (lambda n=n: [a[n](x) for a, x in zip(alts, xs)]) for n in names}
-            for fn in calls.values():
-                fn()  # warm-up (oneDNN builds a primitive per shape)
+            xs = [torch.empty(rows, k, dtype=dtype).uniform_(-1, 1) for k in widths]
+            for n in names:
+                call(fns[n], xs)  # warm-up (oneDNN builds a primitive per shape)
             for _ in range(reps):
-                for n, fn in calls.items():
+                for n in names:
                     flush()
                     t = time.perf_counter()
-                    fn()
+                    call(fns[n], xs)
                     best[n][i] = min(best[n][i], (time.perf_counter() - t) * 1e3)
     return {n: [round(v, 4) for v in ms] for n, ms in best.items()}
 

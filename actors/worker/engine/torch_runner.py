@@ -95,6 +95,7 @@ class TorchRunner:
         make = self._file_precision(packs.wrap(factory) if packs else factory, art)  # the file's precision (kquant.py)
         make = wrap_factory(make, self.row_table, dtype)  # the measured kernel per row count (row_kernels.py)
         self.model = build_model(shard_cfg, art.weights, self.position_limit, make, config.native_kernels)
+        self._head_kernels()
         self.held = make.held.line() if hasattr(make, "held") else (
             f"{self.quantization} re-quantized from the loaded floats (tensor parallel: the file's blocks are not "
             "sharded)" if self.quantization and self.tp is not None else f"{self.quantization or self.dtype_name} (all)")
@@ -131,6 +132,22 @@ class TorchRunner:
         packs = PackCache(config.model_path, self.dtype, self.quantization, kernels, variant) \
             if config.weights_cache and factory is not None else None
         return factory, packs
+
+    def _head_kernels(self) -> None:
+        """The LM head per row count (``row_kernels.compose_head``) where the row table has a head table and the
+        GGUF stores the head as Q8_0 blocks (read exactly, ``kquant.file_q8_0``); one rank, pre-packed bf16 head."""
+        table = self.row_table.head if self.row_table else None
+        model = self.model
+        if table is None or not getattr(model, "head_packed", False) or os.path.isdir(self.config.model_path):
+            return
+        from . import kquant
+        from .row_kernels import compose_head
+
+        name = kquant.head_name(self.config.model_path)
+        head = kquant.file_q8_0(self.config.model_path, name, cpu_kernels.load()) if name else None
+        if head is not None and head.out_features != self.model_config.vocab_size:
+            head = None  # a head whose rows are not the vocabulary (never in a llama-style GGUF): left dense
+        model.lm_head_1 = compose_head(model.lm_head_1, head, table)
 
     def _row_table(self, kernels):
         """The measured kernel per row count (``EngineConfig.row_kernels``) where it applies: CPU with the native
