@@ -31,17 +31,23 @@ WORDS = ("the river carries old stones past the mill while children count boats 
 
 
 def offline(model: str, dtype: str, quantization: str, levels: tuple[int, ...], prompt: int, gen: int,
-            threads: int | None) -> dict[str, float]:
-    """{str(n): aggregate decode tok/s} of the engine in-process, worker-equal config (EngineConfig
-    defaults: 256 MiB KV cache, 32 slots). ValueError from EngineConfig on bad options."""
+            threads: int | None, small_step_tokens: int = 0) -> dict[str, float]:
+    """{str(n): aggregate decode tok/s} of the engine in-process, worker-equal config (the worker's path choice and
+    kernel per row count, ``small_step_tokens`` as the worker's, EngineConfig defaults: 256 MiB KV cache, 32 slots).
+    ValueError from EngineConfig on bad options."""
     import torch
 
     from actors.worker.engine.engine import EngineConfig, LLMEngine
     from bench.engine_bench import engine_decode
 
+    from actors.worker.engine.kernel_choice import choose
+
     n0 = torch.get_num_threads()
-    cfg = EngineConfig(model_path=model, dtype=dtype, quantization=None if quantization == "none" else quantization,
-                       max_num_seqs=max(32, *levels), num_threads=threads)
+    choice = choose(model, os.path.basename(model), "cpu", dtype, quantization)  # the worker's path and row kernels
+    print(f"  {choice.line()}; small-step tokens {small_step_tokens}", flush=True)
+    cfg = EngineConfig(model_path=model, dtype=choice.dtype, quantization=choice.quantization,
+                       max_num_seqs=max(32, *levels), num_threads=threads, row_kernels=choice.row_table,
+                       small_step_tokens=small_step_tokens)
     engine, rng, out = LLMEngine(cfg), random.Random(0), {}
     for n in levels:
         engine_decode(engine, n, prompt, 4, rng)  # warm-up at this batch size
@@ -52,6 +58,17 @@ def offline(model: str, dtype: str, quantization: str, levels: tuple[int, ...], 
     gc.collect()
     torch.set_num_threads(n0)
     return out
+
+
+def worker_small_step_tokens(worker_args: list[str]) -> int:
+    """The ``--small-step-tokens`` the stack's worker runs with (``--worker-arg`` as ``--small-step-tokens=N`` or
+    the flag then its value), else the worker's default: the offline engine is configured the same way."""
+    from actors.worker.actor import add_arguments
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    known, _ = p.parse_known_args(["--model", "x@1", *worker_args])
+    return int(known.small_step_tokens)
 
 
 async def _stream(client, url: str, key: str, model: str, text: str, gen: int) -> tuple[list[float], int]:
@@ -134,7 +151,8 @@ def run(args: argparse.Namespace) -> dict:
            "offline_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}  # the process's own (bench engine's)
     if not args.served_only:
         print(f"[served-gap] offline engine ({args.dtype}, {args.quantization}) ...", flush=True)
-        res["offline_tok_s"] = offline(model, args.dtype, args.quantization, levels, 128, args.gen, args.threads)
+        res["offline_tok_s"] = offline(model, args.dtype, args.quantization, levels, 128, args.gen, args.threads,
+                                       worker_small_step_tokens(args.worker_arg))
     if not args.offline_only:
         print("[served-gap] whole stack ...", flush=True)
         res["served_tok_s"] = served(args.dtype, args.quantization, levels, args.gen, env, args.worker_arg)

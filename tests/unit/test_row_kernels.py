@@ -249,3 +249,11 @@ def test_measure_head_times_the_dense_and_block_heads():
     ms = rk.measure_head_rows(1024, 64, cpu_kernels.load(), flush=lambda: None, reps=2)
     assert {"dense", *rk.usable_isas()} == set(ms) and all(len(v) == len(rk.LEVELS) for v in ms.values())
     assert rk.measure_head_rows(1000, 64, cpu_kernels.load(), flush=lambda: None) == {}  # vocab % 16: no blocks
+
+
+def test_the_head_table_is_asked_for_only_where_the_file_holds_a_q8_0_head(tiny):
+    from tests.unit.test_engine_reference import MODEL_PATH
+
+    assert not kc._file_head_q8_0(tiny)  # the tiny writer's token_embd is F32
+    if MODEL_PATH is not None:
+        assert kc._file_head_q8_0(MODEL_PATH)  # SmolLM2's tied token_embd is Q8_0

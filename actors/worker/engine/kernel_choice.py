@@ -36,6 +36,7 @@ from . import kernel_policy as policy
 
 log = logging.getLogger(__name__)
 
+Q8_0_TYPE = 8  # ggml_type GGML_TYPE_Q8_0 (ggml.h)
 CACHE_FILE = "kernel_choice.json"
 CACHE_ENTRIES = 64  # newest entries kept in the cache file
 _SOURCES = ("quant.py", "quant_blocks.py", "model.py", "cpu_kernels.py", "kernel_policy.py", "kernel_choice.py",
@@ -428,13 +429,13 @@ def measure_layer_head(shapes: Shapes, kernels, reps: int = 5, threads: int | No
 
 
 def _file_head_q8_0(model_path: str) -> bool:
-    """Whether the GGUF's LM head (``output.weight``, else the tied ``token_embd.weight``) is stored as Q8_0."""
-    from .kquant import head_name, tensor_table
-
+    """Whether the GGUF's LM head (``output.weight``, else the tied ``token_embd.weight``, as ``kquant.head_name``)
+    is stored as Q8_0 (ggml type 8)."""
     if os.path.isdir(model_path):
         return False
-    name = head_name(model_path)
-    return name is not None and tensor_table(model_path)[name][1] == "Q8_0"
+    infos = read_tensor_infos(model_path)
+    name = next((n for n in ("output.weight", "token_embd.weight") if n in infos), None)
+    return name is not None and infos[name][1] == Q8_0_TYPE
 
 
 def choose_path(model_path: str, model_version: str = "", device: str = "cpu", dtype: str = "auto",
