@@ -53,13 +53,31 @@ def test_engine_config_refuses_a_bad_table():
         EngineConfig(model_path="x", row_kernels={"levels": [1], "picks": ["fast"]})
 
 
-def test_table_of_keeps_the_fastest_per_level_and_needs_two_kernels():
-    ms = {"torch": [1.0, 2.0, 3.0, 9.0], "avx512": [1.5, 1.0, 2.0, 4.0], "dense": [5.0, 5.0, 5.0, 3.0]}
+def test_table_of_keeps_one_numeric_family_and_its_fastest_build_per_level():
+    ms = {"torch": [1.0, 2.0, 3.0, 9.0], "avx512": [1.5, 1.0, 2.0, 4.0], "avx2": [1.2, 1.4, 2.5, 8.0],
+          "dense": [5.0, 5.0, 5.0, 3.0]}
     t = rk.table_of(ms)
-    assert t.picks == ("torch", "avx512", "avx512", "dense") and t.ms == ms
-    assert not t.prefers_blocks()  # torch wins a level: the engine keeps torch's pack and adds a block pack
+    # block: ratios 1.2 * 1 * 1 * 1.33 against torch 1 * 2 * 1.5 * 3 and dense 5 * 5 * 2.5 * 1
+    assert t.picks == ("avx2", "avx512", "avx512", "avx512") and t.ms == ms and t.prefers_blocks()
+    t = rk.table_of({"torch": [1.0, 1.0, 1.0, 9.0], "avx512": [2.0, 2.0, 2.0, 4.0], "dense": [5.0, 5.0, 5.0, 3.0]})
+    assert t.picks == ("torch",) * 4 and not t.prefers_blocks()  # never torch at one level and blocks at another
     assert rk.table_of({"avx512": [1.0] * 4}) is None
-    assert rk.RowTable(rk.LEVELS, ("avx2", "avx512", "avx512", "dense"), {}).prefers_blocks()
+    assert not rk.RowTable(rk.LEVELS, ("torch", "avx512", "avx512", "dense"), {}).prefers_blocks()
+
+
+@needs_native
+def test_the_block_builds_give_the_same_bits():
+    """Why avx512 and avx2 share a family (row_kernels.FAMILY): the same integer sums in the same order."""
+    if len(rk.usable_isas()) < 2:
+        pytest.skip("this CPU runs one block build only")
+    torch.manual_seed(0)
+    for bits in (4, 8):
+        q = QuantLinear(torch.randn(64, 256) * 0.05, bits, cpu_kernels.load_isa("avx512"))
+        q2 = QuantLinear.from_packed(q.packed, bits, 64, cpu_kernels.load_isa("avx2"))
+        for dt in (torch.float32, torch.bfloat16):
+            for rows in (1, 3, 8, 20):
+                x = torch.randn(rows, 256, dtype=dt)
+                assert torch.equal(q(x), q2(x)), (bits, dt, rows)
 
 
 # --------------------------------------------------------------------------- alternatives and dispatch

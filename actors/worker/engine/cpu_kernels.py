@@ -357,6 +357,32 @@ class CpuKernels:
         return out
 
 
+    def qgemm_bound(self, packed: torch.Tensor, bits: int, out_features: int):
+        """``fn(x) -> y``: ``qgemm`` over one packed weight, whose checks run once here instead of at every call
+        (a decode step makes four products a layer: at one row the checks, the dict lookups and the argument
+        conversions were a third of a small product's ~14 us).  x as ``qgemm``'s, its K the weight's; the
+        callable holds ``packed``.  ValueError here on a bad pack, in the call on a bad x."""
+        bs = {8: 544, 4: 320}.get(bits)
+        _check(bs is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.dim() == 3
+               and packed.shape[0] * 16 == out_features and packed.shape[2] == bs,
+               f"qgemm: packed weight for bits {bits}, {out_features} outputs")
+        K, w_ptr, fn, codes, rc = packed.shape[1] * 32, packed.data_ptr(), self._qgemm, _DTYPE_CODES, self._rc
+        empty = torch.empty
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            code = codes.get(x.dtype)
+            if code is None or x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
+                _check(False, f"qgemm: x [M, {K}] float32/bf16 rows, got {tuple(x.shape)} {x.dtype}")
+            M = x.shape[0]
+            out = empty(M, out_features, dtype=x.dtype)
+            rc(fn(code, bits, x.data_ptr(), x.stride(0), w_ptr, out.data_ptr(), out_features, M, out_features, K),
+               "qgemm")
+            return out
+
+        product.packed = packed  # keeps the weight alive with the pointer
+        return product
+
+
 def lora_sgmv(kernels: "CpuKernels", x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
               slot: torch.Tensor, r_max: int, cols: torch.Tensor) -> None:
     """``y[t] += (x[t] @ a[slot[t]]) @ b[slot[t]]`` for rows with ``slot[t] >= 0`` (csrc/lora_sgmv.cpp).

@@ -163,5 +163,7 @@ class QuantLinear:
         return (ub * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qgemm(x if x.stride(-1) == 1 else x.contiguous(), self.packed, self.bits,
-                                  self.out_features)
+        fn = self.__dict__.get("_product")
+        if fn is None or fn.packed is not self.packed:  # built on first use (from_packed skips __init__)
+            fn = self._product = self.kernels.qgemm_bound(self.packed, self.bits, self.out_features)
+        return fn(x if x.stride(-1) == 1 else x.contiguous())

@@ -14,8 +14,9 @@ A quantized projection can be multiplied by several kernels over the same quanti
 for one case: a block pack (``QuantLinear``) next to an ``AmxInt4Linear`` or a torch-packed one (0.625 /
 1.0625 bytes a weight), kept only where it wins a row count.  A dense copy is offered only where the
 engine keeps one already (its memory is today's).  At start ``kernel_choice`` times every alternative on
-one layer of the model's projection shapes at ``LEVELS`` rows (``measure_rows``) and ``table_of`` keeps the
-fastest per level; ``wrap_factory`` then builds each projection as a ``RowKernelLinear`` holding only the
+one layer of the model's projection shapes at ``LEVELS`` rows (``measure_rows``) and ``table_of`` keeps, within
+the fastest numeric family (the two block builds give the same bits; other kernels round differently), the
+fastest build per level; ``wrap_factory`` then builds each projection as a ``RowKernelLinear`` holding only the
 winners.  A step of ``n`` rows runs the winner of the smallest level ``>= n``; beyond the last level the
 projection as the engine built it (its recorded crossovers, decision 0027) runs.
 
@@ -27,6 +28,7 @@ transformers (tests/unit/test_row_kernels.py).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 LEVELS = (1, 4, 8, 32)  # decode rows at which the kernels are timed (the issue's step sizes)
 IMPLS = ("amx", "avx512", "avx2", "torch", "dense")  # kernel names, in the order listed above
 BLOCK_IMPLS = ("avx512", "avx2")  # the block products (QuantLinear)
+# kernels that give the same bits for the same inputs (the two block builds: the same integer sums, in the same
+# order) share a family; a measured table keeps to one family (``table_of``)
+FAMILY = {"amx": "amx", "avx512": "block", "avx2": "block", "torch": "torch", "dense": "dense"}
 
 
 @dataclass(frozen=True)
@@ -310,10 +315,22 @@ def _time(fns: dict, widths: list[int], dtype: torch.dtype, flush, reps: int, ca
 
 
 def table_of(ms: dict[str, list[float]]) -> RowTable | None:
-    """The fastest kernel per level of ``measure_rows``' result (ties: IMPLS order); None with fewer than two
-    kernels (nothing was chosen)."""
+    """The kernel per level of ``measure_rows``' result: one numeric family (``FAMILY``) for every level, the one
+    whose per-level best is nearest the fastest of all (geometric mean of the ratios), then its fastest build per
+    level (ties: IMPLS order).  One family, because families round differently (int8 activations or not, bf16
+    products or AMX tiles): with a kernel per level from any family, a token's logits would depend on how many
+    other rows shared its step (other requests' decodes, a prefill chunk's length), while the builds of one family
+    give the same bits (tests/unit/test_row_kernels.py).  None with fewer than two kernels (nothing was chosen)."""
     if len(ms) < 2:
         return None
     names = [n for n in IMPLS if n in ms]
-    picks = tuple(min(names, key=lambda n: ms[n][i]) for i in range(len(LEVELS)))
+    best = [min(ms[n][i] for n in names) for i in range(len(LEVELS))]
+
+    def cost(family: str) -> float:
+        members = [n for n in names if FAMILY[n] == family]
+        return math.prod(min(ms[n][i] for n in members) / max(best[i], 1e-9) for i in range(len(LEVELS)))
+
+    family = min(dict.fromkeys(FAMILY[n] for n in names), key=cost)
+    members = [n for n in names if FAMILY[n] == family]
+    picks = tuple(min(members, key=lambda n: ms[n][i]) for i in range(len(LEVELS)))
     return RowTable(LEVELS, picks, ms)
