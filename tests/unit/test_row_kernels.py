@@ -14,7 +14,7 @@ from actors.worker.engine.kernel_policy import Candidate
 from actors.worker.engine.model import packed_linear_factory
 from actors.worker.engine.quant import Int4Linear, SplitLinear, make_linear_factory
 from actors.worker.engine.quant_blocks import QuantLinear
-from tests.engine_fixtures import write_tiny_llama_gguf
+from tests.unit.test_kernel_choice import cache_dir, tiny  # noqa: F401 (fixtures: a tiny GGUF, a private cache)
 
 NATIVE = cpu_kernels.load() is not None
 needs_native = pytest.mark.skipif(not NATIVE, reason="no C++ compiler: no native block products to choose among")
@@ -146,18 +146,6 @@ def test_a_pick_the_projection_cannot_run_leaves_it_as_built(caplog):
 
 
 # --------------------------------------------------------------------------- measurement and cache
-
-
-@pytest.fixture
-def tiny(tmp_path) -> str:
-    return write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"))
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("ACTORSERVE_CACHE_DIR", str(d))
-    return d
 
 
 @needs_native
