@@ -184,7 +184,8 @@ def test_a_one_row_step_of_the_whole_model_reads_two_experts_per_layer(engines):
 
 def test_quantized_experts_call_the_native_kernel_once_per_selected_expert(engines):
     """The native path (int8 experts: quant_blocks.QuantLinear over the C++ ``qgemm``): counted at the kernel's own
-    entry (the CpuKernels method the expert linears hold, wrapped here; no counter inside the engine). One row:
+    entry (the ctypes function of the CpuKernels the expert linears hold, wrapped here: its weight pointer names the
+    expert linear, its M argument the rows; no counter inside the engine). One row:
     one gate/up and one down call for each of the top-2 experts; 32 rows: one of each per distinct selected expert,
     each over all the rows that chose it."""
     from actors.worker.engine.quant_blocks import QuantLinear
@@ -194,16 +195,16 @@ def test_quantized_experts_call_the_native_kernel_once_per_selected_expert(engin
     lins = block.gate_up + block.down
     if not all(isinstance(lin, QuantLinear) for lin in lins):
         pytest.skip(f"int8 experts are {type(lins[0]).__name__} here, not the native QuantLinear (no C++ kernels)")
-    kernels, packs = lins[0].kernels, {id(lin.packed): n for n, lin in enumerate(lins)}
+    kernels, packs = lins[0].kernels, {lin.packed.data_ptr(): n for n, lin in enumerate(lins)}
     calls: list[tuple[int, int]] = []  # (expert linear index, rows)
-    real = kernels.qgemm
+    real = kernels._qgemm
 
-    def spy(x, packed, *args, **kw):
-        if id(packed) in packs:
-            calls.append((packs[id(packed)], x.shape[0]))
-        return real(x, packed, *args, **kw)
+    def spy(*args):  # actorserve_qgemm(dtype, bits, x, ldx, w, y, ldy, M, N, K)
+        if args[4] in packs:
+            calls.append((packs[args[4]], args[7]))
+        return real(*args)
 
-    kernels.qgemm = spy
+    kernels._qgemm = spy
     try:
         with torch.inference_mode():
             block(torch.randn(1, eng.model_config.hidden_size, generator=torch.Generator().manual_seed(1)))
@@ -212,7 +213,7 @@ def test_quantized_experts_call_the_native_kernel_once_per_selected_expert(engin
             _, chosen = block.route(x32)
             block(x32)
     finally:
-        del kernels.qgemm  # the instance attribute: the class's method again
+        kernels._qgemm = real
     assert len(one) == 2 * TOP_K and all(rows == 1 for _, rows in one)
     rows_per_expert = torch.bincount(chosen.reshape(-1), minlength=NUM_EXPERTS)
     selected = int((rows_per_expert > 0).sum())
