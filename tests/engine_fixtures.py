@@ -53,3 +53,18 @@ def stepwise_logits(engine, prompt: list[int]):
         return torch.cat(rows)
     finally:
         engine.block_manager.free("__probe__")
+
+
+def assert_logits_within(engine, ref, prompts, max_rel: float, min_top1: float, label: str = "") -> None:
+    """The engine's logits of ``prompts`` (concatenated), prefilled whole and one token per step, against ``ref``
+    (float32 [sum of lengths, vocab], e.g. transformers'): relative Frobenius error <= ``max_rel`` and top-1 agreement
+    >= ``min_top1`` for both; each printed with ``label``.  AssertionError otherwise."""
+    import torch
+
+    for name, fn in (("prefill", prefill_logits), ("one token per step", stepwise_logits)):
+        ours = torch.cat([fn(engine, p) for p in prompts])
+        rel = ((ours - ref).norm() / ref.norm()).item()
+        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"{label} {name}: rel {rel:.4f}, top1 {top1:.3f}")
+        assert rel <= max_rel and top1 >= min_top1, (label, name, rel, top1)
+

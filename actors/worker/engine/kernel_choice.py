@@ -20,6 +20,7 @@ ggml's docs/gguf.md (v2/v3: little-endian, u64 lengths and counts).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -252,21 +253,35 @@ def measure(cands: list[policy.Candidate], shapes: Shapes, kernels=None, reps: i
     and the ratio between paths, not the absolute rate, decides.  Attention, norms and host overhead are
     left out: figures are upper bounds, comparable between candidates.
     Returns {label: {"1": tok/s, "32": tok/s, "ms": wall ms spent building and timing it}}."""
+    with _threads(threads):
+        return _measure(cands, shapes, kernels, reps)
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None):
+    """torch on ``threads`` threads inside (None: unchanged), its count before restored after."""
     import torch
 
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _measure(cands, shapes, kernels, reps)
+        yield
     finally:
         torch.set_num_threads(before)
+
+
+def _flush_buffer():
+    """A float32 tensor of twice the last-level cache: its ``sum`` evicts the weights before a timed pass."""
+    import torch
+
+    return torch.ones(2 * _llc_bytes() // 4, dtype=torch.float32)
 
 
 def _measure(cands: list[policy.Candidate], shapes: Shapes, kernels, reps: int) -> dict[str, dict]:
     import torch
 
-    junk = torch.ones(2 * _llc_bytes() // 4, dtype=torch.float32)
+    junk = _flush_buffer()
     heads: dict[str, dict[int, float]] = {}
     built, spent = {}, {}
     with torch.inference_mode():
@@ -401,31 +416,17 @@ def measure_layer_rows(cand: policy.Candidate, shapes: Shapes, kernels, reps: in
 
     if kernels is None:
         return {}
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        junk = torch.ones(2 * _llc_bytes() // 4, dtype=torch.float32)
+    with _threads(threads):
         dt = torch.bfloat16 if cand.dtype == "bfloat16" else torch.float32
-        return measure_rows(_layer_ops(cand, shapes, kernels), dt, junk.sum, reps)
-    finally:
-        torch.set_num_threads(before)
+        return measure_rows(_layer_ops(cand, shapes, kernels), dt, _flush_buffer().sum, reps)
 
 
 def measure_layer_head(shapes: Shapes, kernels, reps: int = 5, threads: int | None = 1):
     """``row_kernels.measure_head_rows`` for the model's LM head shape, on ``threads`` torch threads."""
-    import torch
-
     from .row_kernels import measure_head_rows
 
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        junk = torch.ones(2 * _llc_bytes() // 4, dtype=torch.float32)
-        return measure_head_rows(shapes.vocab, shapes.hidden, kernels, junk.sum, reps)
-    finally:
-        torch.set_num_threads(before)
+    with _threads(threads):
+        return measure_head_rows(shapes.vocab, shapes.hidden, kernels, _flush_buffer().sum, reps)
 
 
 def _file_head_q8_0(model_path: str) -> bool:

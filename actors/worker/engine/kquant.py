@@ -195,23 +195,24 @@ class FileInt4:
         return tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(a))) for a in (qs, ss, ms))
 
 
-def head_name(path: str) -> str | None:
+def head_name(path: str, table: dict | None = None) -> str | None:
     """The GGUF tensor the LM head is read from: ``output.weight``, else the tied ``token_embd.weight``; None
-    when the file has neither (or is not a GGUF)."""
+    when the file has neither (or is not a GGUF).  ``table``: the file's ``tensor_table``, when read already."""
     try:
-        table = tensor_table(path)
+        table = table if table is not None else tensor_table(path)
     except (OSError, ValueError):
         return None
     return next((n for n in ("output.weight", "token_embd.weight") if n in table), None)
 
 
-def file_q8_0(path: str, name: str, kernels):
+def file_q8_0(path: str, name: str, kernels, table: dict | None = None):
     """The GGUF tensor ``name`` [out, in] as a ``QuantLinear`` over the file's own Q8_0 blocks (ggml's block_q8_0:
     one half scale d and 32 int8 q per 34 bytes, ``w = d * q``), exactly; None when the tensor is absent, not
-    Q8_0, not 2-D, of a shape the block product cannot take (out % 16, in % 32), or without ``kernels``."""
+    Q8_0, not 2-D, of a shape the block product cannot take (out % 16, in % 32), or without ``kernels``.
+    ``table``: the file's ``tensor_table``, when read already."""
     from .quant_blocks import QuantLinear, pack_blocks
 
-    table = tensor_table(path)
+    table = table if table is not None else tensor_table(path)
     if kernels is None or name not in table:
         return None
     dims, tname, off, _ = table[name]

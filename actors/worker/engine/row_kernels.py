@@ -155,12 +155,8 @@ def alternatives(lin, dtype: torch.dtype, cross_build: bool = True) -> dict:
 
     small, out = (lin.small, {"dense": lin.dense}) if isinstance(lin, SplitLinear) else (lin, {})
     if isinstance(small, QuantLinear):
-        out[_block_name(small.kernels)] = small
-        for isa in usable_isas():
-            k = _isa_kernels(isa)
-            if k is not None and _block_name(k) not in out:
-                out[_block_name(k)] = QuantLinear.from_packed(small.packed, small.bits, small.out_features, k)
-        return out
+        builds = block_builds(small)
+        return {**out, **builds} if builds else {}  # a forced generic build: nothing to choose
     if isinstance(small, AmxInt4Linear):
         out["amx"] = small
         bits = 4
@@ -170,17 +166,26 @@ def alternatives(lin, dtype: torch.dtype, cross_build: bool = True) -> dict:
         out["torch"], bits = small, 8
     else:
         return {}
-    if cross_build and dtype in (torch.float32, torch.bfloat16):
-        w = None
-        for isa in usable_isas():
-            k = _isa_kernels(isa)
-            if k is None or not QuantLinear.supports(_probe(small, lin), k):
-                continue
-            if w is None:
-                w = QuantLinear(small.dequantize(), bits, k)  # one pack for every build
-                out[_block_name(k)] = w
-            else:
-                out[_block_name(k)] = QuantLinear.from_packed(w.packed, bits, w.out_features, k)
+    k = next((k for k in map(_isa_kernels, usable_isas()) if k is not None), None)
+    if cross_build and dtype in (torch.float32, torch.bfloat16) and QuantLinear.supports(_probe(small, lin), k):
+        out.update(block_builds(QuantLinear(small.dequantize(), bits, k)))  # one pack for every build
+    return out
+
+
+def block_builds(q) -> dict:
+    """{"avx512" / "avx2": a ``QuantLinear``} over ``q``'s one pack: ``q`` itself under its build's name, the
+    other builds this CPU runs (``usable_isas``) beside it; {} when ``q`` runs the portable "generic" build
+    (``ACTORSERVE_ISA=generic``: the operator chose it, nothing is measured against it)."""
+    from .quant_blocks import QuantLinear
+
+    own = getattr(q.kernels, "qgemm_isa", "")
+    if own not in BLOCK_IMPLS:
+        return {}
+    out = {own: q}
+    for isa in usable_isas():
+        k = _isa_kernels(isa) if isa not in out else None
+        if k is not None and k.qgemm_isa == isa:
+            out[isa] = QuantLinear.from_packed(q.packed, q.bits, q.out_features, k)
     return out
 
 
@@ -202,18 +207,13 @@ def _in_features(small) -> int:
     return int(small.scale_zeros.shape[0]) * small.group  # Int4Linear [in / group, out, 2]
 
 
-def _block_name(kernels) -> str:
-    """"avx512" / "avx2" for a CpuKernels build (``qgemm_isa``); "generic" builds are named so too."""
-    return {"avx512": "avx512", "avx2": "avx2"}.get(getattr(kernels, "qgemm_isa", ""), "avx2")
-
-
 def compose(lin, table: RowTable | None, dtype: torch.dtype):
     """``lin`` as a ``RowKernelLinear`` keeping only ``table``'s winners among ``alternatives(lin)``; ``lin``
     unchanged when there is no table, nothing to choose, a winner this projection lacks (logged), or when the
     table picks ``lin``'s own kernel at every level (no indirection)."""
     if table is None:
         return lin
-    alts = alternatives(lin, dtype, cross_build=any(p not in ("amx", "torch", "dense") for p in table.picks))
+    alts = alternatives(lin, dtype, cross_build=any(p in BLOCK_IMPLS for p in table.picks))
     if not alts:
         return lin
     missing = sorted({p for p in table.picks if p not in alts})
@@ -245,15 +245,9 @@ def compose_head(dense, file_head, table: RowTable | None):
     block product at some level and ``file_head`` (``kquant.file_q8_0``: the file's own Q8_0 blocks) is given;
     then a ``RowKernelLinear`` over the winners (the other block build shares the pack) with ``dense`` beyond
     the table.  Logits of the block product carry int8-activation rounding, as llama.cpp's of the same file."""
-    from .quant_blocks import QuantLinear
-
     if table is None or file_head is None or not any(p in BLOCK_IMPLS for p in table.picks):
         return dense
-    impls = {"dense": dense, _block_name(file_head.kernels): file_head}
-    for isa in usable_isas():
-        k = _isa_kernels(isa)
-        if k is not None and _block_name(k) not in impls:
-            impls[_block_name(k)] = QuantLinear.from_packed(file_head.packed, 8, file_head.out_features, k)
+    impls = {"dense": dense, **block_builds(file_head)}
     if any(p not in impls for p in table.picks):
         log.warning("row kernels: LM head kernels %s not built; the head runs dense", sorted(set(table.picks)))
         return dense
@@ -287,12 +281,7 @@ def measure_head_rows(vocab: int, hidden: int, kernels, flush, reps: int = 5) ->
     if make is None or kernels is None or vocab % 16 or hidden % 32:
         return {}
     w = torch.full((vocab, hidden), 0.01, dtype=torch.bfloat16)
-    q = QuantLinear(w, 8, kernels)
-    heads = {"dense": make(w, "lm_head"), _block_name(kernels): q}
-    for isa in usable_isas():
-        k = _isa_kernels(isa)
-        if k is not None and _block_name(k) not in heads:
-            heads[_block_name(k)] = QuantLinear.from_packed(q.packed, 8, vocab, k)
+    heads = {"dense": make(w, "lm_head"), **block_builds(QuantLinear(w, 8, kernels))}
     return _time(heads, [hidden], torch.bfloat16, flush, reps, lambda f, xs: f(xs[0]))
 
 

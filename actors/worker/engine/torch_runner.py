@@ -143,8 +143,10 @@ class TorchRunner:
         from . import kquant
         from .row_kernels import compose_head
 
-        name = kquant.head_name(self.config.model_path)
-        head = kquant.file_q8_0(self.config.model_path, name, cpu_kernels.load()) if name else None
+        path = self.config.model_path
+        tensors = kquant.tensor_table(path)  # one header read for both
+        name = kquant.head_name(path, tensors)
+        head = kquant.file_q8_0(path, name, cpu_kernels.load(), tensors) if name else None
         if head is not None and head.out_features != self.model_config.vocab_size:
             head = None  # a head whose rows are not the vocabulary (never in a llama-style GGUF): left dense
         model.lm_head_1 = compose_head(model.lm_head_1, head, table)
