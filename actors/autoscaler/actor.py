@@ -113,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--carry-sleep", action="store_true",
                         help="write the workers' sleep and wake records itself (the sleeping tier where no "
                         "supervisor runs: Kubernetes with KEDA, docs/deployment.md)")
+    parser.add_argument("--lend", action="store_true",
+                        help="on multi-version worker hosts: a version short of replicas is loaded on a host where "
+                        "another version sleeps, instead of waiting for a cold start (docs/autoscaling.md, "
+                        "'Lending across models')")
+    parser.add_argument("--scale-to-zero", action="store_true",
+                        help="a version whose manifest is silent may go to zero replicas when idle (the pool "
+                        "policy's idle_to_zero_s; the manifest's autoscale.scale_to_zero overrides)")
     parser.add_argument("--controller-id", default=None, help="id shown in the election key (default: host-pid)")
     parser.add_argument("--lease-ttl", type=int, default=2, metavar="S", help="election lease TTL, 1..5 s (default 2)")
     parser.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
@@ -131,9 +138,13 @@ def config_from_args(args: argparse.Namespace):
 
     try:
         configs = policy_configs(list(args.policy_set or []))
-        return AutoscalerConfig(cpu_limits=dict(args.limits), worker_limits=args.worker_limits, tick_s=args.tick_s,
+        worker_limits = args.worker_limits
+        if getattr(args, "scale_to_zero", False):
+            worker_limits = Limits(worker_limits.floor, worker_limits.ceiling, scale_to_zero=True)
+        return AutoscalerConfig(cpu_limits=dict(args.limits), worker_limits=worker_limits, tick_s=args.tick_s,
                                 pool=args.pool, cpu=configs["cpu"], pools=configs["pool"], sleep=configs["sleep"],
                                 carry_sleep=bool(getattr(args, "carry_sleep", False)),
+                                lend=bool(getattr(args, "lend", False)),
                                 controller_id=args.controller_id or "", lease_ttl=args.lease_ttl)
     except ValueError as exc:
         import sys
@@ -180,5 +191,8 @@ def _export(scaler) -> None:
                               for k, s in scaler.snapshot.get("pools", {}).items()])
     observable_counter("actorserve_autoscaler_sleep_commands", "Sleep and wake records this autoscaler wrote "
                        "(--carry-sleep).", "1", lambda: [(scaler.sleep_commands, {})])
+    observable_counter("actorserve_autoscaler_lends", "Host load asks this autoscaler sent to lend a sleeping "
+                       "version's host to a version short of replicas (--lend; docs/autoscaling.md).", "1",
+                       lambda: [(scaler.lend_asks_sent, {})])
     observable_counter("actorserve_autoscaler_decisions", "Scaling decisions written by this autoscaler.", "1",
                        lambda: [(scaler.decisions_written, {})])

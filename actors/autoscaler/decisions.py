@@ -1,7 +1,8 @@
 """Scaling decisions and their bounded log (pure: no I/O, no clock).
 
 A ``Decision`` records one change of a target's desired replica count: when (``ts``, epoch s, passed in),
-which loop (``"cpu"`` for the CPU tier, ``"pool"`` for accelerator pools), the target (``"validator"``,
+which loop (``"cpu"`` for the CPU tier, ``"pool"`` for accelerator pools, ``"lend"`` for a host lent to a version
+short of replicas: actors/autoscaler/lend_carry.py), the target (``"validator"``,
 ``"gateway"``, ``"worker/<name>/<version>/<pool>"``), the observed count, the new desired count, a human
 reason ("validator wait p90 412 ms > 200 ms") and every input the policy used. The autoscaler actor stores
 ``DecisionLog.to_json()`` at ``autoscaler_decisions_key()`` (newest last, at most 200).
@@ -13,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-LOOPS = ("cpu", "pool")
+LOOPS = ("cpu", "pool", "lend")
 DEFAULT_LOG_LEN = 200
 
 

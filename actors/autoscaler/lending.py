@@ -22,7 +22,7 @@ until its horizon; the lend bills ``load_other_s`` on a host already paid for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Hashable, Iterable, Mapping
 
 from control.policy.numbers import is_number
 
@@ -50,9 +50,10 @@ class LendingConfig:
 
 @dataclass(frozen=True)
 class SpareHost:
-    """A billed host with ``model`` asleep on it since ``since`` (s)."""
+    """A billed host with ``model`` asleep on it since ``since`` (s). ``host``: an integer in the simulator, the
+    host id live (actors/autoscaler/lend_carry.py)."""
 
-    host: int
+    host: Hashable
     model: str
     since: float
 
@@ -63,7 +64,7 @@ class Start:
 
     model: str
     how: str
-    host: int | None
+    host: Hashable | None
     ready_in_s: float
 
 
@@ -76,10 +77,13 @@ def expire(spares: Iterable[SpareHost], now: float, cfg: LendingConfig) -> tuple
 
 
 def plan_starts(wants: Mapping[str, int], spares: Iterable[SpareHost], cfg: LendingConfig,
-                protected: Iterable[str] = ()) -> tuple[list[Start], list[SpareHost]]:
+                protected: Iterable[str] = (),
+                holds: Mapping[str, Iterable[Hashable]] | None = None) -> tuple[list[Start], list[SpareHost]]:
     """Starts for ``wants`` (model -> replicas to add, > 0) from ``spares`` (module docstring), and the spares
     left. Models are served in descending order of want (then by name: deterministic); ValueError for a
-    negative want."""
+    negative want. ``holds``: model -> hosts where it is resident already (a live multi-version host holds
+    several models; one replica of a model per host): another model's sleeper there is not lent to it."""
+    holds = {m: set(h) for m, h in (holds or {}).items()}
     left = sorted(spares, key=lambda s: (s.since, s.host))
     keep = set(protected)
     out: list[Start] = []
@@ -93,7 +97,8 @@ def plan_starts(wants: Mapping[str, int], spares: Iterable[SpareHost], cfg: Lend
         taken = {s.host for s in own}
         k -= len(own)
         if cfg.lend and k > 0:
-            other = [s for s in left if s.model != model and s.model not in keep and s.host not in taken][:k]
+            other = [s for s in left if s.model != model and s.model not in keep and s.host not in taken
+                     and s.host not in holds.get(model, ())][:k]
             for s in other:
                 out.append(Start(model, "lend", s.host, cfg.load_other_s))
             taken |= {s.host for s in other}

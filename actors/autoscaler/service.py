@@ -39,6 +39,7 @@ from actors.autoscaler.cpu_policy import CpuTierConfig, CpuTierPolicy
 from control.policy.curves import ThroughputCurve
 from actors.autoscaler.decisions import Decision, DecisionLog
 from actors.autoscaler.forecast import ArrivalForecaster, ForecastConfig, forecast_signals
+from actors.autoscaler.lend_carry import LendCarrier
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
 from actors.autoscaler.sleep_carry import SleepCarrier
 from actors.autoscaler.sleep_tier import SleeperInfo, SleepPlan, SleepTierConfig, SleepTierPolicy
@@ -73,6 +74,8 @@ class AutoscalerConfig:
     collect: CollectConfig = field(default_factory=CollectConfig)
     sleep: SleepTierConfig = field(default_factory=SleepTierConfig)  # the sleeping tier (sleep_tier.py)
     carry_sleep: bool = False  # write the sleep / wake records itself: no supervisor (Kubernetes; sleep_carry.py)
+    # lend a sleeping version's host to a version short of replicas (multi-version hosts; lend_carry.py, [29])
+    lend: bool = False
     # arrivals planned one cold start ahead (actors/autoscaler/forecast.py, issue [29]); off live by default: the
     # 2-core stack's workers start in ~3 s, and `actorserve simulate` runs it on (docs/autoscaling.md)
     forecast: ForecastConfig = field(default_factory=lambda: ForecastConfig(enabled=False))
@@ -140,6 +143,8 @@ class Autoscaler:
         self.sleep_plans: dict[str, SleepPlan] = {}  # "n/v/p" -> the plan of the last tick
         self._sleep_written: dict[str, dict] = {}  # "n/v/p" -> the plan last written (reason aside)
         self.carrier = SleepCarrier()  # with carry_sleep: the sleep / wake records this replica writes
+        self.lender = LendCarrier()  # with lend: the hosts it asks to load a version into a sleeper's room
+        self.lend_asks_sent = 0  # host load asks sent (lend) and answered
         self.forecaster = ArrivalForecaster(self.cfg.forecast)
         self.log = DecisionLog()
         self.state = ClusterState()
@@ -259,7 +264,49 @@ class Autoscaler:
         await self._write_sleep_plans()
         if self.cfg.carry_sleep:
             await self._carry_sleep(wall, leaving)
+        if self.cfg.lend:
+            await self._carry_lends(wall, pools)
         return decisions
+
+    async def _carry_lends(self, wall: float, pools: Mapping[str, Any]) -> None:
+        """Ask hosts to load the versions short of replicas into other versions' sleeping room (lend_carry.py);
+        a host that refuses or does not answer is logged, the ask retried after the carrier's retry_s."""
+        from bus.host_messages import HostLoad, HostLoadAck
+
+        desired = {k: d.count for k, d in self.state.desired.items() if k.count("/") == 2}
+        queues: dict[str, int] = {}
+        for s in pools.values():
+            queues[f"{s.name}@{s.version}"] = queues.get(f"{s.name}@{s.version}", 0) + int(s.queue_len)
+        asks = self.lender.asks(wall, self.state.workers, desired, queues)
+        self.snapshot["lends"] = [a.to_json() for a in asks]
+        self.snapshot["cold_wanted"] = dict(self.lender.cold)
+        lent: list[Decision] = []
+        for a in asks:
+            try:
+                msg = await self.bus.request(subjects.host_load(a.host_id),
+                                             HostLoad(a.name, a.version, a.queue_len).encode(), timeout=2.0)
+                ack = HostLoadAck.decode(msg.data)
+            except Exception as exc:  # noqa: BLE001 - a host away: asked again after retry_s
+                log.warning("autoscaler: lend of host %s to %s@%s not asked: %r", a.host_id, a.name, a.version, exc)
+                continue
+            self.lend_asks_sent += 1
+            log.info("autoscaler: lend host %s (%s asleep there) to %s@%s: %s, %s", a.host_id, a.lent_from, a.name,
+                     a.version, "accepted" if ack.accepted else "refused", ack.reason)
+            if ack.accepted:
+                lent.append(self._lend_decision(wall, a, desired, pools))
+        if lent:
+            self.log.extend(lent)
+            await self.registry.put_json(names.autoscaler_decisions_key(), self.log.to_json())
+
+    def _lend_decision(self, wall: float, a: Any, desired: Mapping[str, int], pools: Mapping[str, Any]) -> Decision:
+        """The decision log's record of an accepted lend: the version's awake replicas and desired count."""
+        keys = [k for k in desired if k.startswith(f"{a.name}/{a.version}/")]
+        awake = sum(1 for w in self.state.workers if (w.name, w.version) == (a.name, a.version) and not w.sleeping)
+        return Decision(wall, "lend", f"worker/{keys[0] if keys else f'{a.name}/{a.version}/{self.cfg.pool}'}",
+                        awake, max(awake, sum(desired[k] for k in keys)),
+                        f"lend host {a.host_id} ({a.lent_from} asleep there) to {a.name}@{a.version}: a load on a "
+                        f"running host instead of a cold start", {"host": a.host_id, "lent_from": a.lent_from,
+                                                                   "queue_len": a.queue_len})
 
     async def _carry_sleep(self, wall: float, leaving: set[str]) -> None:
         """Write the sleep / wake records of this tick (sleep_carry.py); an etcd error is logged, the command

@@ -233,7 +233,11 @@ def _add_up_command(sub: Any) -> None:
     up.add_argument("--multi-model", action="store_true",  # issue [11]: docs/model-loading.md
                     help="the workers are multi-version hosts: a version registered later is loaded into them on "
                          "demand, within --worker-args '--memory-budget-bytes N' (default 80%% of memory), without "
-                         "a new process; the autoscaler is off")
+                         "a new process; the autoscaler is off unless --lend")
+    up.add_argument("--lend", action="store_true",  # issue [29]: docs/autoscaling.md "Lending across models"
+                    help="with --multi-model: run the autoscaler on the hosts -- an idle version sleeps, and a "
+                         "version short of replicas wakes its own sleeper or is loaded on a host where another "
+                         "version sleeps (lent) instead of waiting for a cold start")
     up.add_argument("--tls", action="store_true",  # h3: docs/security.md
                     help="TLS everywhere: certificates in <state-dir>/tls/ (made if missing), NATS and etcd over "
                          "TLS, etcd users per role, the gateways on HTTPS")

@@ -23,7 +23,8 @@ Roles and what they do on NATS (read from actors/*, gateway/*, bus/*, control/*)
 * ``jobs``: the jobs actor, a frontend like the gateway (validate requests, cancels, its reply subjects)
   plus JetStream (jobs stream, KV bucket, object store).
 * ``control``: the rollout controller and the autoscaler (and other control-plane clients): hear completion
-  records, and (the autoscaler) load reports ``as.int.load.>`` and worker credits; publish nothing.
+  records, and (the autoscaler) load reports ``as.int.load.>`` and worker credits; publish only load asks to
+  multi-version hosts ``as.int.host.*.load`` (the autoscaler's lends, actors/autoscaler/lend_carry.py).
 
 Validators, gateways and schedulers also publish their load reports, each on its own kind's
 ``as.int.load.<kind>.*`` only (actors/load_report.py).
@@ -175,7 +176,7 @@ def _spec() -> dict[str, dict[str, Any]]:
             "responses": True,  # reply-subject probes from workers
         },
         "control": {
-            "publish": [],
+            "publish": [any_of(subjects.host_load)],  # the autoscaler's lends (--lend: lend_carry.py)
             "subscribe": [done, subjects.LOAD_ALL, any_of(subjects.credits)],
             "responses": False,
         },

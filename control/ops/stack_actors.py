@@ -64,7 +64,7 @@ class ActorFactory:
             elif kind == "autoscaler":
                 if cfg.autoscaler:
                     actors.append(self.actor(kind, 0, self.base_argv(kind) + scaling.autoscaler_limits_argv(
-                        cfg.cores, cfg.workers, cfg.gateways, pool=cfg.pool)))
+                        cfg.cores, cfg.workers, cfg.gateways, pool=cfg.pool, hosts=cfg.multi_model)))
             elif kind in ("jobs", "rollout"):
                 actors.append(self.actor(kind, 0, self.base_argv(kind)))
             else:

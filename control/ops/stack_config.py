@@ -24,7 +24,7 @@ def usable_cores() -> int:
 class StackConfig:
     """The stack one supervisor runs. ValueError on bad values; normalised in ``__post_init__``
     (``state_dir`` absolute, ``cores`` and ``max_workers`` resolved, ``python`` set, the autoscaler off
-    with ``multi_model``).
+    with ``multi_model`` unless ``lend``).
 
     ``state_dir`` (created if missing); ``host``/``port`` of the first gateway (gateway *n* listens on
     ``port + n``; ``port=0`` picks free ports); ``gateways``; ``workers`` (per model version, unless its
@@ -41,7 +41,10 @@ class StackConfig:
     ``autoscaler`` (also run the autoscaler actor, floors = today's counts, ceilings = ``cores``);
     ``pool`` (the pool workers are started for); ``cores`` (default: the CPUs this process may use);
     ``max_workers`` (no scale-up beyond that many workers in all; default ``max(workers, cores)``);
-    ``multi_model`` (workers are multi-version hosts, actors/worker/host.py; no autoscaler then).
+    ``multi_model`` (workers are multi-version hosts, actors/worker/host.py; no autoscaler then, unless
+    ``lend``: the autoscaler then runs on the hosts -- versions to zero when idle, sleeping and waking them
+    itself, lending a sleeping version's host to a version short of replicas; hosts are not started or
+    stopped by counts: actors/autoscaler/lend_carry.py).
     """
 
     state_dir: str | os.PathLike[str] = ".actorserve"
@@ -71,6 +74,7 @@ class StackConfig:
     cores: int | None = None
     max_workers: int | None = None
     multi_model: bool = False
+    lend: bool = False  # with multi_model: the autoscaler lends hosts across versions (docs/autoscaling.md)
     # > 0: a worker scaled down sleeps instead of exiting while its pool's count was this high within the last
     # sleep_horizon_s seconds, and a sleeper idle that long exits (actors/worker/sleep.py; 0: scale-down exits)
     sleep_horizon_s: float = 0.0
@@ -92,6 +96,8 @@ class StackConfig:
             raise ValueError("cores must be >= 1 and max_workers >= 0")
         if not 0 <= float(self.sleep_horizon_s) <= 7 * 86400:
             raise ValueError(f"sleep_horizon_s must be in 0..604800 s, not {self.sleep_horizon_s}")
+        if self.lend and not self.multi_model:
+            raise ValueError("lend: lending hosts across versions needs multi_model (the workers are hosts)")
         if self.max_restarts < 0 or self.restart_window_s <= 0 or self.stop_timeout_s <= 0 or self.registry_poll_s <= 0:
             raise ValueError("max_restarts must be >= 0; restart_window_s, stop_timeout_s and registry_poll_s > 0")
         fix = {"state_dir": Path(self.state_dir).expanduser().resolve(), "port": int(self.port),
@@ -103,7 +109,8 @@ class StackConfig:
                "registry_poll_s": float(self.registry_poll_s), "watch_registry": bool(self.watch_registry),
                "tls": bool(self.tls), "multi_model": bool(self.multi_model),
                "sleep_horizon_s": float(self.sleep_horizon_s),
-               "autoscaler": bool(self.autoscaler) and not self.multi_model}
+               "lend": bool(self.lend),
+               "autoscaler": bool(self.autoscaler) and (not self.multi_model or bool(self.lend))}
         for k, v in fix.items():
             object.__setattr__(self, k, v)
 

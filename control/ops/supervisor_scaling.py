@@ -206,15 +206,20 @@ def kind_accepts(kind: str, option: str) -> bool:
 
 
 def autoscaler_limits_argv(cores: int, workers: int, gateways: int, validators: int = 1,
-                           pool: str = "local") -> list[str]:
+                           pool: str = "local", hosts: bool = False) -> list[str]:
     """The autoscaler actor's options under ``up``: floors = today's counts, ceilings from ``cores``
     (CPUs this process may run on): validators ``max(floor, cores)``, workers per version
     ``max(floor, cores)`` (never more worker processes than cores unless asked for), gateways pinned
-    (floor = ceiling: fixed ports)."""
+    (floor = ceiling: fixed ports). ``hosts`` (``up --multi-model --lend``): the ``workers`` processes are
+    multi-version hosts, so a version has 1 to ``workers`` replicas (one per host), goes to zero when idle,
+    and the autoscaler sleeps, wakes and lends them itself (``--carry-sleep --lend``)."""
     if cores < 1 or workers < 0 or gateways < 1 or validators < 0:
         raise ValueError(f"bad counts: cores={cores} workers={workers} gateways={gateways} validators={validators}")
-    return ["--limits", f"validator={validators}:{max(validators, cores)},gateway={gateways}:{gateways}",
-            "--worker-limits", f"{workers}:{max(workers, cores)}", "--pool", pool]
+    cpu = ["--limits", f"validator={validators}:{max(validators, cores)},gateway={gateways}:{gateways}"]
+    if hosts:
+        return cpu + ["--worker-limits", f"1:{max(1, workers)}", "--scale-to-zero", "--carry-sleep", "--lend",
+                      "--pool", pool]
+    return cpu + ["--worker-limits", f"{workers}:{max(workers, cores)}", "--pool", pool]
 
 
 class ReplicaFactory(Protocol):
@@ -414,6 +419,8 @@ class ScalingReconciler:
         return False
 
     def _scale_workers(self, workers: Mapping[tuple[str, str], Desired], now: float) -> bool:
+        if self.cfg.multi_model:  # hosts are not counted per version: the autoscaler sleeps, wakes and lends them
+            return False
         changed = False
         for ref in sorted({ref for ref, _ in workers}):
             if ref not in self.running_versions:

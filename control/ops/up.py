@@ -36,9 +36,12 @@ def _autoscaler_line(sup: Supervisor) -> str:
     """One banner line: whether the autoscaler runs, and its bounds (docs/autoscaling.md)."""
     cfg = sup.cfg
     if not any(a.kind == "autoscaler" for a in sup.actors):
-        why = ("--multi-model: hosts are not scaled" if cfg.multi_model else "--no-autoscaler"
+        why = ("--multi-model without --lend: hosts are not scaled" if cfg.multi_model else "--no-autoscaler"
                if not cfg.autoscaler else "its actor kind is not installed")
         return f"autoscaler: off ({why}); counts stay fixed (docs/autoscaling.md)"
+    if cfg.multi_model:
+        return (f"autoscaler: on, lending hosts across versions (1..{max(1, cfg.workers)} hosts per version, to 0 "
+                f"when idle; docs/autoscaling.md); `actorserve autoscaler status`")
     return (f"autoscaler: on (validators 1..{max(1, cfg.cores)}, workers {cfg.workers}..{cfg.max_workers} per "
             f"version, gateways {cfg.gateways}); `actorserve autoscaler status`, `up --no-autoscaler` to pin")
 
@@ -63,6 +66,9 @@ def main_up(args: argparse.Namespace) -> int:
         extra = getattr(args, f"{kind}_args", None)
         if extra:
             actor_args[kind] = shlex.split(extra)
+    if getattr(args, "lend", False) and not getattr(args, "multi_model", False):
+        print("actorserve up: --lend needs --multi-model (hosts are lent across versions)", file=sys.stderr)
+        return 2
     sup = Supervisor(StackConfig(
         args.state_dir or os.environ.get("ACTORSERVE_STATE_DIR") or ".actorserve",
         host=args.host,
@@ -78,6 +84,7 @@ def main_up(args: argparse.Namespace) -> int:
         tls=bool(getattr(args, "tls", False)),
         autoscaler=not getattr(args, "no_autoscaler", False),
         multi_model=bool(getattr(args, "multi_model", False)),
+        lend=bool(getattr(args, "lend", False)),
         sleep_horizon_s=float(getattr(args, "sleep_horizon_s", 0.0) or 0.0),
     ))
 

@@ -58,8 +58,9 @@ def test_step_frames_only_from_workers_and_only_to_the_frontends():
     assert not subjects.frames("gw-1").startswith(subjects.INBOX)
 
 
-def test_a_role_that_publishes_nothing_is_denied_everything():
-    assert role_permissions("control")["publish"] == {"deny": [">"]}
+def test_the_control_role_publishes_only_host_load_asks_and_answers_nothing():
+    """The rollout controller and the autoscaler hear; the autoscaler's lends (--lend) ask hosts to load."""
+    assert role_permissions("control")["publish"] == {"allow": ["as.int.host.*.load"]}
     assert "allow_responses" not in role_permissions("control")
     assert role_permissions("worker")["allow_responses"] is True
 

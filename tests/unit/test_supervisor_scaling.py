@@ -68,6 +68,28 @@ def test_autoscaler_limits_floor_is_today_ceiling_from_cores():
                                                               "1:16", "--pool", "p"]
     with pytest.raises(ValueError):
         autoscaler_limits_argv(0, 1, 1)
+    # up --multi-model --lend: one replica per host at most, to zero when idle, sleeping / waking / lending itself
+    assert autoscaler_limits_argv(2, 3, 1, hosts=True)[2:] == ["--worker-limits", "1:3", "--scale-to-zero",
+                                                              "--carry-sleep", "--lend", "--pool", "local"]
+
+
+def test_lend_needs_multi_model_and_turns_the_autoscaler_on_for_hosts(tmp_path):
+    with pytest.raises(ValueError, match="lend"):
+        StackConfig(tmp_path, lend=True)
+    assert StackConfig(tmp_path, multi_model=True, autoscaler=True).autoscaler is False
+    assert StackConfig(tmp_path, multi_model=True, autoscaler=True, lend=True).autoscaler is True
+
+
+def test_hosts_are_not_started_or_stopped_by_a_versions_desired_count(sup):
+    """Under --multi-model the workers are hosts: a desired count of 0 or 3 for a version changes no process
+    (the autoscaler carries it out by sleeping, waking and lending, actors/autoscaler/lend_carry.py)."""
+    import dataclasses
+
+    sup.scaling.cfg = dataclasses.replace(sup.cfg, multi_model=True)
+    key = desired_key("worker", "m", "1", "local")
+    for count in (0, 3):
+        assert sup.scaling_round({key: rec(count)}, None, now=2000.0 + count) is False
+        assert names(sup, "worker") == ["worker-0"] and sup.signals == []
 
 
 # -- the supervisor on fake processes -------------------------------------------------------------
