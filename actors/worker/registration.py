@@ -35,6 +35,7 @@ def worker_info(engine, args: argparse.Namespace, worker_id: str, adapters=(), *
             "path": getattr(getattr(engine, "path_choice", None), "reason", None),
             "holds": getattr(engine, "held", None),  # what the projections are held as (engine/kquant.py)
             "row_kernels": _row_line(engine),  # the measured kernel per step row count (engine/row_kernels.py)
+            "whole_step": getattr(engine, "whole_step_line", None),  # small decode steps in one call (whole_step.py)
             "native_off": getattr(engine, "native_off_reason", None),  # torch path: why (arch_spec.native_unsupported)
             "max_num_seqs": args.max_num_seqs, "adapters": sorted(adapters), "pool": getattr(args, "pool", "default"),
             "engine": getattr(args, "engine", "torch"), **extra}

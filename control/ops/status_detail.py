@@ -21,6 +21,8 @@ def worker_detail(info: Any) -> str:
         path += f" (holds {info['holds']})"
     if path and info.get("row_kernels"):  # the measured kernel per step row count (engine/row_kernels.py)
         path += f" (kernels by rows: {info['row_kernels']})"
+    if path and info.get("whole_step"):  # decode steps in one native call (engine/whole_step.py)
+        path += f" (whole-step decode: {info['whole_step']})"
     return ", ".join(p for p in (_sleep(info), path, describe(info.get("load_phases") or {}, info.get("load_s")),
                                  _residency(info.get("memory")), _ranks(info), _adapters(info)) if p)
 

@@ -12,6 +12,8 @@
 * ``prefill_attention`` (csrc/prefill_attention.cpp, AMX-BF16, head_dim 64): causal attention of
   a fresh prefill chunk, flash-style on the tile unit (model.py ``_fresh_prefill``);
 * ``lora_sgmv`` (csrc/lora_sgmv.cpp, any CPU): every row's own LoRA adapter delta in one call (lora_slots.py);
+* ``decode_layers`` (csrc/decode_step.cpp, any CPU): every layer of a decode step of up to 8 rows in one call,
+  through the entry points above (whole_step.py);
 * ``qgemm`` (csrc/qgemm.cpp, any x86-64): block-quantized weights (Q8_0 / Q4_1 forms) times
   activations quantized per row and 32-block to int8, integer dot products on AVX-512 VNNI
   (``VPDPBUSD``) or AVX2 (``VPMADDUBSW``), portable C++ elsewhere (quant.py ``QuantLinear``).
@@ -55,7 +57,8 @@ from .hardware import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp", "qgemm.cpp", "lora_sgmv.cpp")]
+           for name in ("cpu_kernels.cpp", "int4_gemm.cpp", "prefill_attention.cpp", "qgemm.cpp", "lora_sgmv.cpp",
+                        "decode_step.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # included by SOURCES: part of the build key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++20"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf x16) for the AVX-512 softmax
@@ -216,6 +219,7 @@ class CpuKernels:
             "actorserve_qgemm": [i32, i32, p, i64, p, p, i64, i32, i32, i32],
             "actorserve_qgemm_isa": [],
             "actorserve_lora_sgmv": [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32, i32, i32, p],
+            "actorserve_decode_layers": [i32, p, i32, p, p],  # whole_step.py: every layer of a small decode step
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)

@@ -43,7 +43,7 @@ _DTYPES = DTYPES
 RUNNER_ATTRS = frozenset({
     "model", "kv", "tp", "adapters", "model_config", "dtype_name", "quantization", "weights_bytes",
     "weights_shared", "weights_cached", "load_phases", "lora_reserve_bytes", "position_limit", "structured",
-    "special_names", "name", "cycle", "num_blocks", "native_off_reason", "held", "row_table",
+    "special_names", "name", "cycle", "num_blocks", "native_off_reason", "held", "row_table", "whole_step_line",
 })
 
 
@@ -79,6 +79,8 @@ class EngineConfig:
     # CPU, quantized, one rank: the measured kernel per step row count (row_kernels.RowTable.to_json(), from
     # kernel_choice.Choice.row_table); None = each projection as make_linear_factory builds it
     row_kernels: dict | None = None
+    # CPU native path: decode steps of up to 8 rows run every layer in one native call (whole_step.py, issue [24])
+    whole_step: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -98,6 +100,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel must be >= 1 and tp_rank in 0 .. tensor_parallel - 1")
         if self.quantization not in (None, "auto", *QUANTIZERS):
             raise ValueError(f"quantization must be None or one of {sorted([*QUANTIZERS, 'auto'])}")
+        if not isinstance(self.whole_step, bool):
+            raise ValueError(f"whole_step must be a bool, got {self.whole_step!r}")
         if self.row_kernels is not None:
             from .row_kernels import RowTable
 

@@ -379,6 +379,7 @@ class LlamaModel:
         # C++ kernels (cpu_kernels.py, built at first use) for decode attention on the paged cache
         # and the fused small ops, where they apply; None = the PyTorch path.
         self.kernels = None
+        self.whole_step = None  # whole_step.attach sets it where small decode steps run in one native call
         self.native_off_reason = arch_spec.native_unsupported(config) if native_kernels else None
         if native_kernels and self.native_off_reason is None and cpu_kernels.CpuKernels.supports(self.dtype, device):
             self.kernels = cpu_kernels.load()
@@ -400,8 +401,9 @@ class LlamaModel:
             meta.plan = build_plan(meta, kv_cache.shape[3], input_ids.device, self.kernels is not None,
                                    cfg.sliding_window)
         h = F.embedding(input_ids, self.embed)
-        if self.kernels is not None:
-            h = self._layers_native(h, meta, kv_cache)
+        if self.kernels is not None:  # a small all-decode step: every layer in one native call (whole_step.py)
+            whole = self.whole_step.run(h, meta, kv_cache) if self.whole_step is not None else None
+            h = whole if whole is not None else self._layers_native(h, meta, kv_cache)
         else:
             cos, sin = self.rope.tables_for(meta)
             for layer, lw in enumerate(self.layers):

@@ -107,6 +107,10 @@ class TorchRunner:
         clock.mark("quantize")
         # why the native kernels do not run this spec (arch_spec.native_unsupported); None where they may
         self.native_off_reason = getattr(self.model, "native_off_reason", None)
+        from .whole_step import attach  # decode steps of up to 8 rows in one native call (issue [24] item 3)
+
+        _, self.whole_step_line = attach(self.model, self.tp is None, config.whole_step)
+        log.info("whole-step decode: %s", self.whole_step_line)
         self.weights_bytes = tensor_bytes(self.model)  # converted + quantized, shared storages once
         self.weights_shared = False  # True: the weights belong to another runner (share_weights_of)
         # no adapter slots under tensor parallelism or for a model without LoRA (gemma.py: lora_off_reason)
@@ -216,6 +220,7 @@ class TorchRunner:
         self.native_off_reason = other.native_off_reason
         self.held = getattr(other, "held", None)
         self.row_table = getattr(other, "row_table", None)
+        self.whole_step_line = getattr(other, "whole_step_line", None)  # the model's, shared
         self.weights_bytes, self.weights_shared = other.weights_bytes, True
         self._init_adapters(config.max_loras)
         self.kv = KVCache(self.model_config, config.kv_cache_bytes, config.block_size, self.dtype, config.device)
