@@ -73,3 +73,18 @@ def test_plan_starts_holds_keeps_a_model_off_hosts_where_it_is_resident():
     assert [(s.how, s.host) for s in starts] == [("lend", "h1")] and [s.host for s in left] == ["h0"]
     with pytest.raises(ValueError, match="b@1"):
         plan_starts({"b@1": -1}, spares, LendingConfig())
+
+
+def test_a_lend_is_a_decision_of_its_own_loop_in_the_status_report():
+    from actors.autoscaler.decisions import Decision, DecisionLog
+    from control.ops.autoscaler_cli import build_report, format_report
+
+    log = DecisionLog()
+    log.extend([Decision(5.0, "lend", "worker/b/1/local", 0, 1, "lend host h0 (a@1 asleep there) to b@1",
+                         {"host": "h0", "lent_from": "a@1"})])
+    back = DecisionLog.from_json(log.to_json())  # as etcd stores it, read back by a successor
+    text = format_report(build_report({"decisions": back.to_json()}))
+    assert "[lend] worker/b/1/local 0 -> 1: lend host h0 (a@1 asleep there) to b@1" in text
+    assert "inputs: host=h0, lent_from=a@1" in text
+    with pytest.raises(ValueError, match="loop"):
+        Decision(5.0, "borrow", "worker/b/1/local", 0, 1, "x")
