@@ -43,7 +43,8 @@ from actors.autoscaler.lend_carry import LendCarrier
 from actors.autoscaler.pool_policy import PoolConfig, PoolPolicy
 from actors.autoscaler.sleep_carry import SleepCarrier
 from actors.autoscaler.sleep_tier import SleeperInfo, SleepPlan, SleepTierConfig, SleepTierPolicy
-from actors.autoscaler.signals import Limits, Slo, limits_from_autoscale, pool_signal_key, slo_from_autoscale
+from actors.autoscaler.signals import (Limits, Slo, check_autoscale, limits_from_autoscale, pool_signal_key,
+                                      slo_from_autoscale)
 from bus import subjects
 from bus.base import Msg
 from bus.messages import ActorLoad, CompletionRecord, Credits
@@ -143,6 +144,7 @@ class Autoscaler:
         self.sleep_plans: dict[str, SleepPlan] = {}  # "n/v/p" -> the plan of the last tick
         self._sleep_written: dict[str, dict] = {}  # "n/v/p" -> the plan last written (reason aside)
         self.carrier = SleepCarrier()  # with carry_sleep: the sleep / wake records this replica writes
+        self._warned: set[tuple] = set()  # (name, version, autoscale) whose invalid autoscale was logged
         self.lender = LendCarrier()  # with lend: the hosts it asks to load a version into a sleeper's room
         self.lend_asks_sent = 0  # host load asks sent (lend) and answered
         self.forecaster = ArrivalForecaster(self.cfg.forecast)
@@ -356,12 +358,16 @@ class Autoscaler:
         """The version's Limits and Slo: its manifest's ``autoscale`` over the defaults (defaults, logged, when
         it is invalid)."""
         autoscale = (self.state.versions.get((name, version)) or {}).get("autoscale")
-        autoscale = autoscale if isinstance(autoscale, dict) else None
         try:
+            if autoscale is not None:  # a misspelt key or a wrong type: said, not ignored in silence
+                check_autoscale(autoscale)
             return (limits_from_autoscale(autoscale, self.cfg.worker_limits),
                     slo_from_autoscale(autoscale, self.cfg.pools.default_slo))
-        except ValueError as exc:
-            log.warning("%s@%s: %s; using the defaults", name, version, exc)
+        except ValueError as exc:  # said once per version and manifest, not every tick
+            said = (name, version, repr(autoscale))
+            if said not in self._warned:
+                self._warned.add(said)
+                log.warning("%s@%s: %s; using the defaults", name, version, exc)
             return self.cfg.worker_limits, self.cfg.pools.default_slo
 
     def _pool_limits(self, pools: Mapping[str, Any]) -> tuple[dict[str, Limits], dict[str, Slo]]:

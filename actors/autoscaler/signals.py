@@ -158,6 +158,33 @@ def worker_target(name: str, version: str, pool: str) -> str:
     return f"worker/{name}/{version}/{pool}"
 
 
+#: the keys a manifest's ``autoscale`` may hold, and their types
+AUTOSCALE_KEYS = {"min_workers": int, "max_workers": int, "scale_to_zero": bool, "ttft_slo_ms": float,
+                  "itl_slo_ms": float}
+
+
+def check_autoscale(autoscale: Any) -> None:
+    """ValueError naming the field when a manifest's ``autoscale`` is not what :func:`limits_from_autoscale` and
+    :func:`slo_from_autoscale` read exactly: an object of :data:`AUTOSCALE_KEYS` only (a misspelt key would be
+    ignored in silence), integers that are integers (not ``"2"`` or ``1.5``), a boolean ``scale_to_zero``, numbers
+    for the SLOs, ``min_workers <= max_workers``. ``actorserve models register --option autoscale=...`` checks it."""
+    if not isinstance(autoscale, Mapping):
+        raise ValueError(f"autoscale must be an object of {sorted(AUTOSCALE_KEYS)}, got {autoscale!r}")
+    for key, value in autoscale.items():
+        kind = AUTOSCALE_KEYS.get(key)
+        if kind is None:
+            raise ValueError(f"autoscale.{key}: unknown key (known: {', '.join(sorted(AUTOSCALE_KEYS))})")
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"autoscale.{key} must be true or false, got {value!r}")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"autoscale.{key} must be an integer >= 0, got {value!r}")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"autoscale.{key} must be a number of milliseconds > 0, got {value!r}")
+    lo, hi = autoscale.get("min_workers"), autoscale.get("max_workers")
+    if hi is not None and (hi < 1 or (lo is not None and lo > hi)):
+        raise ValueError(f"autoscale.max_workers must be >= 1 and >= min_workers ({'unset' if lo is None else lo}), got {hi}")
+
+
 def limits_from_autoscale(autoscale: Mapping[str, Any] | None, default: Limits) -> Limits:
     """Limits of a version from its manifest's ``autoscale`` extra key (``min_workers``, ``max_workers``,
     ``scale_to_zero``); absent fields take ``default``'s. ValueError naming the field when invalid."""

@@ -133,6 +133,13 @@ def build_manifest(args: argparse.Namespace) -> dict[str, Any]:
         data.update(pricing_fields(args))
     except ValueError as e:
         raise RegistryCommandError(str(e)) from None
+    if "autoscale" in data:  # the autoscaler reads it every tick: refused here, by field, not warned there
+        from actors.autoscaler.signals import check_autoscale
+
+        try:
+            check_autoscale(data["autoscale"])
+        except ValueError as e:
+            raise RegistryCommandError(str(e)) from None
     try:
         ModelManifest.from_dict(data)  # names, format, types: clear errors before touching the file
     except ValueError as e:

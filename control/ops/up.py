@@ -69,6 +69,9 @@ def main_up(args: argparse.Namespace) -> int:
     if getattr(args, "lend", False) and not getattr(args, "multi_model", False):
         print("actorserve up: --lend needs --multi-model (hosts are lent across versions)", file=sys.stderr)
         return 2
+    if getattr(args, "lend", False) and getattr(args, "no_autoscaler", False):
+        print("actorserve up: --lend and --no-autoscaler contradict each other (the autoscaler lends)", file=sys.stderr)
+        return 2
     sup = Supervisor(StackConfig(
         args.state_dir or os.environ.get("ACTORSERVE_STATE_DIR") or ".actorserve",
         host=args.host,

@@ -88,3 +88,25 @@ def test_a_lend_is_a_decision_of_its_own_loop_in_the_status_report():
     assert "inputs: host=h0, lent_from=a@1" in text
     with pytest.raises(ValueError, match="loop"):
         Decision(5.0, "borrow", "worker/b/1/local", 0, 1, "x")
+
+
+@pytest.mark.parametrize("argv,why", [(["--lend"], "needs --multi-model"),
+                                      (["--multi-model", "--lend", "--no-autoscaler"], "contradict")])
+def test_up_refuses_lend_options_that_do_not_fit_together(argv, why, tmp_path, capsys):
+    from control.ops.cli import build_parser
+    from control.ops.up import main_up
+
+    args = build_parser().parse_args(["up", "--state-dir", str(tmp_path), *argv])
+    assert main_up(args) == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "pids.json").exists()  # nothing started
+
+
+def test_an_invalid_autoscale_is_logged_once_per_version_and_the_defaults_used(caplog):
+    from actors.autoscaler.service import Autoscaler, AutoscalerConfig
+
+    scaler = Autoscaler(None, None, AutoscalerConfig(elect=False))
+    scaler.state.versions = {("m", "1"): {"autoscale": {"min_worker": 1}}}
+    for _ in range(5):
+        assert scaler._version_limits("m", "1") == (scaler.cfg.worker_limits, scaler.cfg.pools.default_slo)
+    said = [r for r in caplog.records if "autoscale.min_worker" in r.getMessage()]
+    assert len(said) == 1 and "m@1" in said[0].getMessage()

@@ -84,6 +84,16 @@ def test_register_refusals_name_the_field(artifact, tmp_path, capsys):
     with pytest.raises(RegistryCommandError, match="chat_template"):
         build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact,
                               "--chat-template", f"@{tmp_path / 'missing.jinja'}"))
+    for bad, field in (('{"min_worker": 1}', "autoscale.min_worker: unknown key"),  # a typo is not ignored
+                       ('{"min_workers": -1}', "autoscale.min_workers"), ('{"min_workers": "2"}', "autoscale.min_workers"),
+                       ('{"min_workers": 2, "max_workers": 1}', "autoscale.max_workers"),
+                       ('{"scale_to_zero": 1}', "autoscale.scale_to_zero"), ("[1]", "autoscale must be an object")):
+        with pytest.raises(RegistryCommandError, match=field):
+            build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--option",
+                                  f"autoscale={bad}"))
+    ok = build_manifest(_parse("models", "register", "tiny", "2", "--artifact", artifact, "--option",
+                               'autoscale={"min_workers": 1, "scale_to_zero": false, "ttft_slo_ms": 500}'))
+    assert ok["autoscale"]["min_workers"] == 1
     # the verb itself: exit 2, message on stderr, before any etcd connection is attempted
     a = _parse("models", "register", "tiny", "2", "--artifact", artifact, "--format", "exl2", "--etcd",
                "http://127.0.0.1:1")

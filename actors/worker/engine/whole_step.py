@@ -98,7 +98,8 @@ class WholeStepDecode:
 
     def _gap(self, rows: int) -> str | None:
         if rows not in self._gaps:
-            self._gaps[rows] = next((f"layer {i} {p} runs {type(getattr(lw, p)).__name__} at {rows} row(s)"
+            self._gaps[rows] = next((f"at {rows} row(s) layer {i}'s {p} projection is not a block-quantized product "
+                                     f"({type(getattr(lw, p)).__name__}: a dense or torch-quantized path)"
                                      for i, lw in enumerate(self.model.layers) for p in PROJS
                                      if block_product(getattr(lw, p), rows) is None), None)
         return self._gaps[rows]
