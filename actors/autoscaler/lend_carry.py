@@ -36,7 +36,7 @@ __all__ = ["LendAsk", "LendCarrier"]
 @dataclass(frozen=True)
 class LendAsk:
     """Ask host ``host_id`` to load ``name@version`` (``queue_len``: the version's queued requests, at least 1:
-    the host counts the ask as demand); ``lent_from``: the version asleep there whose room it takes."""
+    the host counts the ask as demand); ``lent_from``: the versions asleep there whose room it takes (", "-joined)."""
 
     host_id: str
     name: str
@@ -59,7 +59,6 @@ class LendCarrier:
         self.retry_s = retry_s
         self._sent: dict[tuple[str, str], float] = {}  # (host id, ref) -> epoch s of the ask
         self.cold: dict[str, int] = {}  # ref -> replicas this tick found neither a sleeper nor a spare for
-        self.lends = 0  # asks planned in all
 
     def on_the_way(self, ref: str) -> int:
         """Lends of ``ref`` asked for and not yet seen on their hosts."""
@@ -79,20 +78,22 @@ class LendCarrier:
             if host in holds.get(ref, ()) or now - ts >= self.retry_s:
                 del self._sent[(host, ref)]
         wants = self._wants(workers, desired)
+        asking = {host for host, _ in self._sent}  # a host with an ask on its way is not lent again
         spares = [SpareHost(w.host, f"{w.name}@{w.version}", w.asleep_since) for w in hosted if w.sleeping
-                  and not any(h == w.host for h, _ in self._sent)]
+                  and w.host not in asking]
         starts, _ = plan_starts(wants, spares, self.cfg, protected=set(wants), holds=holds)
-        from_of = {s.host: s.model for s in spares}
+        from_of: dict[str, list[str]] = {}  # host -> the versions asleep there (a host may hold several)
+        for sp in spares:
+            from_of.setdefault(sp.host, []).append(sp.model)
         out, self.cold = [], {}
         for s in starts:
             if s.how == "lend":
                 name, _, version = s.model.partition("@")
                 out.append(LendAsk(str(s.host), name, version, max(1, int((queue_lens or {}).get(s.model, 0))),
-                                   from_of[s.host]))
+                                   ", ".join(sorted(from_of[s.host]))))
                 self._sent[(str(s.host), s.model)] = now
             elif s.how == "cold":
                 self.cold[s.model] = self.cold.get(s.model, 0) + 1
-        self.lends += len(out)
         return out
 
     def _wants(self, workers: list[Any], desired: Mapping[str, int]) -> dict[str, int]:

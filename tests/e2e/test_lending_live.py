@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from control.state.registry import Registry
-from tests.e2e.helpers import tiny_deployment
+from tests.e2e.helpers import tiny_deployment, wait_until
 from tests.e2e.test_model_host import ENGINE, chat, rows_when
 from tests.e2e.test_registry_live import cli
 
@@ -58,10 +57,8 @@ def test_the_autoscaler_lends_an_idle_versions_sleeping_host_to_a_version_short_
         rows = {r["model"]: r for r in lent["resident"]}
         assert rows["tiny@1"]["state"] == "sleeping" and rows["other@1"]["kv_bytes"] >= floor, lent
         assert lent["loads"] == 2 and lent["evictions"] == 0 and lent["held_bytes"] <= budget
-        t_end = time.monotonic() + 15
-        while not (lends := [d for d in decisions(sup) if d["loop"] == "lend"]):
-            assert time.monotonic() < t_end, decisions(sup)
-            time.sleep(0.3)
+        wait_until(lambda: any(d["loop"] == "lend" for d in decisions(sup)), 15, "the lend in the decision log")
+        lends = [d for d in decisions(sup) if d["loop"] == "lend"]
         assert lends[0]["target"] == "worker/other/1/local" and lends[0]["inputs"]["lent_from"] == "tiny@1", lends
         assert lends[0]["inputs"]["host"] == lent["host_id"] and "cold start" in lends[0]["reason"]
 

@@ -21,7 +21,13 @@ def test_a_version_short_of_replicas_is_lent_another_versions_sleeping_host():
     lender = LendCarrier()
     asks = lender.asks(1000.0, workers, {"a/1/local": 0, "b/1/local": 2}, {"b@1": 3})
     assert [(a.host_id, a.name, a.version, a.queue_len, a.lent_from) for a in asks] == [("h0", "b", "1", 3, "a@1")]
-    assert lender.cold == {} and lender.lends == 1
+    assert lender.cold == {} and lender.on_the_way("b@1") == 1
+
+
+def test_a_host_with_two_sleepers_names_both_as_lent_from():
+    workers = [rec("h0-v1", "a@1", "h0", sleeping=True), rec("h0-v2", "c@1", "h0", sleeping=True)]
+    asks = LendCarrier().asks(0.0, workers, {"a/1/local": 0, "b/1/local": 1, "c/1/local": 0})
+    assert [(a.host_id, a.lent_from) for a in asks] == [("h0", "a@1, c@1")]
 
 
 def test_own_sleepers_are_woken_not_lent_and_a_version_short_itself_keeps_its_sleepers():

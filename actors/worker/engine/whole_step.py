@@ -87,7 +87,11 @@ class WholeStepDecode:
         self._layers: dict[int, Any] = {}  # rows -> ctypes array of _LayerPtrs (None: not covered)
         self._gaps: dict[int, str] = {}  # rows -> why a step of that many rows is not covered
         self._cache_of = None  # the KV cache tensor the arrays point into
-        self._step = _Step()
+        b = self.buffers  # the step's fields that do not change between steps, set once
+        self._step = _Step(d=self.d, H=self.H, Hkv=self.Hkv, hd=self.hd, f=self.f, eps=cfg.rms_eps,
+                           scale=self.hd ** -0.5, qkv=b["qkv"].data_ptr(), attn=b["attn"].data_ptr(),
+                           x=b["x"].data_ptr(), gu=b["gu"].data_ptr(), act=b["act"].data_ptr(),
+                           delta=b["delta"].data_ptr())
         self._fn = kernels._decode_layers
         self.steps = 0  # steps run here
 
@@ -143,16 +147,12 @@ class WholeStepDecode:
         if (T > MAX_ROWS or meta.lora is not None or plan is None or not plan.all_decode or plan.native is None
                 or h.dtype != self.dtype or self._gap(T) is not None):
             return None
-        n, s, b = plan.native, self._step, self.buffers
-        rope = self.model.rope
-        s.T, s.d, s.H, s.Hkv, s.hd, s.f = T, self.d, self.H, self.Hkv, self.hd, self.f
-        s.bs, s.window, s.eps, s.scale = kv_cache.shape[3], n.window, self.model.config.rms_eps, self.hd ** -0.5
+        n, s, rope = plan.native, self._step, self.model.rope
+        s.T, s.bs, s.window = T, kv_cache.shape[3], n.window
         s.pos, s.slots = meta.positions.data_ptr(), meta.slot_mapping.data_ptr()
-        s.cos, s.sin = rope.cos.data_ptr(), rope.sin.data_ptr()
+        s.cos, s.sin = rope.cos.data_ptr(), rope.sin.data_ptr()  # a dynamic RoPE may replace its tables
         s.rows, s.tables, s.table_stride, s.lens = (n.rows.data_ptr(), n.tables.data_ptr(), n.tables.stride(0),
                                                     n.lens.data_ptr())
-        s.qkv, s.attn, s.x = b["qkv"].data_ptr(), b["attn"].data_ptr(), b["x"].data_ptr()
-        s.gu, s.act, s.delta = b["gu"].data_ptr(), b["act"].data_ptr(), b["delta"].data_ptr()
         layers = self._array(T, kv_cache)
         rc = self._fn(_DTYPES[self.dtype], h.data_ptr(), len(layers), layers, ctypes.byref(s))
         if rc:
