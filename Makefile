@@ -100,7 +100,8 @@ test: install-test
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not slow" $(PYTEST_ARGS)
 
 # The checks marked slow (tests marked @pytest.mark.slow: the live bring-your-own-model stacks, one per model
-# family group, ~2 min together), kept out of `make test` so that it stays under 20 minutes on 2 cores; .ci/run
+# family group, and four 20-50 s end-to-end checks — overload, every structured-output schema, the etcd outage
+# under load, live lending; ~4.5 min together), kept out of `make test` so that it stays under 20 minutes on 2 cores; .ci/run
 # runs them after it.
 test-slow: install-test
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYTEST_ARGS)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from control.state.registry import Registry
 from tests.e2e.helpers import tiny_deployment, wait_until
 from tests.e2e.test_model_host import ENGINE, chat, rows_when
@@ -29,6 +31,7 @@ def decisions(sup) -> list[dict]:
     return list((got or {}).get("decisions", [])) if isinstance(got, dict) else list(got or [])
 
 
+@pytest.mark.slow  # 20-50 s: in `make test-slow` (CI runs it after `make test`) to keep `make test` under 20 min
 def test_the_autoscaler_lends_an_idle_versions_sleeping_host_to_a_version_short_of_replicas(tmp_path, tiny_gguf):
     from tests.engine_fixtures import write_tiny_llama_gguf
 

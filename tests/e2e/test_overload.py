@@ -102,6 +102,7 @@ async def offer(url: str, headers: dict, rate: float, tokens: int) -> list[tuple
         return await asyncio.gather(*tasks)
 
 
+@pytest.mark.slow  # 20-50 s: in `make test-slow` (CI runs it after `make test`) to keep `make test` under 20 min
 def test_overload_sheds_clearly_and_stays_bounded(small_stack):
     url, headers = small_stack.http_url + "/v1/completions", auth_headers(small_stack)
     tokens = MAX_TOKENS

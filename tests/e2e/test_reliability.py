@@ -210,6 +210,7 @@ def test_sigterm_worker_drains_without_errors(rel_stack):
     assert sup.start_stopped() == ["worker-1"]
 
 
+@pytest.mark.slow  # 20-50 s: in `make test-slow` (CI runs it after `make test`) to keep `make test` under 20 min
 def test_etcd_outage_under_load(rel_stack):
     """etcd frozen (SIGSTOP) for 10 s under steady load, then resumed.
 

@@ -52,6 +52,7 @@ def _check(choice, model_cls) -> None:
     jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+@pytest.mark.slow  # 20-50 s: in `make test-slow` (CI runs it after `make test`) to keep `make test` under 20 min
 def test_parse_every_schema_streamed_and_not(stack):
     assert len(CASES) >= 20
 
