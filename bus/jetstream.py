@@ -353,6 +353,12 @@ class JetStream:
             raise
         return msg.seq, msg.data
 
+    async def purge(self, stream: str, below: int) -> None:
+        """Remove every message of ``stream`` with a sequence below ``below`` (one ``STREAM.PURGE`` call with
+        ``seq``; BusError if the server is away)."""
+        with _mapped(f"purge {stream} below {below}"):
+            await self._js.purge_stream(stream, seq=below)
+
     async def delete_msg(self, stream: str, seq: int) -> None:
         """Remove message ``seq`` from ``stream`` (BusError if it is gone or the server is away)."""
         with _mapped(f"delete {seq} from {stream}"):

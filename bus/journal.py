@@ -1,19 +1,23 @@
 """Durable journal of a scheduler's queued requests, so a standby can recover them after a failover.
 
-The active scheduler appends each accepted request before acknowledging it and removes the entry
-once a worker took the request (from then on the worker streams it; the queue no longer holds it).
-A scheduler that wins the election replays what is left: exactly the requests that were queued, not
-dispatched, when its predecessor died.
+The active scheduler appends each accepted request before acknowledging it and removes the entry once a
+worker took the request (from then on the worker streams it; the queue no longer holds it). A scheduler that
+wins the election replays what is left: exactly the requests that were queued, not dispatched, when its
+predecessor died (a removal still unwritten then is replayed: the window decision 0010 names).
 
 ``JetStreamJournal``: one JetStream stream per model version (file storage, capped), subject
-``as.int.sched.<name>.<version>.journal``, de-duplicated by request id (``Nats-Msg-Id``).
+``as.int.sched.<name>.<version>.journal``, de-duplicated by request id (``Nats-Msg-Id``); removals are
+group-committed as tombstones and purged in bulk (decision 0054).
 ``MemoryJournal``: the same contract in memory, for unit tests of the scheduler's logic.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import json
 import logging
+import time
 from typing import Protocol
 
 from bus import streams, subjects
@@ -22,7 +26,10 @@ from bus.messages import GenerateRequest
 log = logging.getLogger(__name__)
 
 MAX_JOURNAL_BYTES = streams.JOURNAL_MAX_BYTES  # per model version: queued requests only, so small
-REMOVE_WAIT_S = 0.25  # the most JetStreamJournal.remove holds its caller (the dispatch loop) (s)
+PURGE_EVERY_S = 0.5  # at most one purge of removed entries per this many seconds (one STREAM.PURGE call)
+COMPACT_MIN_DEAD = 1024  # dead messages held above the oldest live entry before it is written again at the tip
+FLUSH_RETRY_S = 0.5  # between tombstone writes while the server does not answer (s)
+TOMBSTONE_PREFIX = b'{"removed":'  # a tombstone's first bytes (a GenerateRequest encodes as another object)
 
 
 class Journal(Protocol):
@@ -31,6 +38,8 @@ class Journal(Protocol):
     async def append(self, req: GenerateRequest) -> None: ...
 
     async def remove(self, request_id: str) -> None: ...
+
+    async def flush(self, timeout: float = 2.0) -> None: ...
 
     async def replay(self) -> list[GenerateRequest]: ...
 
@@ -49,6 +58,9 @@ class MemoryJournal:
         """Forget a request (dispatched or ended)."""
         self.entries.pop(request_id, None)
 
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Nothing to write: removals here take effect at once."""
+
     async def replay(self) -> list[GenerateRequest]:
         """Every request still recorded, oldest first."""
         return list(self.entries.values())
@@ -60,13 +72,32 @@ def stream_name(name: str, version: str) -> str:
 
 
 class JetStreamJournal:
-    """Journal in a JetStream stream. Create with ``await JetStreamJournal.open(nats_bus, name, version)``."""
+    """Journal in a JetStream stream. Create with ``await JetStreamJournal.open(nats_bus, name, version)``.
+
+    Removals are group-committed (issue [25] item 2, decision 0054): ``remove`` returns at once; one background
+    flush at a time writes the sequences of every entry removed since the last flush as one *tombstone* on the
+    journal's subject (``{"removed": [sequence, ...]}``), and at most every PURGE_EVERY_S the stream is purged
+    below its oldest live entry (one ``STREAM.PURGE`` with ``seq``). Replay applies entries and tombstones in
+    stream order. Under load a flush carries every removal made during the previous flush's round trip, so a
+    dispatched request costs a fraction of one write instead of a delete request, its reply and the server's
+    advisory. A live entry that holds COMPACT_MIN_DEAD (and 4x the live count) dead messages behind it is
+    written again at the tip (compaction), so a long-queued request does not make the stream grow.
+    """
 
     def __init__(self, js, name: str, version: str) -> None:
         self.js, self.config = js, streams.journal(name, version)
         self.stream, self.subject = self.config.name, subjects.sched_journal(name, version)
-        self._seq: dict[str, int] = {}  # request id -> stream sequence
-        self._pending: set[asyncio.Future] = set()  # deletes still waiting for the server (see remove)
+        self._seq: dict[str, int] = {}  # live entry: request id -> stream sequence
+        self._removed: list[int] = []  # sequences removed since the last tombstone (the next flush writes them)
+        self._dead: list[int] = []  # ascending: removed entries and tombstones not yet purged
+        self._tip = 0  # the highest sequence this instance has seen stored
+        self._appending: dict[int, int] = {}  # write in flight -> its floor (the tip + 1 when it started)
+        self._writes = 0  # writes started (keys of _appending)
+        self._purged = 1  # every sequence below this one was purged by this instance
+        self._last_purge = 0.0  # time.monotonic() of the last purge
+        self._flusher: asyncio.Future | None = None
+        self._storing: set[str] = set()  # request ids whose append is in flight
+        self._gone_early: set[str] = set()  # of those, the ones removed meanwhile
 
     @classmethod
     async def open(cls, bus, name: str, version: str) -> "JetStreamJournal":
@@ -79,40 +110,137 @@ class JetStreamJournal:
         """Persist ``req`` (acknowledged by the server before returning). A "no leader" answer is not waited
         out here (``ride_out_s=0``): the scheduler takes submits one at a time, and one wait would hold every
         submit behind it; the refusal (journal_unavailable) is retried by the validator, per request."""
-        self._seq[req.request_id] = await self.js.publish(self.subject, req.encode(), msg_id=req.request_id,
-                                                          timeout=2.0, ride_out_s=0.0)
+        rid = req.request_id
+        self._storing.add(rid)
+        try:
+            seq = await self._store(req.encode(), rid)
+        finally:
+            self._storing.discard(rid)
+        if rid in self._gone_early:  # removed while its append was in flight: remove it now
+            self._gone_early.discard(rid)
+            self._seq[rid] = seq
+            await self.remove(rid)
+        else:
+            self._seq[rid] = seq
+
+    async def _store(self, data: bytes, msg_id: str | None) -> int:
+        """Publish ``data`` on the journal subject and return its sequence. While the write is in flight no
+        purge reaches the tip it started from (its sequence is not known yet)."""
+        token, self._writes = self._writes, self._writes + 1
+        self._appending[token] = self._tip + 1
+        try:
+            seq = await self.js.publish(self.subject, data, msg_id=msg_id, timeout=2.0, ride_out_s=0.0)
+        finally:
+            del self._appending[token]
+        self._tip = max(self._tip, seq)
+        return seq
 
     async def remove(self, request_id: str) -> None:
-        """Delete the request's entry (best effort: a leftover entry is skipped at replay if stale).
-
-        Waits at most REMOVE_WAIT_S for the server: the scheduler's dispatch loop calls this after every
-        dispatch, and a JetStream request lost in a nats-server restart would otherwise hold that loop
-        for the whole JetStream timeout (5 s per dispatched request: the post-restart stall of issue 21).
-        A delete still pending then completes (or fails, logged) in the background."""
+        """Forget the request's entry. Never waits for the server: the next flush writes it, in the
+        background (``flush`` waits for it)."""
         seq = self._seq.pop(request_id, None)
         if seq is None:
+            if request_id in self._storing:  # dispatched before its append was acknowledged
+                self._gone_early.add(request_id)
             return
-        task = asyncio.ensure_future(self._delete(request_id, seq))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-        await asyncio.wait([task], timeout=REMOVE_WAIT_S)
+        self._removed.append(seq)
+        bisect.insort(self._dead, seq)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush_loop())
 
-    async def _delete(self, request_id: str, seq: int) -> None:
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout`` s) until every removal so far is written (a scheduler stepping down)."""
+        if self._flusher is not None and not self._flusher.done():
+            await asyncio.wait([self._flusher], timeout=timeout)
+
+    async def _flush_loop(self) -> None:
+        """Write tombstones until no removal is left, retrying every FLUSH_RETRY_S while the server does not
+        answer (a failover meanwhile replays those entries); compact and purge when due."""
+        while self._removed:
+            batch = list(self._removed)
+            try:
+                seq = await self._store(json.dumps({"removed": batch}).encode(), None)
+            except Exception as exc:
+                log.warning("journal tombstone of %d removals failed (retrying): %s", len(batch), exc)
+                await asyncio.sleep(FLUSH_RETRY_S)
+                continue
+            del self._removed[:len(batch)]
+            bisect.insort(self._dead, seq)
+            await self._maybe_compact()
+            await self._maybe_purge()
+
+    def _floor(self) -> int:
+        """The lowest sequence that must be kept: the oldest live entry or a write in flight's floor."""
+        return min([*self._seq.values(), *self._appending.values(), self._tip + 1])
+
+    async def _maybe_purge(self) -> None:
+        floor = self._floor()
+        if floor <= self._purged or time.monotonic() - self._last_purge < PURGE_EVERY_S:
+            return
         try:
-            await self.js.delete_msg(self.stream, seq)
-        except Exception as exc:  # already gone, or the server is away: replay checks deadlines
-            log.warning("journal delete of %s failed: %s", request_id, exc)
+            await self.js.purge(self.stream, floor)
+        except Exception as exc:  # the next flush tries again; replay skips what tombstones name
+            log.warning("journal purge below %d failed: %s", floor, exc)
+            return
+        self._purged, self._last_purge = floor, time.monotonic()
+        del self._dead[:bisect.bisect_left(self._dead, floor)]
+
+    async def _maybe_compact(self) -> None:
+        """Write again at the tip each live entry below the newest dead message once COMPACT_MIN_DEAD (and 4x
+        the live count) dead messages are held above the floor, so the next purge frees them; the old copy
+        is removed like any entry (replay keeps a request's newest copy meanwhile)."""
+        held = len(self._dead) - bisect.bisect_left(self._dead, self._floor())
+        if held < max(COMPACT_MIN_DEAD, 4 * len(self._seq)):
+            return
+        top = self._dead[-1]
+        for rid, seq in [(r, s) for r, s in self._seq.items() if s < top]:
+            try:
+                got = await self.js.next_msg(self.stream, self.subject, seq)
+                if got is None or got[0] != seq or self._seq.get(rid) != seq:
+                    continue  # removed meanwhile, or discarded by the stream's limits
+                self._seq[rid] = await self._store(got[1], f"{rid}@{seq}")
+            except Exception as exc:  # kept where it is; the next flush tries again
+                log.warning("journal compaction of %s failed: %s", rid, exc)
+                return
+            self._removed.append(seq)
+            bisect.insort(self._dead, seq)
 
     async def replay(self) -> list[GenerateRequest]:
-        """Every request left in the stream, oldest first; entries become this instance's to remove."""
-        out, seq = [], 1
+        """Every request left in the stream, in the order it was first journaled: entries no tombstone names
+        (by sequence), a compacted request's newest copy. Its entries become this instance's to remove."""
+        entries: dict[int, GenerateRequest] = {}
+        seq = 1
         while (found := await self.js.next_msg(self.stream, self.subject, seq)) is not None:
             seq, data = found
-            try:
-                req = GenerateRequest.decode(data)
-                self._seq[req.request_id] = seq
-                out.append(req)
-            except ValueError as exc:
-                log.warning("skipping undecodable journal entry %d: %s", seq, exc)
+            self._tip = max(self._tip, seq)
+            if data.startswith(TOMBSTONE_PREFIX):
+                self._dead.append(seq)
+                for gone in json.loads(data).get("removed", []):
+                    if entries.pop(gone, None) is not None:
+                        self._dead.append(gone)
+            elif (req := _decode(seq, data)) is not None:
+                entries[seq] = req
             seq += 1
-        return out
+        return self._adopt(entries)
+
+    def _adopt(self, entries: dict[int, GenerateRequest]) -> list[GenerateRequest]:
+        """Take the replayed ``entries`` (sequence -> request, ascending) as this instance's live ones."""
+        copies: dict[str, tuple[int, int]] = {}  # request id -> (first sequence, newest sequence)
+        for s, req in entries.items():
+            first, old = copies.get(req.request_id, (s, None))
+            if old is not None:  # the older copy of a compacted entry: the next tombstone names it
+                self._dead.append(old)
+                self._removed.append(old)
+            copies[req.request_id] = (first, s)
+        self._dead.sort()
+        self._seq = {rid: s for rid, (_, s) in copies.items()}
+        return [entries[s] for _, s in sorted(copies.values())]
+
+
+def _decode(seq: int, data: bytes) -> GenerateRequest | None:
+    """The journal entry ``seq`` (None, logged, if it does not decode)."""
+    try:
+        return GenerateRequest.decode(data)
+    except ValueError as exc:
+        log.warning("skipping undecodable journal entry %d: %s", seq, exc)
+        return None

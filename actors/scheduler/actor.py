@@ -173,7 +173,9 @@ async def serve_term(reg, bus, ref, sid: str, args: argparse.Namespace) -> None:
         raise
     svc = SchedulerService(bus, SchedulerConfig(ref.name, ref.version, sid, args.max_queue_len,
                                                 args.max_queue_per_tenant, args.fcfs, routing=args.routing,
-                                                preemption=args.preemption, urgent=args.urgent), journal)
+                                                preemption=args.preemption, urgent=args.urgent,
+                                                direct_dispatch=os.environ.get("ACTORSERVE_DIRECT_DISPATCH", "1") != "0"),
+                          journal)
     await svc.start()
     svc.load.follow(reg)  # the manifest's autoscale.scale_to_zero (actors/scheduler/load.py); stopped by svc.stop()
     _export_queue(svc)

@@ -36,6 +36,8 @@ from bus.messages import (Cancel, Chunk, CompletionRecord, Credits, Dispatch, Di
 
 log = logging.getLogger(__name__)
 
+DIRECT_WAIT_S = 0.05  # a submit taken without a journal entry is journaled once it has waited this long (s)
+
 
 @dataclass
 class SchedulerConfig:
@@ -57,6 +59,7 @@ class SchedulerConfig:
     drain_s: float = 6.0  # on stop: keep dispatching the queue to the (still running) workers this long (s)
     preemption: bool = True  # a tenant below its fair slots may displace an over-share tenant's request
     urgent: bool = True  # mark dispatches of under-share tenants / interactive-over-batch urgent (docs/decisions/0021)
+    direct_dispatch: bool = True  # a submit a free slot awaits is dispatched before it is journaled (decision 0054)
 
     def __post_init__(self) -> None:
         subjects.sched_submit(self.name, self.version)
@@ -100,6 +103,9 @@ class SchedulerService:
         self._traces = tracing.ContextStore()  # trace context of each submit, parent of its queue span
         self._early_cancels = RecentIds()  # ids cancelled before their submit arrived
         self._taken = RecentIds(ttl_s=60.0)  # request id -> its validate_out mark, for a minute after its submit
+        # queued without a journal entry, its submit not acknowledged yet (direct dispatch, decision 0054):
+        # request id -> (the submit to acknowledge, the request, time.monotonic() when taken)
+        self._unjournaled: dict[str, tuple[Msg, GenerateRequest, float]] = {}
         self._kick = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
@@ -137,6 +143,7 @@ class SchedulerService:
         if fail_queued:
             await self.fail_queued("the scheduler stopped (version retired or stack stopping) before the request "
                                    "was dispatched; retry", "unavailable")
+        await self.journal.flush(timeout=2.0)  # removals still unwritten would replay on a standby (decision 0054)
         await self.load.stop()
         for t in self._tasks:
             t.cancel()
@@ -224,6 +231,9 @@ class SchedulerService:
             return await self.ack(msg, False, ServeError(400, "resume is accepted only on the migrate subject",
                                                            param="resume").to_wire())
         if self._known(req):  # a validator's retry after an ack it did not hear: taken once
+            if (pending := self._unjournaled.get(req.request_id)) is not None:  # its ack is still to come
+                self._unjournaled[req.request_id] = (msg, *pending[1:])
+                return
             return await self.ack(msg, True)
         if self._early_cancels.pop(req.request_id) is not None:  # cancelled on its way here: never queue it
             await self.ack(msg, True)
@@ -242,19 +252,48 @@ class SchedulerService:
                            decode_step_s=self.table.speed(time.monotonic())[0] / 1e3)
             return await self.ack(msg, False, err)
         req = replace(req, marks={**req.marks, "sched_in": time.time()})
-        try:
-            await self.journal.append(req)
-        except Exception as exc:  # no durable record: refuse rather than accept what a failover would lose
-            log.warning("journal append failed: %s", exc)
-            refusal = ServeError(503, "the scheduler cannot persist requests right now", type="unavailable",
-                                 code="journal_unavailable", retryable=True, retry_after=self.cfg.retry_after_s)
-            return await self.ack(msg, False, refusal.to_wire())
+        direct = self.cfg.direct_dispatch and len(self.queue) < self._free_slots()  # a slot awaits it: dispatched at once
+        if not direct:
+            try:
+                await self.journal.append(req)
+            except Exception as exc:  # no durable record: refuse rather than accept what a failover would lose
+                log.warning("journal append failed: %s", exc)
+                return await self.ack(msg, False, self._journal_refusal())
         self._push(req)
         self._taken.add(req.request_id, req.marks.get("validate_out"))
         self._traces.put(req.request_id, tracing.current())  # the validator's span (bus hook); None when off
         self.fair.submitted(req.tenant)
-        await self.ack(msg, True)
+        if direct:  # acknowledged when dispatched, ended, or journaled after DIRECT_WAIT_S (_journal_waiting)
+            self._unjournaled[req.request_id] = (msg, req, time.monotonic())
+        else:
+            await self.ack(msg, True)
         self._kick.set()
+
+    def _journal_refusal(self) -> dict:
+        """The retryable 503 ``journal_unavailable`` of a submit the journal could not record (wire dict)."""
+        return ServeError(503, "the scheduler cannot persist requests right now", type="unavailable",
+                          code="journal_unavailable", retryable=True, retry_after=self.cfg.retry_after_s).to_wire()
+
+    async def _settle(self, request_id: str) -> None:
+        """Acknowledge the submit of a request taken without a journal entry, now dispatched or ended."""
+        if (pending := self._unjournaled.pop(request_id, None)) is not None:
+            await self.ack(pending[0], True)
+
+    async def _journal_waiting(self, older_than_s: float) -> None:
+        """Journal, then acknowledge, each request taken without a journal entry that is still queued after
+        ``older_than_s``; one the journal refuses leaves the queue with a retryable 503 (the validator retries)."""
+        now = time.monotonic()
+        for rid, (_, req, since) in list(self._unjournaled.items()):
+            if now - since < older_than_s or not self.queue.contains(rid):
+                continue
+            try:
+                await self.journal.append(req)
+            except Exception as exc:
+                log.warning("journal append failed: %s", exc)
+                if self.queue.remove(rid) is not None and (pending := self._unjournaled.pop(rid, None)):
+                    await self.ack(pending[0], False, self._journal_refusal())
+                continue
+            await self._settle(rid)  # dispatched or ended meanwhile: already acknowledged
 
     def _known(self, req: GenerateRequest) -> bool:
         """True if this very submit was taken within the last minute: same request id and same validation
@@ -293,9 +332,13 @@ class SchedulerService:
         raw = predict_service_s(len(req.prompt_token_ids), out, step_ms, prefill_tps)
         return raw + self.calibration.margin_s if calibrated and raw > 0 else raw
 
+    def _free_slots(self) -> int:
+        """Free slots over the leased workers, by their credits less the dispatches since."""
+        return sum(w.free_slots for w in self.table.workers.values() if w.leased)
+
     def _slot_wait_s(self) -> float:
         """Predicted seconds until a slot frees when every worker's slots are taken (0 with a free one)."""
-        free = sum(w.free_slots for w in self.table.workers.values() if w.leased)
+        free = self._free_slots()
         if free > 0:  # slot_wait_s is 0 then: skip the list over every running request (decision 0029)
             return 0.0
         now, margin = time.time(), self.calibration.margin_s
@@ -388,8 +431,11 @@ class SchedulerService:
             for req in self.queue.pop_expired(time.time()):
                 await self._fail(req, 503, "the request's deadline passed while it was queued", "deadline_exceeded")
             if not await self._dispatch_head():
-                self._kick.clear()
+                self._kick.clear()  # before the journal's awaits: a submit meanwhile wakes the wait below at once
+                await self._journal_waiting(0.0)  # nothing more can be dispatched now: what waits is journaled
                 await wait_event(self._kick, 0.1)
+            elif self._unjournaled:
+                await self._journal_waiting(DIRECT_WAIT_S)
 
     async def _dispatch_head(self) -> bool:
         """Dispatch the head request if a worker can take it; False when nothing was done."""
@@ -479,6 +525,7 @@ class SchedulerService:
             self.num_dispatched += 1
             if req.request_id in self.requests:  # its completion record may have come before this ack (decision 0029)
                 self._eta[req.request_id] = (req.marks["dispatch"], self.own_service_s(req, calibrated=False))
+            await self._settle(req.request_id)
             await self.journal.remove(req.request_id)
         else:
             self.requests.pop(req.request_id, None)
@@ -499,6 +546,7 @@ class SchedulerService:
     async def _fail(self, req: GenerateRequest, status: int, message: str, code: str,
                     retryable: bool = True) -> None:
         """End ``req`` with a final error chunk and a completion record."""
+        await self._settle(req.request_id)
         await self.journal.remove(req.request_id)
         kind = "unavailable" if status >= 500 else "cancelled" if status == 499 else "invalid_request_error"
         err = ServeError(status, message, type=kind, code=code,

@@ -445,3 +445,68 @@ async def test_a_resume_on_the_submit_subject_is_refused():
     assert not ack["accepted"] and ack["error"]["status"] == 400 and ack["error"]["param"] == "resume"
     assert len(svc.queue) == 0
     await svc.stop()
+
+
+async def test_a_submit_to_an_empty_queue_is_dispatched_before_its_ack_and_never_journaled():
+    """Direct dispatch (decision 0054): the submit's ack follows the worker's, with no journal entry; one
+    that has to wait is journaled before its ack, so a standby still recovers it."""
+    from bus.journal import MemoryJournal
+
+    class Counting(MemoryJournal):
+        def __init__(self):
+            super().__init__()
+            self.appended = []
+
+        async def append(self, r):
+            self.appended.append(r.request_id)
+            await super().append(r)
+
+    bus, journal = MemoryBus(), Counting()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"), journal)
+    await svc.start()
+    accepted: list = []
+    await fake_worker(bus, "w1", accepted)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=1)
+    await asyncio.sleep(0.05)  # the credits are in: a slot awaits the first submit
+    first = await submit(bus, req(0))
+    assert first["accepted"] and accepted == ["r0"] and journal.appended == []  # acked once dispatched
+    await heartbeat(bus, "w1", slots=3)
+    await asyncio.sleep(0.05)
+    burst = await asyncio.gather(*(submit(bus, req(i)) for i in (5, 6, 7)))  # queued back to back, slots for all
+    assert all(a["accepted"] for a in burst) and accepted == ["r0", "r5", "r6", "r7"] and journal.appended == []
+    second = await submit(bus, req(1))  # no slot left: it waits, so it is journaled before its ack
+    assert second["accepted"] and accepted == ["r0", "r5", "r6", "r7"] and journal.appended == ["r1"]
+    assert [r.request_id for r in await journal.replay()] == ["r1"]
+    await svc.stop(fail_queued=False)
+
+
+async def test_a_direct_submit_its_worker_refuses_is_journaled_before_its_ack():
+    from bus.journal import MemoryJournal
+
+    bus, journal = MemoryBus(), MemoryJournal()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"), journal)
+    await svc.start()
+    refused: list = []
+
+    async def refusing(msg):
+        refused.append(Dispatch.decode(msg.data).request.request_id)
+        await msg.respond(DispatchAck(False).encode())
+    await bus.subscribe(subjects.work("w1"), refusing)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=1)
+    await asyncio.sleep(0.05)
+    ack = await submit(bus, req(0))
+    assert ack["accepted"] and refused == ["r0"] and list(journal.entries) == ["r0"]  # durable before its ack
+    assert svc.queue.contains("r0") and not svc._unjournaled
+    await svc.stop(fail_queued=False)
+
+
+async def test_without_direct_dispatch_every_submit_is_journaled_first():
+    from bus.journal import MemoryJournal
+
+    bus, journal = MemoryBus(), MemoryJournal()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", direct_dispatch=False), journal)
+    await svc.start()
+    assert (await submit(bus, req(0)))["accepted"] and list(journal.entries) == ["r0"]
+    await svc.stop(fail_queued=False)
