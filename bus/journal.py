@@ -41,6 +41,8 @@ class Journal(Protocol):
 
     async def flush(self, timeout: float = 2.0) -> None: ...
 
+    def close(self) -> None: ...
+
     async def replay(self) -> list[GenerateRequest]: ...
 
 
@@ -60,6 +62,9 @@ class MemoryJournal:
 
     async def flush(self, timeout: float = 2.0) -> None:
         """Nothing to write: removals here take effect at once."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
     async def replay(self) -> list[GenerateRequest]:
         """Every request still recorded, oldest first."""
@@ -97,6 +102,9 @@ class JetStreamJournal:
         self._last_purge = 0.0  # time.monotonic() of the last purge
         self._flusher: asyncio.Future | None = None
         self._storing: set[str] = set()  # request ids whose append is in flight
+        self._closed = False  # close(): no purge or compaction (the stream is another scheduler's now)
+        self._known_upto = 0  # every sequence up to this one was stored by this instance or read by its replay
+        self._mine: set[int] = set()  # sequences this instance stored above _known_upto (not contiguous yet)
         self._gone_early: set[str] = set()  # of those, the ones removed meanwhile
 
     @classmethod
@@ -114,6 +122,9 @@ class JetStreamJournal:
         self._storing.add(rid)
         try:
             seq = await self._store(req.encode(), rid)
+        except BaseException:
+            self._gone_early.discard(rid)  # not journaled: a later append of the same id starts afresh
+            raise
         finally:
             self._storing.discard(rid)
         if rid in self._gone_early:  # removed while its append was in flight: remove it now
@@ -133,7 +144,17 @@ class JetStreamJournal:
         finally:
             del self._appending[token]
         self._tip = max(self._tip, seq)
+        self._own(seq)
         return seq
+
+    def _own(self, seq: int) -> None:
+        """Count ``seq`` as known; ``_known_upto`` advances over what is contiguous (a sequence another scheduler
+        wrote leaves a gap it never passes: nothing at or above that one is ever purged by this instance)."""
+        if seq > self._known_upto:
+            self._mine.add(seq)
+        while self._known_upto + 1 in self._mine:
+            self._known_upto += 1
+            self._mine.discard(self._known_upto)
 
     async def remove(self, request_id: str) -> None:
         """Forget the request's entry. Never waits for the server: the next flush writes it, in the
@@ -147,6 +168,11 @@ class JetStreamJournal:
         bisect.insort(self._dead, seq)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush_loop())
+
+    def close(self) -> None:
+        """Stop purging and compacting (a scheduler that stood down: the next active one writes the stream, and
+        a purge below this instance's floor could take that one's entries). Tombstones still go out."""
+        self._closed = True
 
     async def flush(self, timeout: float = 2.0) -> None:
         """Wait (at most ``timeout`` s) until every removal so far is written (a scheduler stepping down)."""
@@ -170,12 +196,15 @@ class JetStreamJournal:
             await self._maybe_purge()
 
     def _floor(self) -> int:
-        """The lowest sequence that must be kept: the oldest live entry or a write in flight's floor."""
-        return min([*self._seq.values(), *self._appending.values(), self._tip + 1])
+        """The lowest sequence that must be kept: the oldest live entry, a write in flight's floor, or the first
+        sequence this instance does not know (another scheduler's: a successor's entries, a predecessor's late
+        tombstone)."""
+        return min([*self._seq.values(), *self._appending.values(), self._tip + 1, self._known_upto + 1])
 
     async def _maybe_purge(self) -> None:
+        """Purge below the floor (:meth:`_floor`), at most every PURGE_EVERY_S, never after close()."""
         floor = self._floor()
-        if floor <= self._purged or time.monotonic() - self._last_purge < PURGE_EVERY_S:
+        if self._closed or floor <= self._purged or time.monotonic() - self._last_purge < PURGE_EVERY_S:
             return
         try:
             await self.js.purge(self.stream, floor)
@@ -190,7 +219,7 @@ class JetStreamJournal:
         the live count) dead messages are held above the floor, so the next purge frees them; the old copy
         is removed like any entry (replay keeps a request's newest copy meanwhile)."""
         held = len(self._dead) - bisect.bisect_left(self._dead, self._floor())
-        if held < max(COMPACT_MIN_DEAD, 4 * len(self._seq)):
+        if self._closed or held < max(COMPACT_MIN_DEAD, 4 * len(self._seq)):
             return
         top = self._dead[-1]
         for rid, seq in [(r, s) for r, s in self._seq.items() if s < top]:
@@ -198,12 +227,16 @@ class JetStreamJournal:
                 got = await self.js.next_msg(self.stream, self.subject, seq)
                 if got is None or got[0] != seq or self._seq.get(rid) != seq:
                     continue  # removed meanwhile, or discarded by the stream's limits
-                self._seq[rid] = await self._store(got[1], f"{rid}@{seq}")
+                copy = await self._store(got[1], f"{rid}@{seq}")
             except Exception as exc:  # kept where it is; the next flush tries again
                 log.warning("journal compaction of %s failed: %s", rid, exc)
                 return
-            self._removed.append(seq)
-            bisect.insort(self._dead, seq)
+            if self._seq.get(rid) == seq:  # still live: the copy stands for it, the old one goes
+                self._seq[rid], dead = copy, seq
+            else:  # removed while the copy was written (the old sequence is tombstoned already): the copy goes
+                dead = copy
+            self._removed.append(dead)
+            bisect.insort(self._dead, dead)
 
     async def replay(self) -> list[GenerateRequest]:
         """Every request left in the stream, in the order it was first journaled: entries no tombstone names
@@ -221,6 +254,8 @@ class JetStreamJournal:
             elif (req := _decode(seq, data)) is not None:
                 entries[seq] = req
             seq += 1
+        self._known_upto = max(self._known_upto, self._tip)  # read: every message up to here, and the gaps gone
+        self._own(self._known_upto)
         return self._adopt(entries)
 
     def _adopt(self, entries: dict[int, GenerateRequest]) -> list[GenerateRequest]:
@@ -233,8 +268,14 @@ class JetStreamJournal:
                 self._removed.append(old)
             copies[req.request_id] = (first, s)
         self._dead.sort()
-        self._seq = {rid: s for rid, (_, s) in copies.items()}
-        return [entries[s] for _, s in sorted(copies.values())]
+        # merged, not replaced: this instance may have journaled (and removed) requests while it read the stream
+        self._seq.update({rid: s for rid, (_, s) in copies.items() if not self._is_dead(s)})
+        return [entries[s] for _, s in sorted(copies.values()) if not self._is_dead(s)]
+
+    def _is_dead(self, seq: int) -> bool:
+        """Whether ``seq`` was removed (or tombstoned) as far as this instance knows."""
+        i = bisect.bisect_left(self._dead, seq)
+        return i < len(self._dead) and self._dead[i] == seq
 
 
 def _decode(seq: int, data: bytes) -> GenerateRequest | None:

@@ -106,6 +106,8 @@ class SchedulerService:
         # queued without a journal entry, its submit not acknowledged yet (direct dispatch, decision 0054):
         # request id -> (the submit to acknowledge, the request, time.monotonic() when taken)
         self._unjournaled: dict[str, tuple[Msg, GenerateRequest, float]] = {}
+        self._journaler: asyncio.Task | None = None  # the running _journal_waiting, if any
+        self._stopping = False  # stop() began: nothing more is journaled for an acknowledgement
         self._kick = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
@@ -134,8 +136,12 @@ class SchedulerService:
         (the supervisor stops workers after schedulers), and what is still queued then ends with a
         retryable 503. With ``fail_queued=False`` (lease lost: another replica takes over) the queue stays
         in the journal for it."""
+        self._stopping = True
         if self._subs:
             await self._subs[0].unsubscribe()  # the submit subscription: nothing new from here on
+        if not fail_queued:  # standing down: a submit never acknowledged goes back to its validator, who
+            for rid in list(self._unjournaled):  # retries it to the new active scheduler
+                await self._hand_back(rid)
         if fail_queued:
             await self._drain_queue(self.cfg.drain_s)
         for sub in self._subs[1:]:
@@ -144,7 +150,10 @@ class SchedulerService:
             await self.fail_queued("the scheduler stopped (version retired or stack stopping) before the request "
                                    "was dispatched; retry", "unavailable")
         await self.journal.flush(timeout=2.0)  # removals still unwritten would replay on a standby (decision 0054)
+        self.journal.close()  # no purge from here on: the stream is the next active scheduler's
         await self.load.stop()
+        if self._journaler is not None:
+            self._tasks.append(self._journaler)
         for t in self._tasks:
             t.cancel()
         if self._tasks:
@@ -277,23 +286,48 @@ class SchedulerService:
     async def _settle(self, request_id: str) -> None:
         """Acknowledge the submit of a request taken without a journal entry, now dispatched or ended."""
         if (pending := self._unjournaled.pop(request_id, None)) is not None:
-            await self.ack(pending[0], True)
+            try:
+                await self.ack(pending[0], True)
+            except BusError as exc:  # the validator times out and retries: _known acknowledges the retry
+                log.warning("could not acknowledge the submit of %s: %s", request_id, exc)
+
+    def _journal_soon(self, older_than_s: float) -> None:
+        """Start :meth:`_journal_waiting` in the background unless it runs (the dispatch loop never waits for
+        the journal: a JetStream stall must not hold dispatches)."""
+        if self._unjournaled and not self._stopping and (self._journaler is None or self._journaler.done()):
+            self._journaler = asyncio.create_task(self._journal_waiting(older_than_s))
 
     async def _journal_waiting(self, older_than_s: float) -> None:
         """Journal, then acknowledge, each request taken without a journal entry that is still queued after
-        ``older_than_s``; one the journal refuses leaves the queue with a retryable 503 (the validator retries)."""
+        ``older_than_s``; one the journal refuses is taken back (:meth:`_hand_back`): the validator retries."""
         now = time.monotonic()
         for rid, (_, req, since) in list(self._unjournaled.items()):
+            if self._stopping:
+                return
             if now - since < older_than_s or not self.queue.contains(rid):
                 continue
             try:
                 await self.journal.append(req)
             except Exception as exc:
                 log.warning("journal append failed: %s", exc)
-                if self.queue.remove(rid) is not None and (pending := self._unjournaled.pop(rid, None)):
-                    await self.ack(pending[0], False, self._journal_refusal())
+                await self._hand_back(rid)
                 continue
             await self._settle(rid)  # dispatched or ended meanwhile: already acknowledged
+
+    async def _hand_back(self, rid: str) -> None:
+        """Take back a queued submit that was never acknowledged: out of the queue and forgotten (so the
+        validator's retry is a new submit), refused with the retryable ``journal_unavailable``."""
+        if rid not in self._unjournaled or self.queue.remove(rid) is None:  # dispatched or ended: acknowledged
+            return
+        pending = self._unjournaled.pop(rid)
+        self._taken.pop(rid)
+        self._charged.pop(rid, None)
+        self._traces.pop(rid)
+        await self.journal.remove(rid)  # an append still in flight (stop() meanwhile) is removed once it lands
+        try:
+            await self.ack(pending[0], False, self._journal_refusal())
+        except BusError as exc:  # the validator times out and retries
+            log.warning("could not refuse the submit of %s: %s", rid, exc)
 
     def _known(self, req: GenerateRequest) -> bool:
         """True if this very submit was taken within the last minute: same request id and same validation
@@ -431,11 +465,11 @@ class SchedulerService:
             for req in self.queue.pop_expired(time.time()):
                 await self._fail(req, 503, "the request's deadline passed while it was queued", "deadline_exceeded")
             if not await self._dispatch_head():
-                self._kick.clear()  # before the journal's awaits: a submit meanwhile wakes the wait below at once
-                await self._journal_waiting(0.0)  # nothing more can be dispatched now: what waits is journaled
+                self._journal_soon(0.0)  # nothing more can be dispatched now: what waits is journaled
+                self._kick.clear()
                 await wait_event(self._kick, 0.1)
             elif self._unjournaled:
-                await self._journal_waiting(DIRECT_WAIT_S)
+                self._journal_soon(DIRECT_WAIT_S)
 
     async def _dispatch_head(self) -> bool:
         """Dispatch the head request if a worker can take it; False when nothing was done."""
@@ -545,8 +579,8 @@ class SchedulerService:
 
     async def _fail(self, req: GenerateRequest, status: int, message: str, code: str,
                     retryable: bool = True) -> None:
-        """End ``req`` with a final error chunk and a completion record."""
-        await self._settle(req.request_id)
+        """End ``req`` with a final error chunk and a completion record (then acknowledge its submit if that
+        was still pending: direct dispatch)."""
         await self.journal.remove(req.request_id)
         kind = "unavailable" if status >= 500 else "cancelled" if status == 499 else "invalid_request_error"
         err = ServeError(status, message, type=kind, code=code,
@@ -561,3 +595,4 @@ class SchedulerService:
             await self.bus.publish(subjects.done(req.name, req.version), rec.encode())
         except BusError as exc:
             log.warning("could not end %s: %s", req.request_id, exc)
+        await self._settle(req.request_id)

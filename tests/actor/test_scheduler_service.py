@@ -510,3 +510,53 @@ async def test_without_direct_dispatch_every_submit_is_journaled_first():
     await svc.start()
     assert (await submit(bus, req(0)))["accepted"] and list(journal.entries) == ["r0"]
     await svc.stop(fail_queued=False)
+
+
+async def test_a_direct_submit_the_journal_refuses_goes_back_to_its_validator_and_its_retry_is_a_new_submit():
+    """A submit taken without a journal entry, then refused by the journal, is forgotten (queue, taken ids):
+    the validator's retry of it is judged afresh, never acknowledged as taken (decision 0054)."""
+    from bus.journal import MemoryJournal
+
+    class Refusing(MemoryJournal):
+        async def append(self, r):
+            raise TimeoutError("JetStream has no leader")
+
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"), Refusing())
+    await svc.start()
+    svc.on_worker_lease("w1", True)  # a free slot by its credits, but draining: nothing is dispatched to it
+    await bus.publish(subjects.credits("m", "1", "w1"),
+                      Credits("w1", "m", "1", 100, 100, 2, 8, 16, draining=True).encode())
+    await asyncio.sleep(0.05)
+    from dataclasses import replace
+    r = replace(req(0), marks={"validate_out": 1.0})  # the validator's mark: its retry carries the same
+    for _ in range(2):  # the submit, then the validator's retry of the same bytes
+        ack = await submit(bus, r)
+        assert not ack["accepted"] and ack["error"]["code"] == "journal_unavailable"
+    assert not svc.queue.contains("r0") and not svc._unjournaled
+    await svc.stop()
+
+
+async def test_standing_down_hands_a_pending_direct_submit_back_to_its_validator():
+    """stop(fail_queued=False) (lease lost): a submit taken without a journal entry and never acknowledged is
+    refused with the retryable journal_unavailable, so its validator retries it to the new active scheduler
+    at once instead of it being acknowledged into a journal nobody replays."""
+    from bus.journal import MemoryJournal
+
+    class Stalled(MemoryJournal):
+        async def append(self, r):
+            await asyncio.sleep(10.0)  # JetStream stalls: the write is still in flight when the lease is lost
+
+    bus = MemoryBus()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1"), Stalled())
+    await svc.start()
+    svc.on_worker_lease("w1", True)
+    await bus.publish(subjects.credits("m", "1", "w1"),
+                      Credits("w1", "m", "1", 100, 100, 2, 8, 16, draining=True).encode())
+    await asyncio.sleep(0.05)
+    pending = asyncio.ensure_future(submit(bus, req(0)))
+    await asyncio.sleep(0.1)
+    assert not pending.done()  # queued, not journaled (its append stalls), not acknowledged
+    await svc.stop(fail_queued=False)
+    ack = await asyncio.wait_for(pending, 1.0)
+    assert not ack["accepted"] and ack["error"]["code"] == "journal_unavailable" and not svc.queue.contains("r0")

@@ -17,18 +17,18 @@ class StreamStandIn:
 
     def __init__(self) -> None:
         self.msgs: dict[int, bytes] = {}
-        self.last_seq, self.ids, self.calls = 0, {}, {"publish": 0, "purge": 0, "next_msg": 0}
+        self.last_seq_, self.ids, self.calls = 0, {}, {"publish": 0, "purge": 0, "next_msg": 0}
 
     async def publish(self, subject, data, *, msg_id=None, timeout=5.0, ride_out_s=None):
         self.calls["publish"] += 1
         await asyncio.sleep(0.001)  # a round trip: removals made meanwhile join the next tombstone
         if msg_id is not None and msg_id in self.ids:
             return self.ids[msg_id]
-        self.last_seq += 1
-        self.msgs[self.last_seq] = data
+        self.last_seq_ += 1
+        self.msgs[self.last_seq_] = data
         if msg_id is not None:
-            self.ids[msg_id] = self.last_seq
-        return self.last_seq
+            self.ids[msg_id] = self.last_seq_
+        return self.last_seq_
 
     async def next_msg(self, stream, subject, seq):
         self.calls["next_msg"] += 1
@@ -149,3 +149,52 @@ async def test_a_request_removed_while_its_append_is_in_flight_is_removed_once_i
     await landing
     await j.flush()
     assert "r0" not in j._seq and await JetStreamJournal(js, "m", "1").replay() == []
+
+
+async def test_a_request_removed_while_compaction_copies_it_stays_removed(monkeypatch):
+    monkeypatch.setattr(journal, "PURGE_EVERY_S", 3600.0)
+    monkeypatch.setattr(journal, "COMPACT_MIN_DEAD", 4)
+    js = StreamStandIn()
+    j = JetStreamJournal(js, "m", "1")
+    real = js.publish
+
+    async def dispatched_meanwhile(subject, data, *, msg_id=None, **kw):
+        seq = await real(subject, data, msg_id=msg_id, **kw)
+        if msg_id == "r0@1":  # the compaction copy of r0 lands as r0 is dispatched
+            await j.remove("r0")
+        return seq
+
+    js.publish = dispatched_meanwhile
+    await j.append(req(0))
+    for i in range(1, 8):
+        await j.append(req(i))
+        await j.remove(f"r{i}")
+        await j.flush()
+    await j.flush()
+    assert "r0" not in j._seq
+    assert await JetStreamJournal(js, "m", "1").replay() == []
+
+
+async def test_a_purge_never_reaches_a_sequence_another_scheduler_wrote(monkeypatch):
+    monkeypatch.setattr(journal, "PURGE_EVERY_S", 0.0)
+    js = StreamStandIn()
+    old, new = JetStreamJournal(js, "m", "1"), JetStreamJournal(js, "m", "1")
+    await old.append(req(0))
+    await new.append(req(1))  # the successor's queued request, above the predecessor's floor
+    await old.remove("r0")  # the predecessor's late removal
+    await old.flush()
+    assert 2 in js.msgs  # purged at most below the first sequence the predecessor did not write
+    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r1"]
+
+
+async def test_a_request_journaled_and_removed_while_replay_reads_is_not_adopted_again():
+    """A new active scheduler takes submits before its replay ends: what it removed meanwhile stays removed."""
+    js = StreamStandIn()
+    await JetStreamJournal(js, "m", "1").append(req(0))  # the predecessor's queued request
+    k = JetStreamJournal(js, "m", "1")
+    await k.append(req(1))
+    await k.remove("r1")  # dispatched at once; its tombstone is not written yet when the replay reads
+    got = await k.replay()
+    assert [r.request_id for r in got] == ["r0"] and "r1" not in k._seq and "r0" in k._seq
+    await k.flush()
+    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r0"]
