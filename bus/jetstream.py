@@ -353,6 +353,12 @@ class JetStream:
             raise
         return msg.seq, msg.data
 
+    async def last_seq(self, stream: str) -> int:
+        """The sequence of the last message ever stored in ``stream`` (0: none; one ``STREAM.INFO`` call;
+        BusError if the server is away)."""
+        with _mapped(f"info of {stream}"):
+            return (await self._js.stream_info(stream)).state.last_seq
+
     async def purge(self, stream: str, below: int) -> None:
         """Remove every message of ``stream`` with a sequence below ``below`` (one ``STREAM.PURGE`` call with
         ``seq``; BusError if the server is away)."""

@@ -29,6 +29,7 @@ MAX_JOURNAL_BYTES = streams.JOURNAL_MAX_BYTES  # per model version: queued reque
 PURGE_EVERY_S = 0.5  # at most one purge of removed entries per this many seconds (one STREAM.PURGE call)
 COMPACT_MIN_DEAD = 1024  # dead messages held above the oldest live entry before it is written again at the tip
 FLUSH_RETRY_S = 0.5  # between tombstone writes while the server does not answer (s)
+MAX_UNCONTIGUOUS = 65536  # own sequences kept above a gap of _known_upto (then purging stops growing its floor)
 TOMBSTONE_PREFIX = b'{"removed":'  # a tombstone's first bytes (a GenerateRequest encodes as another object)
 
 
@@ -121,7 +122,7 @@ class JetStreamJournal:
         rid = req.request_id
         self._storing.add(rid)
         try:
-            seq = await self._store(req.encode(), rid)
+            seq = await self._store(req.encode(), f"{rid}/{req.marks.get('sched_in', '')}")  # one id a take
         except BaseException:
             self._gone_early.discard(rid)  # not journaled: a later append of the same id starts afresh
             raise
@@ -150,7 +151,7 @@ class JetStreamJournal:
     def _own(self, seq: int) -> None:
         """Count ``seq`` as known; ``_known_upto`` advances over what is contiguous (a sequence another scheduler
         wrote leaves a gap it never passes: nothing at or above that one is ever purged by this instance)."""
-        if seq > self._known_upto:
+        if seq > self._known_upto and len(self._mine) < MAX_UNCONTIGUOUS:  # past it: purging stays where it is
             self._mine.add(seq)
         while self._known_upto + 1 in self._mine:
             self._known_upto += 1
@@ -166,7 +167,11 @@ class JetStreamJournal:
             return
         self._removed.append(seq)
         bisect.insort(self._dead, seq)
-        if self._flusher is None or self._flusher.done():
+        self._start_flush()
+
+    def _start_flush(self) -> None:
+        """Start the background flush unless one runs."""
+        if self._removed and (self._flusher is None or self._flusher.done()):
             self._flusher = asyncio.ensure_future(self._flush_loop())
 
     def close(self) -> None:
@@ -203,10 +208,13 @@ class JetStreamJournal:
 
     async def _maybe_purge(self) -> None:
         """Purge below the floor (:meth:`_floor`), at most every PURGE_EVERY_S, never after close()."""
-        floor = self._floor()
-        if self._closed or floor <= self._purged or time.monotonic() - self._last_purge < PURGE_EVERY_S:
+        if self._closed or time.monotonic() - self._last_purge < PURGE_EVERY_S:
             return
         try:
+            await self._close_gaps()
+            floor = self._floor()
+            if floor <= self._purged:
+                return
             await self.js.purge(self.stream, floor)
         except Exception as exc:  # the next flush tries again; replay skips what tombstones name
             log.warning("journal purge below %d failed: %s", floor, exc)
@@ -214,12 +222,34 @@ class JetStreamJournal:
         self._purged, self._last_purge = floor, time.monotonic()
         del self._dead[:bisect.bisect_left(self._dead, floor)]
 
+    async def _close_gaps(self, limit: int = 64) -> None:
+        """Advance ``_known_upto`` over sequences this instance did not store but may purge: gone ones (deleted,
+        purged, a publish that was never stored), tombstones, and its own entries whose acknowledgement it missed
+        (a timed-out append: the sequence holds a request it journaled or removed). An entry of a request it
+        does not know (another scheduler's) stops it. Reads at most ``limit`` messages."""
+        for _ in range(limit):
+            if not self._mine or self._known_upto + 1 in self._mine:
+                return
+            got = await self.js.next_msg(self.stream, self.subject, self._known_upto + 1)
+            if got is None:
+                return
+            seq, data = got
+            if seq > self._known_upto + 1:  # the sequences before it are gone
+                self._known_upto = seq - 1
+            elif data.startswith(TOMBSTONE_PREFIX) or self._is_dead(seq) or seq in self._seq.values():
+                self._known_upto = seq
+            else:
+                return  # an entry this instance never held: not its to purge
+            self._own(self._known_upto)
+
     async def _maybe_compact(self) -> None:
         """Write again at the tip each live entry below the newest dead message once COMPACT_MIN_DEAD (and 4x
         the live count) dead messages are held above the floor, so the next purge frees them; the old copy
         is removed like any entry (replay keeps a request's newest copy meanwhile)."""
-        held = len(self._dead) - bisect.bisect_left(self._dead, self._floor())
-        if self._closed or held < max(COMPACT_MIN_DEAD, 4 * len(self._seq)):
+        floor = self._floor()
+        held = len(self._dead) - bisect.bisect_left(self._dead, floor)
+        if (self._closed or not self._seq or min(self._seq.values()) > floor  # not a live entry holding it
+                or held < max(COMPACT_MIN_DEAD, 4 * len(self._seq))):
             return
         top = self._dead[-1]
         for rid, seq in [(r, s) for r, s in self._seq.items() if s < top]:
@@ -242,7 +272,7 @@ class JetStreamJournal:
         """Every request left in the stream, in the order it was first journaled: entries no tombstone names
         (by sequence), a compacted request's newest copy. Its entries become this instance's to remove."""
         entries: dict[int, GenerateRequest] = {}
-        seq = 1
+        seq, last = 1, await self.js.last_seq(self.stream)  # everything up to it is read below, or gone
         while (found := await self.js.next_msg(self.stream, self.subject, seq)) is not None:
             seq, data = found
             self._tip = max(self._tip, seq)
@@ -254,7 +284,7 @@ class JetStreamJournal:
             elif (req := _decode(seq, data)) is not None:
                 entries[seq] = req
             seq += 1
-        self._known_upto = max(self._known_upto, self._tip)  # read: every message up to here, and the gaps gone
+        self._known_upto = max(self._known_upto, self._tip, last)  # read: every message up to here, the gaps gone
         self._own(self._known_upto)
         return self._adopt(entries)
 
@@ -270,6 +300,7 @@ class JetStreamJournal:
         self._dead.sort()
         # merged, not replaced: this instance may have journaled (and removed) requests while it read the stream
         self._seq.update({rid: s for rid, (_, s) in copies.items() if not self._is_dead(s)})
+        self._start_flush()  # older copies of compacted entries
         return [entries[s] for _, s in sorted(copies.values()) if not self._is_dead(s)]
 
     def _is_dead(self, seq: int) -> bool:

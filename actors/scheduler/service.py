@@ -108,6 +108,7 @@ class SchedulerService:
         self._unjournaled: dict[str, tuple[Msg, GenerateRequest, float]] = {}
         self._journaler: asyncio.Task | None = None  # the running _journal_waiting, if any
         self._stopping = False  # stop() began: nothing more is journaled for an acknowledgement
+        self._standing_down = False  # stop(fail_queued=False): nothing more is dispatched (the successor replays)
         self._kick = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
@@ -136,7 +137,7 @@ class SchedulerService:
         (the supervisor stops workers after schedulers), and what is still queued then ends with a
         retryable 503. With ``fail_queued=False`` (lease lost: another replica takes over) the queue stays
         in the journal for it."""
-        self._stopping = True
+        self._stopping, self._standing_down = True, not fail_queued
         if self._subs:
             await self._subs[0].unsubscribe()  # the submit subscription: nothing new from here on
         if not fail_queued:  # standing down: a submit never acknowledged goes back to its validator, who
@@ -312,7 +313,8 @@ class SchedulerService:
                 log.warning("journal append failed: %s", exc)
                 await self._hand_back(rid)
                 continue
-            await self._settle(rid)  # dispatched or ended meanwhile: already acknowledged
+            if self.queue.contains(rid):  # dispatched or ended meanwhile: acknowledged there (after its chunk)
+                await self._settle(rid)
 
     async def _hand_back(self, rid: str) -> None:
         """Take back a queued submit that was never acknowledged: out of the queue and forgotten (so the
@@ -341,13 +343,19 @@ class SchedulerService:
         """Re-queue what the journal holds (a failed-over predecessor's queue). Returns how many."""
         n = 0
         for req in await self.journal.replay():
-            if req.request_id in self.requests or self.queue.contains(req.request_id):
+            rid = req.request_id
+            if self.queue.contains(rid):  # taken again from its validator's retry (this term began before replay)
+                await self._settle(rid)  # durable now: a pending direct submit may be acknowledged
+                continue
+            if rid in self.requests or self._taken.get(rid) is not None:  # dispatched or ended here already
+                await self.journal.remove(rid)  # the predecessor's entry: never replayed again
                 continue
             if req.deadline and req.deadline < time.time():
                 await self._fail(req, 503, "the request's deadline passed during a scheduler failover",
                                  "deadline_exceeded")
                 continue
             self._push(req)
+            self._taken.add(rid, req.marks.get("validate_out"))  # a validator's retry of it is taken once
             n += 1
         self._kick.set()
         return n
@@ -473,6 +481,8 @@ class SchedulerService:
 
     async def _dispatch_head(self) -> bool:
         """Dispatch the head request if a worker can take it; False when nothing was done."""
+        if self._standing_down:  # the journal is the next active scheduler's to dispatch from
+            return False
         skip = self.fair.tenants_at_cap()
         head = self.queue.peek_item(skip)
         if head is None:

@@ -35,6 +35,9 @@ class StreamStandIn:
         later = [s for s in self.msgs if s >= seq]
         return (min(later), self.msgs[min(later)]) if later else None
 
+    async def last_seq(self, stream):
+        return self.last_seq_
+
     async def purge(self, stream, below):
         self.calls["purge"] += 1
         self.msgs = {s: d for s, d in self.msgs.items() if s >= below}
@@ -198,3 +201,45 @@ async def test_a_request_journaled_and_removed_while_replay_reads_is_not_adopted
     assert [r.request_id for r in got] == ["r0"] and "r1" not in k._seq and "r0" in k._seq
     await k.flush()
     assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r0"]
+
+
+async def test_a_successor_of_a_purged_stream_purges_too(monkeypatch):
+    """The stream was purged empty by a predecessor: the successor's writes start above a gap it has read as
+    gone, so its own purges still run (and nothing piles up behind them)."""
+    monkeypatch.setattr(journal, "PURGE_EVERY_S", 0.0)
+    js = StreamStandIn()
+    old = JetStreamJournal(js, "m", "1")
+    for i in range(3):
+        await old.append(req(i))
+        await old.remove(f"r{i}")
+        await old.flush()
+    assert js.msgs == {} or min(js.msgs) > 3
+    new = JetStreamJournal(js, "m", "1")
+    assert await new.replay() == []
+    purges = js.calls["purge"]
+    for i in range(3, 6):
+        await new.append(req(i))
+        await new.remove(f"r{i}")
+        await new.flush()
+    assert js.calls["purge"] > purges and len(new._mine) == 0 and len(js.msgs) <= 2
+
+
+async def test_a_gap_left_by_a_tombstone_the_purge_can_pass(monkeypatch):
+    """A sequence this instance did not store but may purge — here a late tombstone of a predecessor — is read
+    and passed; an entry it never held stops the purge below it."""
+    monkeypatch.setattr(journal, "PURGE_EVERY_S", 0.0)
+    js = StreamStandIn()
+    new = JetStreamJournal(js, "m", "1")
+    await new.append(req(0))  # sequence 1
+    await js.publish("s", b'{"removed":[]}')  # sequence 2: a predecessor's late tombstone
+    await new.append(req(1))  # sequence 3
+    await new.remove("r0")
+    await new.remove("r1")
+    await new.flush()
+    assert all(s > 3 for s in js.msgs)  # passed the tombstone
+    foreign = JetStreamJournal(js, "m", "1")
+    await foreign.append(req(7))  # another scheduler's queued request
+    await new.append(req(2))
+    await new.remove("r2")
+    await new.flush()
+    assert any(b'"r7"' in d for d in js.msgs.values())  # never purged by the instance that did not write it
