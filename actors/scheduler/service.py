@@ -275,6 +275,8 @@ class SchedulerService:
         self.fair.submitted(req.tenant)
         if direct:  # acknowledged when dispatched, ended, or journaled after DIRECT_WAIT_S (_journal_waiting)
             self._unjournaled[req.request_id] = (msg, req, time.monotonic())
+            # bounded whatever the dispatch loop does (it may be waiting DISPATCH_TIMEOUT on a dead worker)
+            asyncio.get_running_loop().call_later(DIRECT_WAIT_S, self._journal_soon, DIRECT_WAIT_S)
         else:
             await self.ack(msg, True)
         self._kick.set()
@@ -299,22 +301,32 @@ class SchedulerService:
             self._journaler = asyncio.create_task(self._journal_waiting(older_than_s))
 
     async def _journal_waiting(self, older_than_s: float) -> None:
-        """Journal, then acknowledge, each request taken without a journal entry that is still queued after
-        ``older_than_s``; one the journal refuses is taken back (:meth:`_hand_back`): the validator retries."""
-        now = time.monotonic()
-        for rid, (_, req, since) in list(self._unjournaled.items()):
-            if self._stopping:
+        """Journal, then acknowledge, each request taken without a journal entry that still waits — queued, or
+        its dispatch not acknowledged by the worker yet — ``older_than_s`` after it was taken, until none is
+        left (a pass may find ones that aged meanwhile); one the journal refuses while queued is taken back
+        (:meth:`_hand_back`): the validator retries."""
+        tried: set[str] = set()  # one attempt each per call (a refused one in dispatch flight stays pending)
+        while not self._stopping:
+            now, found = time.monotonic(), False
+            for rid, (_, req, since) in list(self._unjournaled.items()):
+                if self._stopping or rid in tried or now - since < older_than_s or not self._waiting(rid):
+                    continue
+                found = True
+                tried.add(rid)
+                try:
+                    await self.journal.append(req)
+                except Exception as exc:
+                    log.warning("journal append failed: %s", exc)
+                    await self._hand_back(rid)
+                    continue
+                if self._waiting(rid):  # else dispatched or ended meanwhile: acknowledged there (after its chunk)
+                    await self._settle(rid)
+            if not found:
                 return
-            if now - since < older_than_s or not self.queue.contains(rid):
-                continue
-            try:
-                await self.journal.append(req)
-            except Exception as exc:
-                log.warning("journal append failed: %s", exc)
-                await self._hand_back(rid)
-                continue
-            if self.queue.contains(rid):  # dispatched or ended meanwhile: acknowledged there (after its chunk)
-                await self._settle(rid)
+
+    def _waiting(self, rid: str) -> bool:
+        """Queued, or dispatched with the worker's acknowledgement still to come (not ended)."""
+        return self.queue.contains(rid) or (rid in self.requests and rid in self._unjournaled)
 
     async def _hand_back(self, rid: str) -> None:
         """Take back a queued submit that was never acknowledged: out of the queue and forgotten (so the

@@ -560,3 +560,25 @@ async def test_standing_down_hands_a_pending_direct_submit_back_to_its_validator
     await svc.stop(fail_queued=False)
     ack = await asyncio.wait_for(pending, 1.0)
     assert not ack["accepted"] and ack["error"]["code"] == "journal_unavailable" and not svc.queue.contains("r0")
+
+
+async def test_a_direct_submit_whose_worker_does_not_answer_is_journaled_and_acknowledged_within_the_wait():
+    """The worker's dispatch acknowledgement may take the whole dispatch timeout (a worker just killed): the
+    submit is journaled and acknowledged DIRECT_WAIT_S after it was taken, not after that timeout."""
+    from actors.scheduler import service as sched
+    from bus.journal import MemoryJournal
+
+    bus, journal = MemoryBus(), MemoryJournal()
+    svc = SchedulerService(bus, SchedulerConfig("m", "1", dispatch_timeout_s=2.0), journal)
+    await svc.start()
+
+    async def silent(msg):  # takes the dispatch, never answers
+        pass
+    await bus.subscribe(subjects.work("w1"), silent)
+    svc.on_worker_lease("w1", True)
+    await heartbeat(bus, "w1", slots=2)
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    ack = await submit(bus, req(0))
+    assert ack["accepted"] and time.monotonic() - t0 < sched.DIRECT_WAIT_S + 0.5 and "r0" in journal.entries
+    await svc.stop(fail_queued=False)
