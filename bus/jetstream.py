@@ -364,8 +364,3 @@ class JetStream:
         ``seq``; BusError if the server is away)."""
         with _mapped(f"purge {stream} below {below}"):
             await self._js.purge_stream(stream, seq=below)
-
-    async def delete_msg(self, stream: str, seq: int) -> None:
-        """Remove message ``seq`` from ``stream`` (BusError if it is gone or the server is away)."""
-        with _mapped(f"delete {seq} from {stream}"):
-            await self._js.delete_msg(stream, seq)
