@@ -30,6 +30,15 @@ async def heartbeat(bus, wid, slots, blocks=100):
     await bus.publish(subjects.credits("m", "1", wid), Credits(wid, "m", "1", blocks, 100, slots, 8, 16).encode())
 
 
+async def draining_worker(bus, svc) -> None:
+    """A leased worker whose credits show free slots but which drains: a submit counts on its slot (direct
+    dispatch), yet nothing is dispatched to it, so the submit stays queued."""
+    svc.on_worker_lease("w1", True)
+    await bus.publish(subjects.credits("m", "1", "w1"),
+                      Credits("w1", "m", "1", 100, 100, 2, 8, 16, draining=True).encode())
+    await asyncio.sleep(0.05)
+
+
 async def submit(bus, r: GenerateRequest) -> dict:
     return orjson.loads((await bus.request(subjects.sched_submit("m", "1"), r.encode(), 1.0)).data)
 
@@ -524,10 +533,7 @@ async def test_a_direct_submit_the_journal_refuses_goes_back_to_its_validator_an
     bus = MemoryBus()
     svc = SchedulerService(bus, SchedulerConfig("m", "1"), Refusing())
     await svc.start()
-    svc.on_worker_lease("w1", True)  # a free slot by its credits, but draining: nothing is dispatched to it
-    await bus.publish(subjects.credits("m", "1", "w1"),
-                      Credits("w1", "m", "1", 100, 100, 2, 8, 16, draining=True).encode())
-    await asyncio.sleep(0.05)
+    await draining_worker(bus, svc)
     from dataclasses import replace
     r = replace(req(0), marks={"validate_out": 1.0})  # the validator's mark: its retry carries the same
     for _ in range(2):  # the submit, then the validator's retry of the same bytes
@@ -550,10 +556,7 @@ async def test_standing_down_hands_a_pending_direct_submit_back_to_its_validator
     bus = MemoryBus()
     svc = SchedulerService(bus, SchedulerConfig("m", "1"), Stalled())
     await svc.start()
-    svc.on_worker_lease("w1", True)
-    await bus.publish(subjects.credits("m", "1", "w1"),
-                      Credits("w1", "m", "1", 100, 100, 2, 8, 16, draining=True).encode())
-    await asyncio.sleep(0.05)
+    await draining_worker(bus, svc)
     pending = asyncio.ensure_future(submit(bus, req(0)))
     await asyncio.sleep(0.1)
     assert not pending.done()  # queued, not journaled (its append stalls), not acknowledged

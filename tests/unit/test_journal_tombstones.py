@@ -43,6 +43,11 @@ class StreamStandIn:
         self.msgs = {s: d for s, d in self.msgs.items() if s >= below}
 
 
+async def replayed(js: StreamStandIn) -> list[str]:
+    """The request ids a new scheduler's replay of ``js`` finds, in order."""
+    return [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()]
+
+
 def req(i: int) -> GenerateRequest:
     return GenerateRequest(f"r{i}", "t", "m", "1", "_INBOX.t.x", (1, 2), SamplingParams(max_tokens=3),
                            deadline=time.time() + 60)
@@ -76,7 +81,7 @@ async def test_a_purge_frees_every_message_below_the_oldest_live_entry(monkeypat
     await j.remove("r2")
     await j.flush()
     assert min(js.msgs) == 5  # r4, r5 and the tombstones above them stay
-    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r4", "r5"]
+    assert await replayed(js) == ["r4", "r5"]
 
 
 async def test_a_long_queued_entry_is_written_again_so_the_stream_does_not_grow_behind_it(monkeypatch):
@@ -102,12 +107,12 @@ async def test_a_compacted_entry_replays_once_before_and_not_after_its_removal()
     await j.append(req(1))
     copy = await j._store(req(0).encode(), "r0@1")  # compaction wrote a copy; the old one not yet tombstoned
     j._seq["r0"] = copy
-    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r0", "r1"]
+    assert await replayed(js) == ["r0", "r1"]
     adopter = JetStreamJournal(js, "m", "1")
     await adopter.replay()
     await adopter.remove("r0")  # the newest copy; the old one rides along in the same tombstone
     await adopter.flush()
-    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r1"]
+    assert await replayed(js) == ["r1"]
 
 
 async def test_a_write_in_flight_is_never_purged(monkeypatch):
@@ -120,7 +125,7 @@ async def test_a_write_in_flight_is_never_purged(monkeypatch):
     await j.remove("r0")
     await j.flush()
     await slow
-    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r1"]
+    assert await replayed(js) == ["r1"]
 
 
 async def test_a_tombstone_the_server_refused_is_written_later(monkeypatch):
@@ -139,7 +144,7 @@ async def test_a_tombstone_the_server_refused_is_written_later(monkeypatch):
     js.publish = flaky
     await j.remove("r0")
     await j.flush()
-    assert await JetStreamJournal(js, "m", "1").replay() == []
+    assert await replayed(js) == []
 
 
 async def test_a_request_removed_while_its_append_is_in_flight_is_removed_once_it_lands():
@@ -151,7 +156,7 @@ async def test_a_request_removed_while_its_append_is_in_flight_is_removed_once_i
     await j.remove("r0")
     await landing
     await j.flush()
-    assert "r0" not in j._seq and await JetStreamJournal(js, "m", "1").replay() == []
+    assert "r0" not in j._seq and await replayed(js) == []
 
 
 async def test_a_request_removed_while_compaction_copies_it_stays_removed(monkeypatch):
@@ -175,7 +180,7 @@ async def test_a_request_removed_while_compaction_copies_it_stays_removed(monkey
         await j.flush()
     await j.flush()
     assert "r0" not in j._seq
-    assert await JetStreamJournal(js, "m", "1").replay() == []
+    assert await replayed(js) == []
 
 
 async def test_a_purge_never_reaches_a_sequence_another_scheduler_wrote(monkeypatch):
@@ -187,7 +192,7 @@ async def test_a_purge_never_reaches_a_sequence_another_scheduler_wrote(monkeypa
     await old.remove("r0")  # the predecessor's late removal
     await old.flush()
     assert 2 in js.msgs  # purged at most below the first sequence the predecessor did not write
-    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r1"]
+    assert await replayed(js) == ["r1"]
 
 
 async def test_a_request_journaled_and_removed_while_replay_reads_is_not_adopted_again():
@@ -200,7 +205,7 @@ async def test_a_request_journaled_and_removed_while_replay_reads_is_not_adopted
     got = await k.replay()
     assert [r.request_id for r in got] == ["r0"] and "r1" not in k._seq and "r0" in k._seq
     await k.flush()
-    assert [r.request_id for r in await JetStreamJournal(js, "m", "1").replay()] == ["r0"]
+    assert await replayed(js) == ["r0"]
 
 
 async def test_a_successor_of_a_purged_stream_purges_too(monkeypatch):
