@@ -126,6 +126,11 @@ def done(name: str, version: str) -> str:
     return f"as.int.done.{_token(name, 'model')}.{_token(version, 'version')}"
 
 
+def done_of_model(name: str) -> str:
+    """``as.int.done.<name>.*``: the completion records of every version of one model."""
+    return f"as.int.done.{_token(name, 'model')}.*"
+
+
 def done_all() -> str:
     """Wildcard over completion records of every model version."""
     return "as.int.done.*.*"

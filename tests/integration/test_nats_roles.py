@@ -297,3 +297,24 @@ async def test_roles_use_their_own_streams_and_cannot_touch_the_others(server):
     finally:
         for c in conns.values():
             await c.nc.close()
+
+
+async def test_the_control_role_hears_one_models_records(server):
+    """The rollout controller subscribes to ``as.int.done.<name>.*`` (one model in rollout), inside its
+    ``as.int.done.*.*`` allowance: no violation, and it hears that model's records and no other's."""
+    control, worker = await _role(server, "control"), await _role(server, "worker")
+    got: list[str] = []
+    try:
+        async def on_msg(m):
+            got.append(m.subject)
+        await control.nc.subscribe(subjects.done_of_model("m"), cb=on_msg)
+        await control.nc.flush()
+        for name in ("m", "other"):
+            await worker.nc.publish(subjects.done(name, "v1"), b"record")
+        await worker.nc.flush()
+        await _wait_until(lambda: got)
+        await asyncio.sleep(0.2)
+        assert got == [subjects.done("m", "v1")] and not control.violations("as.int.done")
+    finally:
+        for c in (control, worker):
+            await c.nc.close()

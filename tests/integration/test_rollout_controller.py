@@ -207,3 +207,43 @@ async def test_one_active_replica_and_takeover(infra, registry):
         await b.stop()
         await bus_a.close()
         await bus_b.close()
+
+
+async def test_hears_a_models_records_only_while_it_is_in_rollout(infra, registry):
+    """No rollout: no completion record reaches the controller (issue [25]: it decoded every request's). A
+    rollout starts: within its interval the controller hears that model's records (both versions); the
+    rollout ends (rolled back by hand): it stops hearing them. A standby follows the same way."""
+    name = _model()
+    await register(registry, name, "1", "2")
+    bus = await NatsBus.connect(infra.nats_url, name="test-rollout-listen")
+    lead_ = RolloutController(bus, registry, interval_s=0.1, controller_id="ctl-lead", lease_ttl=2)
+    standby = RolloutController(bus, registry, interval_s=0.1, controller_id="ctl-standby", lease_ttl=2)
+    try:
+        await lead_.start()
+        t_end = time.monotonic() + 10
+        while not lead_.is_leader and time.monotonic() < t_end:
+            await asyncio.sleep(0.05)
+        await standby.start()
+        async with traffic(bus, name):
+            await asyncio.sleep(0.5)
+            assert lead_.windows == {} and standby.windows == {}  # nothing in rollout: nothing heard
+            r = await asyncio.to_thread(cli, infra, "start", name, "--canary", "2", "--weight", "5",
+                                        "--window-s", "60", "--min-samples", "100000")
+            assert r.returncode == 0, r.stderr
+            t_end = time.monotonic() + 5
+            while time.monotonic() < t_end and not all(
+                    (name, v) in c.windows for c in (lead_, standby) for v in ("1", "2")):
+                await asyncio.sleep(0.05)
+            for c in (lead_, standby):
+                assert {(name, "1"), (name, "2")} <= set(c.windows), c.windows
+            r = await asyncio.to_thread(cli, infra, "rollback", name)
+            assert r.returncode == 0, r.stderr
+            await asyncio.sleep(0.5)  # a few intervals: both unsubscribed
+            heard = {c.controller_id: len(c.windows[(name, "1")]) for c in (lead_, standby)}
+            await asyncio.sleep(0.4)
+            assert lead_.is_leader and not standby.is_leader
+            assert heard == {c.controller_id: len(c.windows[(name, "1")]) for c in (lead_, standby)}
+    finally:
+        await lead_.stop()
+        await standby.stop()
+        await bus.close()
