@@ -4,8 +4,9 @@ within its cold start + 2 s of the step; docs/autoscaling.md, docs/bench.md).
 Each run starts its own ``actorserve up`` stack (Supervisor, the tiny random-weight model, 1-slot workers,
 the autoscaler with the short cool-downs of ``tests/cluster/test_autoscaler_live.py``), idles 4 s,
 calibrates the base rate (50 % of what one worker serves; again from the base load's own streams), runs it
-6 s, steps it 3x and records, in seconds after the step: the new worker's spawn (the decision), its lease (spawn -> lease = its cold start, as the
-supervisor and the schedulers count it) and its first dispatch (it takes traffic). The margin is
+6 s, steps it 3x and records, in seconds after the step: the new worker's spawn (the decision), its lease
+(spawn -> lease = its cold start, as the supervisor and the schedulers count it) and its first dispatch (it
+takes traffic). The margin is
 cold start + 2 s - first dispatch: >= 0 meets the target. A run where a worker was added before the step
 (at the base load) is counted, but not timed.
 

@@ -1,15 +1,15 @@
 """``actorserve actor rollout``: the rollout controller (automatic canary analysis, issue #6 item 5).
 
 Listens to the completion records (``as.int.done.<name>.*``) of the models whose routing table
-(``/actorserve/models/{name}/routing``) is in state ``canary``, and only those: with no rollout running it
-hears no record, where it once decoded every request's (0.2 ms of CPU a request, issue [25]; the analysis
-ignores samples from before a rollout started, so it never read the others). It keeps a sliding window of
-samples per model version and for every such model runs :func:`actors.rollout.policy.analyse` every
-``--interval-s`` (0.5 s): a healthy canary's weight is stepped through ``table.steps`` and finally promoted, a canary worse than stable beyond the
-thresholds is rolled back. Each edit is a compare-and-swap write of the routing key (etcd mod_revision),
-made with control/state/routing.py's ``set_weight`` / ``promote`` / ``rollback`` (``by="controller"``, the
-decision's reasons), so an operator's concurrent edit is never overwritten: a lost race re-reads and
-re-decides on the next tick.
+(``/actorserve/models/{name}/routing``) is in state ``canary``, and only those: with no rollout running it hears
+no record, where it once decoded every request's (0.2 ms of CPU a request, issue [25]; the analysis ignores
+samples from before a rollout started, so it never read the others). It keeps a sliding window of samples per
+model version and for every such model runs :func:`actors.rollout.policy.analyse` every ``--interval-s`` (0.5 s):
+a healthy canary's weight is stepped through ``table.steps`` and finally promoted, a canary worse than stable
+beyond the thresholds is rolled back. Each edit is a compare-and-swap write of the routing key (etcd
+mod_revision), made with control/state/routing.py's ``set_weight`` / ``promote`` / ``rollback``
+(``by="controller"``, the decision's reasons), so an operator's concurrent edit is never overwritten: a lost race
+re-reads and re-decides on the next tick.
 
 Which models are in rollout is read every ``--interval-s`` by every replica (the active one in its analysis
 round): the records of a rollout's first ``--interval-s`` at most are not heard (the analysis waits for
@@ -119,8 +119,8 @@ class RolloutController:
     async def _scan(self) -> list[str]:
         """The models whose routing table is in state ``canary`` (etcd read); sets the retention to the longest
         analysis window among them and subscribes to exactly their completion records."""
-        stored = await self.registry.get_prefix_json(names.models_prefix())
         prefix = names.models_prefix()
+        stored = await self.registry.get_prefix_json(prefix)
         in_rollout = []
         retention = PolicyConfig().window_s
         for key, value in stored.items():

@@ -44,8 +44,13 @@ MODEL = "tiny"
 # 1 slot per worker: the worker is the bottleneck of a few concurrent long streams (accelerator-bound). Two-thread
 # steps (a one-slot worker's steps are all one-row steps, which the worker's default runs on one thread: decision
 # 0051), as the figures in docs/autoscaling.md were measured with.
-WORKER_ARGS = ["--kv-cache-bytes", "8000000", "--max-num-seqs", "1", "--no-progress", "--drain-timeout", "8",
-               "--small-step-tokens", "0"]
+def worker_options(slots: int = 1) -> list[str]:
+    """The workers' options with ``slots`` slots (``--max-num-seqs``)."""
+    return ["--kv-cache-bytes", "8000000", "--max-num-seqs", str(slots), "--no-progress", "--drain-timeout", "8",
+            "--small-step-tokens", "0"]
+
+
+WORKER_ARGS = worker_options(1)
 # Short cool-downs and windows so that a test sees a scale-up and a scale-down within a minute.
 POLICY = ["cpu.cooldown_up_s=2", "cpu.down_window_s=3", "cpu.cooldown_down_s=4",
           "pool.cooldown_up_s=2", "pool.down_window_s=3", "pool.cooldown_down_s=4",
@@ -69,6 +74,12 @@ async def base_rate(sup, max_tokens: int = 400) -> float:
         times = sorted((o.t_end - o.t_start) for o in [await one(c, sup, -1 - k, max_tokens) for k in range(3)]
                        if o.kind == "ok")
     assert times, "the calibration streams failed"
+    return share_rate(times)
+
+
+def share_rate(times: list[float]) -> float:
+    """BASE_SHARE of one 1-slot worker's rate (requests/s, at most BASE_RATE) from the sorted seconds its
+    streams took (their median)."""
     return min(BASE_RATE, BASE_SHARE / times[len(times) // 2])
 
 
@@ -365,9 +376,7 @@ def test_validator_bound_load_adds_validators_and_no_worker(tmp_path, tiny):
     for a moment, which the policy rightly read as a worker short (the queue drains slower than 0.5 s at the
     rate served in the load's first second): the worker was a bottleneck too, not what this test is about."""
     env = {"ACTORSERVE_TEST_FAULTS": "1", "ACTORSERVE_FAULT_VALIDATOR_DELAY_MS": "150"}
-    worker_args = [*WORKER_ARGS[:WORKER_ARGS.index("--max-num-seqs")], "--max-num-seqs", "8",
-                   *WORKER_ARGS[WORKER_ARGS.index("--max-num-seqs") + 2:]]
-    with live_stack(tmp_path / "state", tiny, autoscaler=True, env=env, worker_args=worker_args) as sup:
+    with live_stack(tmp_path / "state", tiny, autoscaler=True, env=env, worker_args=worker_options(8)) as sup:
         async def scenario() -> dict:
             idle = await idle_moves(sup)
             t_load = time.time()
@@ -415,7 +424,7 @@ async def rebase(load: Load, rate: float) -> float:
     took = sorted(o.t_end - o.t_start for t in load.results if t.done() and (o := t.result()).kind == "ok")
     if not took:
         return rate
-    again = min(BASE_RATE, BASE_SHARE / took[len(took) // 2])
+    again = share_rate(took)
     print(f"base load {rate:.2f}/s: {len(took)} streams, median {took[len(took) // 2]:.2f} s -> {again:.2f}/s")
     if abs(again - rate) <= REBASE_OFF * rate:
         return rate
@@ -425,7 +434,8 @@ async def rebase(load: Load, rate: float) -> float:
 
 
 async def step_scenario(sup, *, keep_load: bool = True) -> dict:
-    """Idle 4 s, calibrate, run the base load 6 s (calibrated again from its streams: :func:`rebase`), step it 3x and wait for a dispatch to a new worker (+2 s).
+    """Idle 4 s, calibrate, run the base load 6 s (calibrated again from its streams: :func:`rebase`), step it
+    3x and wait for a dispatch to a new worker (+2 s).
     Returns the timestamps (epoch s) that :func:`step_figures` reads; with ``keep_load`` the running
     :class:`Load` is under ``"load"`` (streams go on), else it is stopped and its outcomes are under
     ``"results"``."""

@@ -183,16 +183,21 @@ async def test_cli_start_checks_versions(infra, registry):
     assert await registry.get_routing(name) is None
 
 
+async def start_leading(ctl: RolloutController, timeout: float = 10.0) -> None:
+    """Start ``ctl`` and wait (bounded) until it holds the election; a replica started after it stands by."""
+    await ctl.start()
+    t_end = time.monotonic() + timeout
+    while not ctl.is_leader and time.monotonic() < t_end:
+        await asyncio.sleep(0.05)
+
+
 async def test_one_active_replica_and_takeover(infra, registry):
     bus_a = await NatsBus.connect(infra.nats_url, name="test-rollout-a")
     bus_b = await NatsBus.connect(infra.nats_url, name="test-rollout-b")
     a = RolloutController(bus_a, registry, interval_s=0.1, controller_id="ctl-a", lease_ttl=1)
     b = RolloutController(bus_b, registry, interval_s=0.1, controller_id="ctl-b", lease_ttl=1)
     try:
-        await a.start()
-        t_end = time.monotonic() + 10
-        while not a.is_leader and time.monotonic() < t_end:
-            await asyncio.sleep(0.05)
+        await start_leading(a)
         await b.start()
         await asyncio.sleep(0.6)
         assert a.is_leader and not b.is_leader
@@ -219,10 +224,7 @@ async def test_hears_a_models_records_only_while_it_is_in_rollout(infra, registr
     lead_ = RolloutController(bus, registry, interval_s=0.1, controller_id="ctl-lead", lease_ttl=2)
     standby = RolloutController(bus, registry, interval_s=0.1, controller_id="ctl-standby", lease_ttl=2)
     try:
-        await lead_.start()
-        t_end = time.monotonic() + 10
-        while not lead_.is_leader and time.monotonic() < t_end:
-            await asyncio.sleep(0.05)
+        await start_leading(lead_)
         await standby.start()
         async with traffic(bus, name):
             await asyncio.sleep(0.5)
